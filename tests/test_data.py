@@ -1,0 +1,321 @@
+import gzip
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mixprec.train.data import (
+    DATASETS,
+    FASHION_MNIST_DIR,
+    BatchLoader,
+    DataError,
+    Dataset,
+    load_dataset,
+    read_idx,
+)
+
+IDX_NAMES = {
+    "train-images-idx3-ubyte": "images",
+    "train-labels-idx1-ubyte": "labels",
+    "t10k-images-idx3-ubyte": "images",
+    "t10k-labels-idx1-ubyte": "labels",
+}
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    magic = 0x0800 | array.ndim
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    return header + array.astype(np.uint8).tobytes()
+
+
+def write(path, data: bytes, gz: bool):
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        data = gzip.compress(data)
+    path.write_bytes(data)
+    return path
+
+
+def write_idx_dir(directory, n_train=12, n_test=5, gz=False, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28)),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, n_train),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 28, 28)),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_test),
+    }
+    for name, array in arrays.items():
+        write(directory / name, idx_bytes(array), gz)
+    return arrays
+
+
+# ------------------------------------------------------------------------------------------ read_idx
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_roundtrip(tmp_path, gz):
+    images = np.arange(3 * 28 * 28).reshape(3, 28, 28) % 256
+    labels = np.array([0, 9, 4])
+    pi = write(tmp_path / "img", idx_bytes(images), gz)
+    pl = write(tmp_path / "lab", idx_bytes(labels), gz)
+    x, y = read_idx(pi), read_idx(str(pl))
+    assert x.dtype == torch.uint8 and x.shape == (3, 28, 28)
+    assert torch.equal(x, torch.from_numpy(images.astype(np.uint8)))
+    assert y.tolist() == [0, 9, 4]
+
+
+def test_read_idx_bad_magic(tmp_path):
+    data = bytearray(idx_bytes(np.zeros(4)))
+    data[2] = 0x0D  # float32 type code
+    path = write(tmp_path / "bad", bytes(data), gz=False)
+    with pytest.raises(DataError, match=r"bad.*magic 0x00000d01"):
+        read_idx(path)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_truncated_and_trailing(tmp_path, gz):
+    data = idx_bytes(np.zeros((2, 28, 28)))
+    path = write(tmp_path / "short", data[:-1], gz)
+    with pytest.raises(DataError, match=r"short.*truncated.*\(2, 28, 28\)"):
+        read_idx(path)
+    path = write(tmp_path / "long", data + b"\0", gz)
+    with pytest.raises(DataError, match="trailing bytes"):
+        read_idx(path)
+
+
+def test_read_idx_corrupt_gzip_and_missing(tmp_path):
+    path = tmp_path / "x.gz"
+    path.write_bytes(gzip.compress(idx_bytes(np.zeros(10)))[:-12])
+    with pytest.raises(DataError, match="x.gz"):
+        read_idx(path)
+    with pytest.raises(DataError, match="nope.*not found"):
+        read_idx(tmp_path / "nope")
+
+
+# ------------------------------------------------------------------------------------ fashion-mnist / mnist
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_load_idx_dataset(tmp_path, gz):
+    arrays = write_idx_dir(tmp_path, gz=gz)
+    data = load_dataset("mnist", data_dir=str(tmp_path))
+    assert isinstance(data, Dataset)
+    assert data.x_train.shape == (12, 1, 28, 28) and data.x_test.shape == (5, 1, 28, 28)
+    assert data.x_train.dtype == torch.float32 and data.y_train.dtype == torch.int64
+    assert data.input_shape == (1, 28, 28) and data.num_classes == 10
+    assert data.source == str(tmp_path)
+    expected = (torch.from_numpy(arrays["train-images-idx3-ubyte"]).float() / 255 - 0.5) / 0.5
+    torch.testing.assert_close(data.x_train[:, 0], expected, rtol=0, atol=0)
+    assert data.y_test.tolist() == arrays["t10k-labels-idx1-ubyte"].tolist()
+
+    limited = load_dataset("fashion-mnist", data_dir=str(tmp_path), limit_train=4, limit_test=2)
+    assert len(limited.x_train) == len(limited.y_train) == 4 and len(limited.y_test) == 2
+    torch.testing.assert_close(limited.x_train, data.x_train[:4], rtol=0, atol=0)
+
+
+def test_prefers_existing_file_raw_or_gz(tmp_path):
+    write_idx_dir(tmp_path, gz=True)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    write(tmp_path / "t10k-labels-idx1-ubyte", idx_bytes(np.full(5, 7)), gz=False)  # mixed raw and gz
+    assert load_dataset("mnist", data_dir=str(tmp_path)).y_test.tolist() == [7] * 5
+
+
+def test_torchvision_layout(tmp_path):
+    raw = tmp_path / "FashionMNIST" / "raw"  # where torchvision.datasets.FashionMNIST(root=DIR) puts them
+    raw.mkdir(parents=True)
+    write_idx_dir(raw, gz=True)
+    data = load_dataset("fashion-mnist", data_dir=str(tmp_path))
+    assert data.x_train.shape[0] == 12 and data.source == str(raw)
+
+
+def test_count_mismatch(tmp_path):
+    write_idx_dir(tmp_path)
+    write(tmp_path / "train-labels-idx1-ubyte", idx_bytes(np.zeros(11)), gz=False)
+    with pytest.raises(DataError, match=r"12 images but .*11 labels"):
+        load_dataset("mnist", data_dir=str(tmp_path))
+
+
+def test_swapped_or_wrong_shape_files(tmp_path):
+    write_idx_dir(tmp_path)
+    write(tmp_path / "train-images-idx3-ubyte", idx_bytes(np.zeros(12)), gz=False)
+    with pytest.raises(DataError, match="train-images.*expected images"):
+        load_dataset("mnist", data_dir=str(tmp_path))
+    write(tmp_path / "train-images-idx3-ubyte", idx_bytes(np.zeros((12, 32, 32))), gz=False)
+    with pytest.raises(DataError, match=r"\(32, 32\), expected \(28, 28\)"):
+        load_dataset("mnist", data_dir=str(tmp_path))
+
+
+def test_corrupt_file_says_how_to_fix(tmp_path):
+    write_idx_dir(tmp_path)
+    path = tmp_path / "t10k-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(DataError, match="t10k-images.*truncated.*--data-dir"):
+        load_dataset("fashion-mnist", data_dir=str(tmp_path))
+
+
+def test_missing_file_message(tmp_path):
+    write_idx_dir(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DataError) as e:
+        load_dataset("fashion-mnist", data_dir=str(tmp_path))
+    msg = str(e.value)
+    assert "t10k-labels-idx1-ubyte" in msg and "apt-get install dataset-fashion-mnist" in msg and "--data-dir" in msg
+
+
+def test_missing_dir_and_mnist_needs_data_dir(tmp_path):
+    with pytest.raises(DataError, match="does not exist.*apt-get.*--data-dir"):
+        load_dataset("fashion-mnist", data_dir=str(tmp_path / "absent"))
+    with pytest.raises(DataError, match="--data-dir"):
+        load_dataset("mnist")
+
+
+def _fashion_mnist_present() -> bool:
+    return all(
+        os.path.exists(os.path.join(FASHION_MNIST_DIR, n)) or os.path.exists(os.path.join(FASHION_MNIST_DIR, n + ".gz"))
+        for n in IDX_NAMES
+    )
+
+
+@pytest.mark.skipif(
+    not _fashion_mnist_present(),
+    reason=f"Fashion-MNIST not installed in {FASHION_MNIST_DIR} (apt-get install dataset-fashion-mnist)",
+)
+def test_real_fashion_mnist():
+    data = load_dataset("fashion-mnist")
+    assert data.x_train.shape == (60000, 1, 28, 28) and data.y_train.shape == (60000,)
+    assert data.x_test.shape == (10000, 1, 28, 28) and data.y_test.shape == (10000,)
+    assert data.y_train.min() == 0 and data.y_train.max() == 9
+    assert torch.bincount(data.y_train).tolist() == [6000] * 10  # Fashion-MNIST is exactly balanced
+    assert data.x_train.min() == -1.0 and data.x_train.max() == 1.0
+    assert data.source == FASHION_MNIST_DIR
+
+
+# ------------------------------------------------------------------------------------ digits, synthetic
+
+
+def test_digits_split_fixed_disjoint_stratified():
+    pytest.importorskip("sklearn")
+    a = load_dataset("digits", seed=0)
+    b = load_dataset("digits", seed=123)  # the training seed does not move the split
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
+    assert a.x_train.shape[1:] == (1, 8, 8) and a.input_shape == (1, 8, 8) and a.num_classes == 10
+    assert len(a.y_train) + len(a.y_test) == 1797 and 340 <= len(a.y_test) <= 380
+    assert a.x_train.min() >= -1 and a.x_train.max() <= 1
+    # disjoint: no test image appears in the training set
+    train_rows = {tuple(r) for r in a.x_train.flatten(1).tolist()}
+    test_rows = [tuple(r) for r in a.x_test.flatten(1).tolist()]
+    assert len(train_rows) == len(a.x_train)  # load_digits has no duplicate images, so rows identify samples
+    assert not any(r in train_rows for r in test_rows)
+    counts = torch.bincount(a.y_test, minlength=10)
+    assert counts.min() >= 34 and counts.max() <= 38  # stratified
+
+
+def test_synthetic_deterministic_and_learnable():
+    a = load_dataset("synthetic", seed=3, synthetic_train=400, synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
+    b = load_dataset("synthetic", seed=3, synthetic_train=400, synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
+    c = load_dataset("synthetic", seed=4, synthetic_train=400, synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
+    assert not torch.equal(a.x_train, c.x_train)
+    assert a.x_train.shape == (400, 12) and a.input_shape == (12,) and a.num_classes == 4
+    assert a.source == "synthetic(seed=3)" and a.y_train.dtype == torch.int64
+    assert torch.bincount(a.y_train).tolist() == [100] * 4
+    # nearest class mean (estimated on train) classifies the test set far above chance (25%)
+    means = torch.stack([a.x_train[a.y_train == k].mean(0) for k in range(4)])
+    pred = torch.cdist(a.x_test, means).argmin(1)
+    assert (pred == a.y_test).float().mean() > 0.8
+    # the test set does not depend on the training-set size
+    d = load_dataset("synthetic", seed=3, synthetic_train=50, synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
+    assert torch.equal(d.x_test, a.x_test)
+
+
+def test_synthetic_default_shape_and_limits():
+    data = load_dataset("synthetic", limit_train=10, limit_test=3)
+    assert data.x_train.shape == (10, 1, 28, 28) and data.x_test.shape == (3, 1, 28, 28)
+    assert data.input_shape == (1, 28, 28) and data.x_train.dtype == torch.float32
+
+
+def test_bad_dataset_args():
+    with pytest.raises(DataError, match="choose one of: " + ", ".join(DATASETS)):
+        load_dataset("cifar10")
+    with pytest.raises(DataError, match="limit_train"):
+        load_dataset("synthetic", limit_train=0)
+    with pytest.raises(DataError, match="synthetic_shape"):
+        load_dataset("synthetic", synthetic_shape=(0, 4))
+    with pytest.raises(DataError, match="synthetic_classes"):
+        load_dataset("synthetic", synthetic_classes=1)
+
+
+# ---------------------------------------------------------------------------------------- BatchLoader
+
+
+def order(loader):
+    return torch.cat([yb for _, yb in loader]).tolist()
+
+
+def make(n=10, **kw):
+    x = torch.arange(n, dtype=torch.float32).unsqueeze(1).repeat(1, 3)
+    y = torch.arange(n)
+    return BatchLoader(x, y, **kw)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_loader_covers_every_sample_once(shuffle):
+    loader = make(10, batch_size=3, shuffle=shuffle)
+    batches = list(loader)
+    assert len(loader) == len(batches) == 4
+    assert [len(yb) for _, yb in batches] == [3, 3, 3, 1]
+    for xb, yb in batches:
+        assert torch.equal(xb[:, 0], yb.float())  # x and y stay paired
+    assert sorted(order(loader)) == list(range(10))
+    if not shuffle:
+        assert order(loader) == list(range(10))
+
+
+def test_loader_shuffle_is_function_of_seed_and_epoch():
+    a, b = make(50, batch_size=8, shuffle=True, seed=1), make(50, batch_size=8, shuffle=True, seed=1)
+    a.set_epoch(2)
+    b.set_epoch(2)
+    assert order(a) == order(b)
+    assert order(a) == order(a)  # iterating again without set_epoch repeats the epoch's order
+    first = order(a)
+    a.set_epoch(3)
+    assert order(a) != first
+    assert sorted(order(a)) == list(range(50))
+    assert order(make(50, batch_size=8, shuffle=True, seed=2)) != order(make(50, batch_size=8, shuffle=True, seed=1))
+
+
+def test_loader_drop_last():
+    loader = make(10, batch_size=3, shuffle=True, drop_last=True)
+    batches = list(loader)
+    assert len(loader) == len(batches) == 3 and all(len(yb) == 3 for _, yb in batches)
+    assert len(make(9, batch_size=3, shuffle=False, drop_last=True)) == 3
+
+
+@pytest.mark.parametrize("n", [10, 11, 1])
+def test_loader_shards(n):
+    ranks = [make(n, batch_size=2, shuffle=True, seed=5, rank=r, world_size=2) for r in range(2)]
+    for r in ranks:
+        r.set_epoch(7)
+    orders = [order(r) for r in ranks]
+    assert len(ranks[0]) == len(ranks[1]) and len(orders[0]) == len(orders[1]) == -(-n // 2)
+    together = orders[0] + orders[1]
+    assert set(together) == set(range(n))  # every sample is seen by some rank
+    padding = len(together) - n
+    assert padding == (n % 2)  # only the wrap-around duplicates
+    if padding == 0:
+        assert set(orders[0]).isdisjoint(orders[1])
+    # the ranks split one permutation: the same one a single process would use
+    single = make(n, batch_size=2, shuffle=True, seed=5)
+    single.set_epoch(7)
+    interleaved = [v for pair in zip(orders[0], orders[1]) for v in pair]
+    assert interleaved[:n] == order(single)
+
+
+def test_loader_bad_args():
+    with pytest.raises(DataError, match="--batch-size"):
+        make(batch_size=0, shuffle=False)
+    with pytest.raises(DataError, match="rank"):
+        make(batch_size=2, shuffle=False, rank=2, world_size=2)
+    with pytest.raises(DataError, match="samples"):
+        BatchLoader(torch.zeros(3, 2), torch.zeros(4), 2, shuffle=False)
