@@ -212,9 +212,10 @@ def test_digits_split_fixed_disjoint_stratified():
 
 
 def test_synthetic_deterministic_and_learnable():
-    a = load_dataset("synthetic", seed=3, synthetic_train=400, synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
-    b = load_dataset("synthetic", seed=3, synthetic_train=400, synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
-    c = load_dataset("synthetic", seed=4, synthetic_train=400, synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
+    kw = dict(synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
+    a = load_dataset("synthetic", seed=3, synthetic_train=400, **kw)
+    b = load_dataset("synthetic", seed=3, synthetic_train=400, **kw)
+    c = load_dataset("synthetic", seed=4, synthetic_train=400, **kw)
     assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
     assert not torch.equal(a.x_train, c.x_train)
     assert a.x_train.shape == (400, 12) and a.input_shape == (12,) and a.num_classes == 4
@@ -225,7 +226,7 @@ def test_synthetic_deterministic_and_learnable():
     pred = torch.cdist(a.x_test, means).argmin(1)
     assert (pred == a.y_test).float().mean() > 0.8
     # the test set does not depend on the training-set size
-    d = load_dataset("synthetic", seed=3, synthetic_train=50, synthetic_test=100, synthetic_shape=(12,), synthetic_classes=4)
+    d = load_dataset("synthetic", seed=3, synthetic_train=50, **kw)
     assert torch.equal(d.x_test, a.x_test)
 
 
