@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import UsageError
+
 __all__ = [
     "DATASETS",
     "FASHION_MNIST_DIR",
@@ -59,7 +61,7 @@ _IDX_MAGIC = {0x00000801: "labels", 0x00000803: "images"}  # uint8 vectors and u
 _TORCHVISION_SUBDIR = {"fashion-mnist": os.path.join("FashionMNIST", "raw"), "mnist": os.path.join("MNIST", "raw")}
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """A dataset cannot be loaded or a loader cannot be built; the message says how to fix it."""
 
 

@@ -27,12 +27,14 @@ import math
 import torch
 from torch import nn
 
+from ..errors import UsageError
+
 __all__ = ["MODELS", "ModelError", "build_model", "count_parameters"]
 
 MODELS = ("simplenet", "mlp", "cnn", "transformer")
 
 
-class ModelError(ValueError):
+class ModelError(UsageError):
     """A model cannot be built from the given options; the message names the flag to change."""
 
 

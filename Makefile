@@ -1,0 +1,35 @@
+# Two commands for a newcomer (both idempotent; they install what they need first):
+#   make demo   – train the tutorial's comparison on Fashion-MNIST
+#   make test   – run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: demo test setup data clean
+
+demo: setup data
+	$(BIN)/mixprec train --precision amp
+
+test: setup data
+	$(BIN)/python -m pytest -q
+
+setup: $(VENV)/.installed
+
+# torch is pinned to the CPU build that lies on this machine's disk; pyproject accepts torch>=2.4.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+data: $(FMNIST)
+
+$(FMNIST):
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,474 @@
+"""Precision recipes: the ONLY place that knows what a recipe name means.
+
+A recipe is the answer to "in which dtype does each tensor live and each op run, and how are gradients
+kept from underflowing?" Every recipe exposes the same hooks, so the training loop has no precision
+branches (the nanoGPT habit: a disabled scaler is a no-op, not an ``if``)::
+
+    model = recipe.convert_module(model)             # cast params where the recipe keeps them low
+    opt = recipe.build_optimizer(model, make_opt)     # fp32 master copies where the recipe has them
+    with recipe.autocast():                           # ops run in the low dtype per the cast policy
+        loss = loss_fn(model(x), y)
+    recipe.backward(loss)                             # loss x scale, backward
+    result = recipe.step(opt, clip_norm)              # unscale, check, clip true grads, step/skip, update
+
+| recipe        | compute          | params | loss scaling | master weights          |
+|---------------|------------------|--------|--------------|-------------------------|
+| fp32          | fp32 (TF32 off)  | fp32   | no           | —                       |
+| tf32          | TF32 matmuls     | fp32   | no           | —                       |
+| fp16-mixed    | autocast fp16    | fp32   | dynamic      | params are the master   |
+| bf16-mixed    | autocast bf16    | fp32   | no           | params are the master   |
+| fp16-master   | fp16             | fp16   | dynamic      | fp32 copy the optimizer steps |
+| bf16-master   | bf16             | bf16   | no           | fp32 copy the optimizer steps |
+| bf16-true     | bf16             | bf16   | no           | none (optional stochastic rounding) |
+
+Two interchangeable mechanisms sit behind the autocast and scaler hooks (``impl``): ``native`` is
+PyTorch's ``torch.autocast`` + ``torch.amp.GradScaler``; ``scratch`` is mixprec's own engine
+(:mod:`mixprec.autocast`, :mod:`mixprec.scaler`). Master weights are always mixprec's
+(:mod:`mixprec.master`): PyTorch has no native equivalent. ``auto`` picks native, except fp16 on a CPU
+without fast fp16 kernels, where it picks scratch with emulation (fp16 values, fp32 arithmetic) because
+PyTorch's CPU fp16 GEMM fallback is 100x+ slower than fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import hardware
+from .errors import NonFiniteError, RecipeError
+
+__all__ = [
+    "RECIPES",
+    "ALIASES",
+    "AMP_IMPLS",
+    "RecipeSpec",
+    "ScalerConfig",
+    "StepResult",
+    "Recipe",
+    "resolve_recipe",
+    "build_recipe",
+    "recipe_names",
+]
+
+AMP_IMPLS = ("auto", "native", "scratch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecipeSpec:
+    """What a recipe name means, independent of device and mechanism."""
+
+    name: str
+    """Canonical name (what users type, after alias resolution)."""
+    compute_dtype: torch.dtype
+    """Dtype of the low-precision ops (matmuls, convs); fp32 for full-precision recipes."""
+    param_dtype: torch.dtype
+    """Dtype the model's parameters are stored in."""
+    autocast: bool
+    """Run the forward under an autocast context (cast policy per op)."""
+    loss_scaling: bool
+    """Dynamic loss scaling (needed when gradients can underflow: fp16's 5-bit exponent)."""
+    master_weights: bool
+    """Keep an fp32 copy of low-precision params for the optimizer to step."""
+    tf32: bool = False
+    """Allow TF32 tensor-core matmuls for fp32 tensors (GPUs of compute capability 8.0+)."""
+    summary: str
+    """One line saying what the recipe does and why."""
+
+
+_F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
+
+RECIPES: dict[str, RecipeSpec] = {
+    s.name: s
+    for s in [
+        RecipeSpec(name="fp32", compute_dtype=_F32, param_dtype=_F32, autocast=False, loss_scaling=False,
+                   master_weights=False, summary="fp32 everywhere, TF32 off: the reference"),
+        RecipeSpec(name="tf32", compute_dtype=_F32, param_dtype=_F32, autocast=False, loss_scaling=False,
+                   master_weights=False, tf32=True,
+                   summary="fp32 tensors, matmuls on TF32 tensor cores (10-bit mantissa) where the GPU has them"),
+        RecipeSpec(name="fp16-mixed", compute_dtype=_F16, param_dtype=_F32, autocast=True, loss_scaling=True,
+                   master_weights=False,
+                   summary="autocast float16 + dynamic loss scaling (fp16's range is too narrow for small gradients)"),
+        RecipeSpec(name="bf16-mixed", compute_dtype=_BF16, param_dtype=_F32, autocast=True, loss_scaling=False,
+                   master_weights=False,
+                   summary="autocast bfloat16, no loss scaling (bf16 has fp32's exponent range)"),
+        RecipeSpec(name="fp16-master", compute_dtype=_F16, param_dtype=_F16, autocast=True, loss_scaling=True,
+                   master_weights=True,
+                   summary="fp16 params and compute, dynamic loss scaling, fp32 master weights in the optimizer"),
+        RecipeSpec(name="bf16-master", compute_dtype=_BF16, param_dtype=_BF16, autocast=True, loss_scaling=False,
+                   master_weights=True,
+                   summary="bf16 params and compute, fp32 master weights in the optimizer"),
+        RecipeSpec(name="bf16-true", compute_dtype=_BF16, param_dtype=_BF16, autocast=True, loss_scaling=False,
+                   master_weights=False,
+                   summary="bf16 params, compute and optimizer state; no fp32 copy (small updates can round away)"),
+    ]
+}
+
+ALIASES: dict[str, str] = {
+    "32": "fp32", "32-true": "fp32", "float32": "fp32",
+    "amp": "fp16-mixed", "16-mixed": "fp16-mixed", "fp16": "fp16-mixed",
+    "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
+}
+
+
+def recipe_names() -> list[str]:
+    return list(RECIPES)
+
+
+def resolve_recipe(name: str) -> RecipeSpec:
+    """Map a recipe name or alias to its spec; unknown names raise RecipeError listing the valid ones."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in RECIPES:
+        aliases = ", ".join(f"{a}={c}" for a, c in ALIASES.items() if a != c)
+        raise RecipeError(
+            f"unknown precision {name!r}; choose one of: {', '.join(RECIPES)} (aliases: {aliases})"
+        )
+    return RECIPES[key]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScalerConfig:
+    """Dynamic loss scaler settings (used only by recipes with loss scaling)."""
+
+    init_scale: float = 2.0**16
+    """Scale of the first step."""
+    growth_factor: float = 2.0
+    """Multiply the scale by this after ``growth_interval`` consecutive finite steps."""
+    backoff_factor: float = 0.5
+    """Multiply the scale by this on a step with inf/nan gradients (the step is skipped)."""
+    growth_interval: int = 2000
+    """Number of consecutive finite steps before growing the scale."""
+    hysteresis: int = 1
+    """Overflows tolerated before backing off (scratch scaler only; 1 = GradScaler semantics)."""
+
+    def validate(self) -> None:
+        if not self.init_scale > 0:
+            raise RecipeError(f"--init-scale must be > 0, got {self.init_scale}")
+        if not self.growth_factor > 1.0:
+            raise RecipeError(f"--growth-factor must be > 1, got {self.growth_factor}")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise RecipeError(f"--backoff-factor must be in (0, 1), got {self.backoff_factor}")
+        if self.growth_interval < 1:
+            raise RecipeError(f"--growth-interval must be >= 1, got {self.growth_interval}")
+        if self.hysteresis < 1:
+            raise RecipeError(f"--hysteresis must be >= 1, got {self.hysteresis}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    skipped: bool
+    """True when the step was skipped because gradients were inf/nan (loss-scaled recipes only)."""
+    scale: float
+    """Loss scale after the update (1.0 for recipes without loss scaling)."""
+    grad_norm: float | None
+    """Total L2 norm of the true (unscaled) gradients before clipping; None unless clipping was asked."""
+
+
+class Recipe:
+    """A resolved recipe on a device with a mechanism; the training loop's only view of precision.
+
+    Build with :func:`build_recipe`. Hooks, in the order the loop calls them: :meth:`run_context` (once,
+    around the whole run), :meth:`convert_module`, :meth:`build_optimizer`, then per step
+    :meth:`autocast`, :meth:`backward`, :meth:`step`. :meth:`state_dict` / :meth:`load_state_dict`
+    cover the scaler and master weights for checkpoints.
+    """
+
+    def __init__(
+        self,
+        spec: RecipeSpec,
+        *,
+        device: torch.device,
+        impl: str,
+        scaler_config: ScalerConfig,
+        emulate_fp16: bool,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
+        keep_fp32: tuple[str, ...] = (),
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.impl = impl
+        self.scaler_config = scaler_config
+        self.emulate = emulate_fp16 and spec.compute_dtype == torch.float16
+        self.stochastic_rounding = stochastic_rounding
+        self.keep_fp32 = keep_fp32
+        self._seed = seed
+        self._model: nn.Module | None = None
+        self.master = None  # mixprec.master.MasterWeights when spec.master_weights (or bf16-true + SR)
+        self.scaler = self._make_scaler()
+
+    # -- construction -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def has_loss_scaling(self) -> bool:
+        return self.spec.loss_scaling
+
+    def _make_scaler(self):
+        c = self.scaler_config
+        if self.impl == "native":
+            return torch.amp.GradScaler(
+                self.device.type,
+                init_scale=c.init_scale,
+                growth_factor=c.growth_factor,
+                backoff_factor=c.backoff_factor,
+                growth_interval=c.growth_interval,
+                enabled=self.spec.loss_scaling,
+            )
+        from .scaler import DynamicLossScaler
+
+        return DynamicLossScaler(
+            init_scale=c.init_scale,
+            growth_factor=c.growth_factor,
+            backoff_factor=c.backoff_factor,
+            growth_interval=c.growth_interval,
+            hysteresis=c.hysteresis,
+            enabled=self.spec.loss_scaling,
+        )
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def run_context(self) -> Iterator[None]:
+        """Set process-wide matmul precision for the run (TF32 on or off) and restore it on exit."""
+        prev = torch.get_float32_matmul_precision()
+        prev_cudnn = torch.backends.cudnn.allow_tf32
+        torch.set_float32_matmul_precision("high" if self.spec.tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = self.spec.tf32
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(prev)
+            torch.backends.cudnn.allow_tf32 = prev_cudnn
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """Move the model to the device and cast its floating params/buffers to the recipe's param dtype."""
+        model = model.to(self.device)
+        if self.spec.param_dtype != torch.float32:
+            model = model.to(self.spec.param_dtype)
+        self._model = model
+        return model
+
+    def build_optimizer(
+        self, model: nn.Module, make_optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
+        """Create the optimizer over the tensors it should step: fp32 master copies or the params."""
+        needs_master = self.spec.master_weights or (
+            self.stochastic_rounding and self.spec.param_dtype != torch.float32
+        )
+        if needs_master:
+            from .master import MasterWeights
+
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(self._seed + 0x5EED)
+            self.master = MasterWeights(
+                model,
+                rounding="stochastic" if self.stochastic_rounding else "nearest",
+                generator=gen,
+                # bf16-true + stochastic rounding: the fp32 copy is re-read from the bf16 params before each
+                # step, so no fp32 state carries over; only the rounding of the update is stochastic.
+                resync=not self.spec.master_weights,
+            )
+            return make_optimizer(self.master.master_params)
+        return make_optimizer([p for p in model.parameters()])
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass (and loss)."""
+        if not self.spec.autocast:
+            return contextlib.nullcontext()
+        if self.impl == "native":
+            return torch.autocast(self.device.type, dtype=self.spec.compute_dtype)
+        from .autocast import autocast
+
+        return autocast(
+            self.spec.compute_dtype,
+            device_type=self.device.type,
+            emulate=self.emulate,
+            keep_fp32=self.keep_fp32,
+            model=self._model,
+        )
+
+    def backward(self, loss: torch.Tensor, *, step: int | None = None) -> None:
+        """Backward of the (scaled) loss.
+
+        Recipes without loss scaling cannot skip a bad step, so a non-finite loss raises NonFiniteError
+        *before* backward, leaving model and optimizer in their last good state. This reads the loss on
+        the host: one device sync per step (loss-scaled recipes have theirs in :meth:`step` instead).
+        """
+        if not self.spec.loss_scaling and not bool(torch.isfinite(loss.detach())):
+            raise NonFiniteError(
+                f"non-finite loss ({loss.item()}) at step {step} with recipe {self.name}, which has no loss "
+                "scaler to skip it",
+                step=step,
+                what="loss",
+            )
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, clip_norm: float | None = None) -> StepResult:
+        """Unscale, check for inf/nan, clip the *true* gradients, step or skip, update the scale.
+
+        With master weights the low-precision model grads are first copied into the fp32 masters, so
+        unscaling and clipping happen in fp32. One host sync (the skip decision inside scaler.step).
+        """
+        if self.master is not None:
+            if self.master.resync:
+                self.master.sync_from_model()
+            self.master.copy_grads_to_master()
+        self.scaler.unscale_(optimizer)  # no-op when loss scaling is off
+        grad_norm = None
+        if clip_norm is not None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm, error_if_nonfinite=False)
+        if grad_norm is not None and not self.spec.loss_scaling and not bool(torch.isfinite(grad_norm)):
+            raise NonFiniteError(
+                f"non-finite gradient norm ({float(grad_norm)}) with recipe {self.name}, which has no loss "
+                "scaler to skip the step; the step was not applied",
+                what="gradient",
+            )
+        skipped = self._found_inf(optimizer)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if self.master is not None:
+            self.master.write_back()
+        scale = float(self.scaler.get_scale()) if self.spec.loss_scaling else 1.0
+        return StepResult(skipped=bool(skipped), scale=scale,
+                          grad_norm=None if grad_norm is None else float(grad_norm))
+
+    def _found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not self.spec.loss_scaling:
+            return False
+        if self.impl == "native":
+            # GradScaler records the per-device found_inf of the unscale_ above; this private accessor has
+            # been stable since torch 1.6 and is what GradScaler.step itself reads.
+            per_device = self.scaler._found_inf_per_device(optimizer)
+            return sum(v.item() for v in per_device.values()) > 0
+        return self.scaler.found_inf.item() > 0
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "impl": self.impl,
+            "scaler": self.scaler.state_dict(),
+            "master": None if self.master is None else self.master.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if state.get("master") is not None and self.master is not None:
+            self.master.load_state_dict(state["master"])
+
+    # -- reporting -----------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """One line: what the recipe does on this device and why."""
+        s = self.spec
+        mech = {
+            "native": "torch.autocast + torch.amp.GradScaler" if s.loss_scaling else "torch.autocast",
+            "scratch": "mixprec autocast + DynamicLossScaler" if s.loss_scaling else "mixprec autocast",
+        }[self.impl] if s.autocast else "no autocast"
+        parts = [f"{s.name} [{self.impl}]: {s.summary}; {mech}"]
+        if s.loss_scaling:
+            c = self.scaler_config
+            parts.append(
+                f"loss scale starts at {c.init_scale:g}, x{c.growth_factor:g} after {c.growth_interval} finite "
+                f"steps, x{c.backoff_factor:g} on overflow"
+            )
+        if s.master_weights:
+            parts.append("optimizer steps fp32 master copies, params rounded to "
+                         f"{_dtype_name(s.param_dtype)} after each step"
+                         + (" stochastically" if self.stochastic_rounding else ""))
+        elif self.master is not None or (self.stochastic_rounding and s.param_dtype != torch.float32):
+            parts.append("updates rounded stochastically into bf16 params")
+        dev = self.device
+        if s.compute_dtype == torch.float16 and not hardware.has_fast_fp16(dev):
+            if self.emulate:
+                parts.append(
+                    "this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16), so fp16 is EMULATED: operands "
+                    "and results rounded to fp16, arithmetic in fp32 (fp16 numerics at fp32 speed)"
+                )
+            else:
+                parts.append(
+                    "WARNING: this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16); native fp16 matmuls "
+                    "run 100x+ slower than fp32 — use --amp-impl scratch (emulated) or bf16-mixed"
+                )
+        if s.compute_dtype == torch.bfloat16 and dev.type == "cpu":
+            parts.append(
+                "this CPU has fast bf16 matmuls (AVX512-BF16/AMX), bf16-mixed is the fast recipe here"
+                if hardware.has_fast_bf16(dev)
+                else "this CPU has no native bf16 matmul instructions; bf16 may be slower than fp32"
+            )
+        if s.tf32 and not hardware.has_tf32(dev):
+            parts.append(f"{dev.type} has no TF32 tensor cores: this runs exactly as fp32")
+        return "; ".join(parts)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dt]
+
+
+def build_recipe(
+    name: str,
+    *,
+    device: torch.device | str = "cpu",
+    amp_impl: str = "auto",
+    scaler: ScalerConfig | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    keep_fp32: tuple[str, ...] = (),
+) -> Recipe:
+    """Resolve a recipe name for a device and mechanism; contradictions raise RecipeError (exit 2).
+
+    Args:
+        name: recipe or alias (``amp``, ``bf16``...).
+        amp_impl: ``native`` (torch.autocast + GradScaler), ``scratch`` (mixprec's engine), or ``auto``
+            (native, except fp16 on a CPU without fast fp16, which gets scratch emulation).
+        stochastic_rounding: round updates into low-precision params stochastically (bf16-true and the
+            master recipes only).
+        keep_fp32: module names or type names kept in fp32 (scratch autocast only).
+    """
+    spec = resolve_recipe(name)
+    device = torch.device(device)
+    scaler = scaler or ScalerConfig()
+    scaler.validate()
+    if amp_impl not in AMP_IMPLS:
+        raise RecipeError(f"unknown --amp-impl {amp_impl!r}; choose one of: {', '.join(AMP_IMPLS)}")
+    fast_fp16 = hardware.has_fast_fp16(device)
+    if amp_impl == "auto":
+        amp_impl = "scratch" if (spec.compute_dtype == torch.float16 and not fast_fp16) else "native"
+    if device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
+        including_emulation=False
+    ):
+        raise RecipeError(
+            f"{spec.name} needs bfloat16, which {torch.cuda.get_device_name(device)} does not support natively "
+            "(compute capability < 8.0); use --precision fp16-mixed on this GPU"
+        )
+    if stochastic_rounding and spec.param_dtype == torch.float32:
+        raise RecipeError(
+            f"--stochastic-rounding rounds updates into low-precision params, but {spec.name} keeps fp32 params; "
+            "use it with bf16-true, bf16-master or fp16-master"
+        )
+    if keep_fp32 and amp_impl == "native":
+        raise RecipeError(
+            "--keep-fp32 needs per-module overrides, which torch.autocast lacks; add --amp-impl scratch"
+        )
+    if scaler.hysteresis != 1 and amp_impl == "native":
+        raise RecipeError("--hysteresis is a feature of mixprec's scaler; add --amp-impl scratch")
+    return Recipe(
+        spec,
+        device=device,
+        impl=amp_impl,
+        scaler_config=scaler,
+        emulate_fp16=not fast_fp16,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+        keep_fp32=keep_fp32,
+    )

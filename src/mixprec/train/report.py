@@ -1,0 +1,145 @@
+"""What a training run shows: log lines, a progress bar on terminals only, per-epoch lines, the summary table.
+
+Log lines go to stdout exactly as the tutorial prints them. The progress bar (rich) appears only when
+stdout is a terminal, so piped logs stay clean; ``--progress on|off`` overrides the detection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["Reporter", "summary_table", "write_json", "format_bytes"]
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "—"
+    return f"{n / 2**20:.2f} MiB"
+
+
+class _NoBar:
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
+class _RichBar:
+    def __init__(self, progress, task) -> None:
+        self._p, self._t = progress, task
+
+    def advance(self, n: int = 1) -> None:
+        self._p.advance(self._t, n)
+
+
+class Reporter:
+    """Prints the run's output; one instance per run."""
+
+    def __init__(self, *, progress: str = "auto", stream=None, rank: int = 0) -> None:
+        self.stream = stream or sys.stdout
+        self.rank = rank
+        isatty = getattr(self.stream, "isatty", lambda: False)()
+        self.show_progress = rank == 0 and (progress == "on" or (progress == "auto" and isatty))
+        self._progress = None
+
+    def _print(self, msg: str, *, err: bool = False) -> None:
+        if self.rank != 0:
+            return
+        if self._progress is not None and not err:
+            self._progress.console.print(msg, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(msg, file=sys.stderr if err else self.stream, flush=True)
+
+    def log(self, msg: str) -> None:
+        self._print(msg)
+
+    def info(self, msg: str) -> None:
+        self._print(msg)
+
+    def error(self, msg: str) -> None:
+        self._print(f"mixprec: {msg}", err=True)
+
+    def epoch_done(self, rec: dict[str, Any], recipe: str) -> None:
+        mem = rec.get("memory") or {}
+        self._print(
+            f"[{recipe}] epoch {rec['epoch']}: train loss {rec['train_loss']:.4f}, test accuracy "
+            f"{100 * rec['test_accuracy']:.2f}%, {rec['epoch_time_s']:.2f} s ({rec['samples_per_s']:,.0f} samples/s), "
+            f"memory {format_bytes(mem.get('total'))}, skipped steps {rec['skipped_steps']}, "
+            f"loss scale {rec['loss_scale']:g}"
+        )
+
+    def summary(self, table: str) -> None:
+        self._print("\n" + table)
+
+    @contextlib.contextmanager
+    def progress_bar(self, *, total: int, completed: int = 0) -> Iterator[_NoBar | _RichBar]:
+        if not self.show_progress:
+            yield _NoBar()
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        progress = Progress(
+            TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            console=Console(file=self.stream, force_terminal=True), transient=True,
+        )
+        task = progress.add_task("train", total=total, completed=completed)
+        self._progress = progress
+        try:
+            with progress:
+                yield _RichBar(progress, task)
+        finally:
+            self._progress = None
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    """The tutorial's comparison table: recipe | peak memory | avg epoch time | test accuracy | skipped | scale."""
+    head = ["recipe", "peak memory", "avg epoch time", "test accuracy", "skipped steps", "final loss scale"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        peak = r.get("peak_memory_bytes")
+        cuda = r.get("cuda_peak_allocated_bytes")
+        mem = format_bytes(peak) + (f" (CUDA peak {format_bytes(cuda)})" if cuda else "")
+        acc = r.get("test_accuracy")
+        lines.append("| " + " | ".join([
+            str(r["recipe"]),
+            mem,
+            f"{r['avg_epoch_time_s']:.2f} s" if r.get("avg_epoch_time_s") == r.get("avg_epoch_time_s") else "—",
+            f"{100 * acc:.2f}%" if acc == acc else "—",
+            str(r.get("skipped_steps", 0)),
+            f"{r.get('final_loss_scale', 1.0):g}",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(_clean(obj), f, indent=2, default=str, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _clean(o: Any) -> Any:
+    """JSON has no NaN/inf: write them as null."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o

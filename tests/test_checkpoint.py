@@ -1,0 +1,120 @@
+"""Checkpoints: atomic, validated on load, and resume that is bit-identical to an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+from mixprec.errors import CheckpointError
+from mixprec.train.checkpoint import load_checkpoint, save_checkpoint
+from mixprec.train.config import TrainConfig
+from mixprec.train.loop import train
+
+BASE = dict(dataset="digits", model="mlp", width=32, depth=1, batch_size=32, log_every=0, progress="off",
+            optimizer="sgd", momentum=0.9, lr=0.05)
+
+
+def _params(path):
+    return torch.load(path, weights_only=True)["model"]
+
+
+def _assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed", "bf16-master"])
+def test_resume_mid_epoch_is_bit_identical(tmp_path, precision):
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(TrainConfig(**BASE, precision=precision, epochs=2, out=str(full)))
+    # stop after 50 steps (mid-epoch 2 of 45 steps/epoch), then resume to the end
+    train(TrainConfig(**BASE, precision=precision, epochs=2, out=str(part), max_steps=50))
+    ck = load_checkpoint(part)
+    assert (ck["epoch"], ck["batch"], ck["global_step"]) == (1, 5, 50)
+    train(TrainConfig(**BASE, precision=precision, epochs=2, out=str(part), resume=str(part)))
+    _assert_identical(_params(full / "last.pt"), _params(part / "last.pt"))
+    a, b = torch.load(full / "last.pt", weights_only=True), torch.load(part / "last.pt", weights_only=True)
+    assert a["recipe"]["scaler"] == b["recipe"]["scaler"]
+
+
+def test_killed_run_resumes_bit_identically(tmp_path):
+    """SIGKILL a real training process after its first checkpoint, resume, compare with an uninterrupted run."""
+    args = ["train", "--dataset", "synthetic", "--synthetic-train", "16384", "--synthetic-shape", "64",
+            "--model", "mlp", "--width", "64", "--depth", "1", "--batch-size", "16", "--epochs", "2",
+            "--momentum", "0.9", "--log-every", "0", "--checkpoint-every", "50", "--progress", "off"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    r = subprocess.run([sys.executable, "-m", "mixprec", *args, "--out", str(full)], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    total = torch.load(full / "last.pt", weights_only=True)["global_step"]
+    p = subprocess.Popen([sys.executable, "-m", "mixprec", *args, "--out", str(killed)], env=env, cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "last.pt").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
+    ck = load_checkpoint(killed)
+    assert 0 < ck["global_step"] < total
+    leftovers = [f for f in os.listdir(killed) if f != "last.pt"]
+    assert not [f for f in leftovers if not f.endswith(".tmp")]  # only last.pt (a killed write may leave a .tmp)
+    r = subprocess.run([sys.executable, "-m", "mixprec", *args, "--out", str(killed), "--resume", str(killed)],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    _assert_identical(_params(full / "last.pt"), _params(killed / "last.pt"))
+
+
+def test_atomic_save_never_leaves_half_a_file(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"x": torch.ones(3)})
+    good = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError):
+        save_checkpoint(path, {"x": torch.zeros(3)})
+    assert path.read_bytes() == good
+    assert os.listdir(tmp_path) == ["last.pt"]
+
+
+def test_foreign_corrupt_and_mismatched_checkpoints_are_refused(tmp_path):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {}}, foreign)
+    with pytest.raises(CheckpointError, match="not a mixprec checkpoint"):
+        load_checkpoint(foreign)
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"PK\x03\x04garbage")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_checkpoint(corrupt)
+    out = tmp_path / "run"
+    train(TrainConfig(**BASE, precision="fp32", epochs=1, max_steps=3, out=str(out)))
+    with pytest.raises(CheckpointError, match="--model 'mlp' in the checkpoint vs 'cnn' now"):
+        load_checkpoint(out, config=TrainConfig(**{**BASE, "model": "cnn"}).to_dict())
+
+
+def test_pickled_code_is_refused(tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "mixprec-checkpoint", "obj": TrainConfig()}, evil)
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_checkpoint(evil)
+
+
+def test_bad_resume_exits_2_and_leaves_the_run_untouched(cli, tmp_path):
+    out = tmp_path / "run"
+    code, _, _ = cli("train", "--dataset", "digits", "--max-steps", "3", "--out", out, "--log-every", "0")
+    assert code == 0
+    before = (out / "last.pt").read_bytes()
+    code, _, err = cli("train", "--dataset", "digits", "--precision", "bf16-mixed", "--resume", out)
+    assert code == 2 and "--precision 'fp32' in the checkpoint" in err
+    assert (out / "last.pt").read_bytes() == before
