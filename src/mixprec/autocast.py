@@ -1,0 +1,634 @@
+"""A from-scratch autocast: op-by-op casting driven by a :class:`~mixprec.policy.CastPolicy`.
+
+Numerics
+--------
+Inside ``with autocast(torch.bfloat16):`` every op on the policy's *low* list (matmul, linear,
+conv, bmm, attention) gets its floating inputs cast to bf16/fp16 and returns a low-precision
+result; the kernels still accumulate in fp32, so the error is one rounding of each operand and
+one of the result (unit roundoff 2^-9 for bf16, 2^-11 for fp16). Ops on the *fp32* list (losses,
+and on CUDA also softmax, norms, exp/log/pow, reductions) get their inputs cast up and return
+fp32, because their range (exp overflows fp16 above ~11) or accumulated error (a sum of 10^4
+bf16 terms) needs it. *Promote* ops (cat, stack, ...) take the widest input dtype. Every other op
+runs in whatever dtype its inputs have, so an activation that came out of a matmul in bf16
+stays bf16 through relu/dropout/residual adds until an fp32 op or an fp32 operand widens it --
+exactly what ``torch.autocast`` does (outputs are never cast back; doing so would cost up to
+1.5x on a CNN). Parameters stay fp32 and are the master copy: the casts are ordinary autograd
+ops, so the gradient that reaches a parameter is cast back to fp32.
+
+``emulate=True`` simulates the low format instead of using it: a low-list op rounds its floating
+operands to the nearest value representable in the low format (round-to-nearest-even via
+``x.to(low).to(float32)``, bit-exact), computes in fp32, and rounds its result the same way;
+tensors stay float32. Because the rounding casts are autograd ops, the gradients flowing through
+a low op are rounded too (fp16's overflow to inf at 65504 and its underflow included), which is
+what loss scaling exists for. This gives fp16 *numerics* at fp32 *speed* on CPUs without fast
+fp16 kernels; ops off the low list run in exact fp32 (slightly more accurate than native fp16
+autocast, where e.g. a gelu after a matmul runs in fp16).
+
+Design
+------
+A :class:`torch.overrides.TorchFunctionMode` sees every call of the torch API (``torch.*``,
+``torch.nn.functional.*``, ``Tensor`` methods) with its arguments. Its ``__torch_function__`` maps
+the function to an ATen op name (``F.cross_entropy`` -> ``cross_entropy_loss``; ``F.pad`` in
+reflect mode -> ``reflection_pad2d``), looks the name up in the policy, casts, and calls. Casting
+before the call (rather than at the dispatcher level, below autograd) is what makes the casts
+differentiable and lets autograd save the low-precision copies for backward.
+
+* One mode instance is on the torch-function stack while any autocast is active in the thread;
+  nested contexts push *frames* (dtype, policy, enabled, ...) and the mode obeys the top frame,
+  so an inner ``autocast(enabled=False)`` or another dtype wins, as with ``torch.autocast``.
+* Weight-cast cache: the low-precision copy of an fp32 leaf that requires grad (a parameter) is
+  made once and reused until the outermost context exits, like ``torch.autocast``'s cache.
+* Composites: inside ``__torch_function__`` the mode is popped, so a Python function such as
+  ``F.multi_head_attention_forward`` would run its inner linears/softmax unseen. For the policy's
+  ``composite`` names the mode re-enters itself and runs a copy of the function whose own
+  ``has_torch_function`` check is disabled (the inner calls keep theirs), so every inner op
+  follows the policy. The MHA / TransformerEncoderLayer inference fast paths are skipped while
+  the mode is active (they refuse to run when any torch-function override is present).
+* ``keep_fp32``: forward pre/post hooks on the chosen modules (by qualified name in ``model``,
+  or by type) push a frame in which every listed op runs in fp32 and cast the module's floating
+  inputs up; the post hook is ``always_call`` so an exception inside the module pops it too.
+* ``__exit__`` restores everything -- frames, hooks, cache, the mode stack -- exceptions included.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from mixprec.policy import LOW_DTYPES, CastKind, CastPolicy, default_policy
+
+__all__ = ["autocast", "is_autocast_active", "autocast_dtype"]
+
+_F32 = torch.float32
+_F64 = torch.float64
+_LOW, _FP32, _FP32_OUT, _PROMOTE, _BANNED, _COMPOSITE = (
+    CastKind.LOW, CastKind.FP32, CastKind.FP32_OUT, CastKind.PROMOTE, CastKind.BANNED,
+    CastKind.COMPOSITE,
+)
+
+_BANNED_MESSAGE = {
+    "binary_cross_entropy": (
+        "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
+        "the sigmoid before them saturates in low precision. Combine the two with "
+        "torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss, "
+        "which are safe to autocast."
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Python call -> ATen op name
+# ---------------------------------------------------------------------------------------------
+
+def _arg(args: tuple, kwargs: Mapping, index: int, name: str, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _pad_op(args: tuple, kwargs: Mapping) -> str:
+    # F.pad(input, pad, mode="constant", value=None): aten::pad picks the kernel by mode and by
+    # the number of padded dims
+    mode = _arg(args, kwargs, 2, "mode", "constant")
+    if mode in ("reflect", "replicate"):
+        dims = len(_arg(args, kwargs, 1, "pad", ())) // 2
+        return f"{'reflection' if mode == 'reflect' else 'replication'}_pad{dims}d"
+    return "pad"
+
+
+def _interpolate_op(args: tuple, kwargs: Mapping) -> str:
+    # F.interpolate(input, size, scale_factor, mode="nearest", align_corners,
+    #               recompute_scale_factor, antialias=False)
+    x = _arg(args, kwargs, 0, "input", None)
+    mode = _arg(args, kwargs, 3, "mode", "nearest")
+    antialias = _arg(args, kwargs, 6, "antialias", False)
+    if not isinstance(x, torch.Tensor):
+        return "interpolate"
+    d = x.dim() - 2
+    if mode == "nearest":
+        return f"upsample_nearest{d}d"
+    if mode == "nearest-exact":
+        return f"_upsample_nearest_exact{d}d"
+    if mode in ("bilinear", "bicubic"):
+        return f"_upsample_{mode}2d_aa" if antialias else f"upsample_{mode}2d"
+    if mode in ("linear", "trilinear"):
+        return f"upsample_{mode}{d}d"
+    if mode == "area":
+        return f"adaptive_avg_pool{d}d"
+    return "interpolate"
+
+
+def _max_pool3d_op(args: tuple, kwargs: Mapping) -> str:
+    # F.max_pool3d(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+    return "max_pool3d_with_indices" if _arg(args, kwargs, 6, "return_indices", False) else "max_pool3d"
+
+
+# Python function __name__ -> ATen name (a str), or a function of the call's arguments.
+_RENAME: dict[str, str | Callable[[tuple, Mapping], str]] = {
+    "cross_entropy": "cross_entropy_loss",
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__pow__": "pow",
+    "__rpow__": "pow",
+    "grid_sample": "grid_sampler",
+    "fractional_max_pool2d_with_indices": "fractional_max_pool2d",
+    "fractional_max_pool3d_with_indices": "fractional_max_pool3d",
+    "adaptive_max_pool3d_with_indices": "adaptive_max_pool3d",
+    "pad": _pad_op,
+    "interpolate": _interpolate_op,
+    "max_pool3d": _max_pool3d_op,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-thread state
+# ---------------------------------------------------------------------------------------------
+
+class _Frame:
+    """What the mode does while this frame is on top of the thread's frame stack."""
+
+    __slots__ = ("enabled", "kinds", "dtype", "device_type", "emulate", "cache_enabled", "policy")
+
+    def __init__(self, enabled: bool, policy: CastPolicy, kinds: Mapping[str, CastKind],
+                 dtype: torch.dtype, emulate: bool, cache_enabled: bool) -> None:
+        self.enabled = enabled
+        self.policy = policy
+        self.kinds = kinds
+        self.dtype = dtype
+        self.device_type = policy.device_type
+        self.emulate = emulate
+        self.cache_enabled = cache_enabled
+
+    def forced_fp32(self) -> _Frame:
+        """This frame with every listed op run in fp32 (for keep_fp32 modules)."""
+        if not self.enabled:
+            return self
+        return _Frame(True, self.policy, _fp32_table(self.policy), self.dtype, False,
+                      self.cache_enabled)
+
+
+@functools.lru_cache(maxsize=16)
+def _fp32_table(policy: CastPolicy) -> Mapping[str, CastKind]:
+    keep = (_FP32_OUT, _COMPOSITE)
+    return {op: (kind if kind in keep else _FP32) for op, kind in policy.table.items()}
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[_Frame] = []
+        self.cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.mode: _PolicyMode | None = None
+
+
+_state = _ThreadState()
+
+
+def is_autocast_active() -> bool:
+    """True inside an enabled mixprec autocast in this thread."""
+    frames = _state.frames
+    return bool(frames) and frames[-1].enabled
+
+
+def autocast_dtype() -> torch.dtype | None:
+    """The low dtype of the innermost enabled mixprec autocast in this thread, else None."""
+    return _state.frames[-1].dtype if is_autocast_active() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Casting
+# ---------------------------------------------------------------------------------------------
+
+def _eligible(t: torch.Tensor, device_type: str) -> bool:
+    # like at::autocast::is_eligible: floating, not fp64, on the autocast's device
+    return t.is_floating_point() and t.dtype is not _F64 and t.device.type == device_type
+
+
+def _round(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+    """Round to the nearest value of the ``low`` format (RNE), returned as float32."""
+    if t.dtype is low:
+        return t.to(_F32)
+    return t.to(low).to(_F32)
+
+
+def _cast_low(t: torch.Tensor, frame: _Frame) -> torch.Tensor:
+    """``t`` in the frame's low dtype (emulating: rounded to it, kept fp32), via the weight cache."""
+    low = frame.dtype
+    emulate = frame.emulate
+    if t.dtype is low and not emulate:
+        return t
+    # like torch.autocast, cache casts of fp32 leaves that require grad (parameters)
+    if (frame.cache_enabled and t.dtype is _F32 and t.requires_grad and t.is_leaf
+            and not t._is_view()):
+        key = (id(t), low, emulate, torch.is_grad_enabled())
+        cache = _state.cache
+        hit = cache.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        out = _round(t, low) if emulate else t.to(low)
+        cache[key] = (t, out)  # holding t keeps id(t) unique while cached
+        return out
+    return _round(t, low) if emulate else t.to(low)
+
+
+def _map_tensors(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> tuple[tuple, dict]:
+    """Apply ``fn`` to every tensor in args/kwargs, looking one level into lists and tuples."""
+    def one(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return fn(a)
+        if type(a) in (list, tuple) and a and any(isinstance(x, torch.Tensor) for x in a):
+            return type(a)(fn(x) if isinstance(x, torch.Tensor) else x for x in a)
+        return a
+
+    new_args = tuple([one(a) for a in args])
+    new_kwargs = {k: one(v) for k, v in kwargs.items()} if kwargs else kwargs
+    return new_args, new_kwargs
+
+
+def _iter_tensors(args: tuple, kwargs: dict) -> Iterable[torch.Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif type(a) in (list, tuple):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    yield x
+
+
+def _round_result(out: Any, low: torch.dtype) -> Any:
+    if isinstance(out, torch.Tensor):
+        return _round(out, low) if out.dtype is _F32 else out
+    if type(out) in (list, tuple):
+        return type(out)(_round_result(o, low) for o in out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Composites: run a Python function's body with its own torch-function check disabled
+# ---------------------------------------------------------------------------------------------
+
+def _never(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+_CHECKS = frozenset({"has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"})
+_NO_CHECKS = dict.fromkeys(_CHECKS, _never)
+
+
+def _unchecked(func: Any) -> Callable | None:
+    """A copy of the Python function ``func`` whose top-level has_torch_function* checks are off.
+
+    The copy gets a fresh snapshot of ``func``'s module globals with the check names bound to a
+    function returning False; functions it calls keep their own (real) globals, so their checks
+    still route them through the mode. Built per call (~2 us), so it never goes stale.
+    """
+    code = getattr(func, "__code__", None)
+    if code is None or _CHECKS.isdisjoint(code.co_names):
+        return None
+    g = dict(func.__globals__)
+    g.update(_NO_CHECKS)
+    body = types.FunctionType(code, g, func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
+# ---------------------------------------------------------------------------------------------
+# The mode
+# ---------------------------------------------------------------------------------------------
+
+class _PolicyMode(TorchFunctionMode):
+    """Applies the top frame of the thread's frame stack to every torch-API call."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        frames = _state.frames
+        if not frames or not frames[-1].enabled:
+            return func(*args, **kwargs)
+        frame = frames[-1]
+        name = getattr(func, "__name__", None)
+        rename = _RENAME.get(name)
+        if rename is not None:
+            name = rename if isinstance(rename, str) else rename(args, kwargs)
+        kind = frame.kinds.get(name)
+        if kind is None or "out" in kwargs:  # out= overloads are not autocast (as in torch)
+            return func(*args, **kwargs)
+        dev = frame.device_type
+
+        if kind is _LOW:
+            args, kwargs = _map_tensors(
+                args, kwargs, lambda t: _cast_low(t, frame) if _eligible(t, dev) else t)
+            if frame.emulate:
+                return _round_result(func(*args, **kwargs), frame.dtype)
+            return func(*args, **kwargs)
+
+        if kind is _FP32:
+            args, kwargs = _map_tensors(
+                args, kwargs,
+                lambda t: t.to(_F32) if t.dtype is not _F32 and _eligible(t, dev) else t)
+            return func(*args, **kwargs)
+
+        if kind is _FP32_OUT:
+            first = args[0] if args else kwargs.get("input")
+            if (isinstance(first, torch.Tensor) and first.dtype is not _F32
+                    and _eligible(first, dev) and kwargs.get("dtype") is None
+                    and not any(isinstance(a, torch.dtype) for a in args)):
+                kwargs = {**kwargs, "dtype": _F32}
+            return func(*args, **kwargs)
+
+        if kind is _PROMOTE:
+            widest = None
+            for t in _iter_tensors(args, kwargs):
+                if _eligible(t, dev):
+                    if widest is None:
+                        widest = t.dtype
+                    elif t.dtype is not widest:
+                        widest = _F32  # fp32 wins; fp16 mixed with bf16 also goes to fp32
+            if widest is not None:
+                args, kwargs = _map_tensors(
+                    args, kwargs,
+                    lambda t: t.to(widest) if t.dtype is not widest and _eligible(t, dev) else t)
+            return func(*args, **kwargs)
+
+        if kind is _COMPOSITE:
+            body = _unchecked(func)
+            if body is None:
+                return func(*args, **kwargs)
+            with self:  # re-enter: the body's inner calls come back through this mode
+                return body(*args, **kwargs)
+
+        if kind is _BANNED:
+            raise RuntimeError(
+                f"{name} is banned inside mixprec autocast({frame.dtype}, device_type="
+                f"{dev!r}): " + _BANNED_MESSAGE.get(name, "the policy lists it as unsafe.")
+            )
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# keep_fp32 hooks
+# ---------------------------------------------------------------------------------------------
+
+def _to_fp32_inputs(args: tuple, kwargs: dict, device_type: str) -> tuple[tuple, dict]:
+    return _map_tensors(
+        args, kwargs,
+        lambda t: t.to(_F32) if t.dtype is not _F32 and _eligible(t, device_type) else t)
+
+
+class _KeepFp32Hooks:
+    """Forward pre/post hooks that run the hooked modules' ops in fp32 while ``owner`` is active."""
+
+    def __init__(self, owner: _Frame, types_: tuple[type, ...] = ()) -> None:
+        self.owner = owner
+        self.types = types_  # for global hooks: which modules to act on
+
+    def _active(self, module: nn.Module) -> bool:
+        if self.types and not isinstance(module, self.types):
+            return False
+        return any(f is self.owner for f in _state.frames)
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict | None = None):
+        if not self._active(module):
+            return None
+        top = _state.frames[-1]
+        _state.frames.append(top.forced_fp32())
+        if not top.enabled:
+            return None
+        new_args, new_kwargs = _to_fp32_inputs(args, kwargs or {}, top.device_type)
+        return new_args if kwargs is None else (new_args, new_kwargs)
+
+    def pre_with_kwargs(self, module: nn.Module, args: tuple, kwargs: dict):
+        return self.pre(module, args, kwargs)
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._active(module) and len(_state.frames) > 1:
+            _state.frames.pop()
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The context manager
+# ---------------------------------------------------------------------------------------------
+
+class _Config:
+    __slots__ = ("dtype", "policy", "emulate", "enabled", "cache_enabled", "keep_modules",
+                 "keep_types", "kinds")
+
+    def __init__(self, **kw: Any) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class _Record:
+    __slots__ = ("noop", "saved_len", "frame", "handles", "pushed_mode")
+
+    def __init__(self, noop: bool, saved_len: int = 0, frame: _Frame | None = None,
+                 pushed_mode: bool = False) -> None:
+        self.noop = noop
+        self.saved_len = saved_len
+        self.frame = frame
+        self.handles: list[Any] = []
+        self.pushed_mode = pushed_mode
+
+
+def _infer_device_type(model: nn.Module | None) -> str:
+    if model is not None:
+        for p in model.parameters():
+            return p.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_keep_fp32(keep_fp32: Iterable[str | type], model: nn.Module | None
+                       ) -> tuple[tuple[nn.Module, ...], tuple[type, ...]]:
+    if isinstance(keep_fp32, (str, type)):
+        keep_fp32 = [keep_fp32]
+    modules: dict[int, nn.Module] = {}
+    module_types: list[type] = []
+    for entry in keep_fp32:
+        if isinstance(entry, type) and issubclass(entry, nn.Module):
+            module_types.append(entry)
+        elif isinstance(entry, str):
+            if model is None:
+                raise ValueError(
+                    f"autocast(keep_fp32=[{entry!r}, ...]): a module name needs the model to "
+                    f"resolve it against; pass model=<your nn.Module>, or name a module type "
+                    f"(e.g. keep_fp32=[nn.LayerNorm])"
+                )
+            try:
+                mod = model.get_submodule(entry)
+            except AttributeError:
+                names = [n for n, _ in model.named_modules() if n][:12]
+                raise ValueError(
+                    f"autocast(keep_fp32=[{entry!r}, ...]): model has no submodule {entry!r}; "
+                    f"qualified names look like {names}"
+                ) from None
+            modules[id(mod)] = mod
+        else:
+            raise TypeError(
+                f"autocast(keep_fp32=[{entry!r}, ...]): entries must be qualified module names "
+                f"(str) or nn.Module subclasses, got {type(entry).__name__}"
+            )
+    if model is not None and module_types:
+        # resolve types to instances: per-module hooks are cheaper than global ones
+        for mod in model.modules():
+            if isinstance(mod, tuple(module_types)):
+                modules[id(mod)] = mod
+        module_types = []
+    return tuple(modules.values()), tuple(module_types)
+
+
+class autocast:  # noqa: N801 -- named like torch.autocast, which it replaces
+    """Run the ops inside in mixed precision per a :class:`CastPolicy` (see the module docstring).
+
+    Args:
+        dtype: the low dtype, torch.bfloat16 (default) or torch.float16.
+        device_type: tensors on this device type are cast; default: ``policy.device_type``, else
+            the device of ``model``'s first parameter, else "cuda" if available, else "cpu".
+        policy: the cast policy; default ``default_policy(device_type, dtype)``, i.e. what
+            ``torch.autocast`` does on that device.
+        emulate: round low-list ops' operands and results to ``dtype`` but compute and store in
+            fp32 (low-precision numerics at fp32 speed; for fp16 on CPUs without fast fp16).
+        keep_fp32: modules whose ops run in fp32 -- qualified names in ``model`` and/or
+            ``nn.Module`` subclasses.
+        model: the module that ``keep_fp32`` names refer to.
+        enabled: False makes the context a no-op (an inner disabled context turns casting off).
+        cache_enabled: reuse the low-precision copy of each parameter within the context.
+
+    Usable as ``with autocast(...):`` or as a decorator ``@autocast(...)``.
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        device_type: str | None = None,
+        policy: CastPolicy | None = None,
+        emulate: bool = False,
+        keep_fp32: Iterable[str | type] = (),
+        model: nn.Module | None = None,
+        enabled: bool = True,
+        cache_enabled: bool = True,
+    ) -> None:
+        if dtype not in LOW_DTYPES:
+            raise ValueError(
+                f"autocast(dtype={dtype}): the low dtype must be torch.bfloat16 or "
+                f"torch.float16 (use enabled=False to run in fp32)"
+            )
+        if isinstance(device_type, torch.device):
+            device_type = device_type.type
+        if policy is not None:
+            if not isinstance(policy, CastPolicy):
+                raise TypeError(
+                    f"autocast(policy={policy!r}): expected a mixprec.policy.CastPolicy, e.g. "
+                    f"default_policy('cpu')"
+                )
+            if device_type is not None and device_type != policy.device_type:
+                raise ValueError(
+                    f"autocast(device_type={device_type!r}, policy=<{policy.device_type} policy>): "
+                    f"the device types disagree; drop device_type or pass "
+                    f"default_policy({device_type!r})"
+                )
+        else:
+            device_type = device_type or _infer_device_type(model)
+            policy = default_policy(device_type, dtype)
+        keep_modules, keep_types = _resolve_keep_fp32(keep_fp32, model) if enabled else ((), ())
+        self._config = _Config(
+            dtype=dtype, policy=policy, emulate=bool(emulate), enabled=bool(enabled),
+            cache_enabled=bool(cache_enabled), keep_modules=keep_modules, keep_types=keep_types,
+            kinds=policy.table,
+        )
+        self._records: list[_Record] = []
+
+    # read-only views of the configuration
+    dtype = property(lambda self: self._config.dtype)
+    policy = property(lambda self: self._config.policy)
+    device_type = property(lambda self: self._config.policy.device_type)
+    emulate = property(lambda self: self._config.emulate)
+    enabled = property(lambda self: self._config.enabled)
+
+    @classmethod
+    def _from_config(cls, config: _Config) -> autocast:
+        self = cls.__new__(cls)
+        self._config = config
+        self._records = []
+        return self
+
+    def __repr__(self) -> str:
+        c = self._config
+        return (f"autocast({c.dtype}, device_type={c.policy.device_type!r}, "
+                f"emulate={c.emulate}, enabled={c.enabled})")
+
+    def __enter__(self) -> autocast:
+        c = self._config
+        frames = _state.frames
+        if not c.enabled and not frames:
+            self._records.append(_Record(noop=True))  # outermost disabled: nothing to do
+            return self
+        frame = _Frame(c.enabled, c.policy, c.kinds, c.dtype, c.emulate, c.cache_enabled)
+        record = _Record(noop=False, saved_len=len(frames), frame=frame)
+        frames.append(frame)
+        self._records.append(record)
+        try:
+            if _state.mode is None:
+                mode = _PolicyMode()
+                mode.__enter__()
+                _state.mode = mode
+                record.pushed_mode = True
+            if c.enabled and (c.keep_modules or c.keep_types):
+                self._install_hooks(record)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _install_hooks(self, record: _Record) -> None:
+        c = self._config
+        if c.keep_modules:
+            hooks = _KeepFp32Hooks(record.frame)
+            for mod in c.keep_modules:
+                record.handles.append(
+                    mod.register_forward_pre_hook(hooks.pre_with_kwargs, with_kwargs=True))
+                record.handles.append(mod.register_forward_hook(hooks.post, always_call=True))
+        if c.keep_types:
+            hooks = _KeepFp32Hooks(record.frame, c.keep_types)
+            record.handles.append(nn.modules.module.register_module_forward_pre_hook(hooks.pre))
+            record.handles.append(
+                nn.modules.module.register_module_forward_hook(hooks.post, always_call=True))
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        record = self._records.pop()
+        if record.noop:
+            return False
+        for handle in record.handles:
+            handle.remove()
+        del _state.frames[record.saved_len:]
+        if record.saved_len == 0:
+            _state.cache.clear()
+        if record.pushed_mode:
+            mode, _state.mode = _state.mode, None
+            top = torch.overrides._get_current_function_mode()
+            if top is not mode:
+                raise RuntimeError(
+                    f"mixprec autocast exit: the innermost TorchFunctionMode is {top!r}, not "
+                    f"autocast's; a mode entered inside `with autocast(...)` must be exited "
+                    f"inside it"
+                )
+            mode.__exit__(exc_type, exc, tb)
+        return False
+
+    def __call__(self, fn: Callable) -> Callable:
+        config = self._config
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with autocast._from_config(config):
+                return fn(*args, **kwargs)
+
+        return wrapper
