@@ -1,0 +1,74 @@
+"""Exact memory accounting: counted bytes equal hand-computed bytes (rtol=0)."""
+
+import torch
+from torch import nn
+
+from mixprec.memory import SavedTensorTracker, static_memory, storage_bytes
+
+
+def test_storage_bytes_counts_views_once():
+    t = torch.zeros(10, 10)
+    assert storage_bytes([t, t[2:], t.t(), t.view(100)]) == 400
+    assert storage_bytes([t, torch.zeros(5, dtype=torch.bfloat16)]) == 410
+
+
+def test_static_memory_sgd_momentum():
+    m = nn.Linear(20, 7)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(3, 20)).sum().backward()
+    opt.step()
+    rep = static_memory(m, opt)
+    n = 20 * 7 + 7
+    assert (rep.parameters, rep.gradients, rep.optimizer_state, rep.master_weights) == (4 * n, 4 * n, 4 * n, 0)
+
+
+def test_static_memory_adamw_counts_moments_and_step():
+    m = nn.Linear(20, 7)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(3, 20)).sum().backward()
+    opt.step()
+    n = 20 * 7 + 7
+    # exp_avg + exp_avg_sq (fp32) per param, plus a 0-dim fp32 `step` tensor per param (2 params)
+    assert static_memory(m, opt).optimizer_state == 2 * 4 * n + 2 * 4
+
+
+def test_saved_activations_fp32_linear_relu():
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+    x = torch.randn(8, 16)
+    with SavedTensorTracker(exclude=m.parameters()) as tr:
+        m(x).sum()
+    # linear saves its input (weight excluded: a parameter); relu saves its output (8x32)
+    assert tr.nbytes == 4 * 8 * 16 + 4 * 8 * 32
+
+
+def test_saved_activations_under_bf16_autocast_count_the_weight_copy():
+    m = nn.Linear(16, 32)
+    x = torch.randn(8, 16)
+    with SavedTensorTracker(exclude=m.parameters()) as tr, torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x)
+    assert tr.nbytes == 2 * 8 * 16  # the bf16 copy of the input (needed for the weight's gradient)
+    x.requires_grad_(True)  # now the input's gradient needs the weight: its bf16 copy is saved too
+    with SavedTensorTracker(exclude=m.parameters()) as tr, torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x)
+    assert tr.nbytes == 2 * 8 * 16 + 2 * 16 * 32
+
+
+def test_tensor_saved_twice_counts_once():
+    x = torch.randn(100, requires_grad=True)
+    with SavedTensorTracker() as tr:
+        y = x * x  # mul saves both operands: the same storage
+    assert tr.count == 1 and tr.nbytes == 400
+    y.sum().backward()  # unpack still works
+    torch.testing.assert_close(x.grad, 2 * x.detach(), rtol=0, atol=0)
+
+
+def test_tracker_hooks_are_removed_on_exit_even_after_an_exception():
+    tr = SavedTensorTracker()
+    try:
+        with tr:
+            raise ValueError("boom")
+    except ValueError:
+        pass
+    x = torch.randn(10, requires_grad=True)
+    (x * x).sum()
+    assert tr.nbytes == 0
