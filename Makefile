@@ -20,7 +20,6 @@ setup: $(VENV)/.installed
 # torch is pinned to the CPU build that lies on this machine's disk; pyproject accepts torch>=2.4.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@

@@ -247,8 +247,11 @@ def _map_tensors(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.T
             return type(a)(fn(x) if isinstance(x, torch.Tensor) else x for x in a)
         return a
 
-    new_args = tuple([one(a) for a in args])
-    new_kwargs = {k: one(v) for k, v in kwargs.items()} if kwargs else kwargs
+    # Last argument first: torch's autocast kernels cast their arguments in a C++ parameter-pack
+    # expansion, which GCC evaluates right to left. Matching that order makes the cast ops (and
+    # so the autograd graph's node order and the backward op sequence) identical to torch's.
+    new_kwargs = dict(reversed([(k, one(v)) for k, v in reversed(kwargs.items())])) if kwargs else kwargs
+    new_args = tuple(reversed([one(a) for a in reversed(args)]))
     return new_args, new_kwargs
 
 
@@ -318,7 +321,7 @@ class _PolicyMode(TorchFunctionMode):
         if rename is not None:
             name = rename if isinstance(rename, str) else rename(args, kwargs)
         kind = frame.kinds.get(name)
-        if kind is None or "out" in kwargs:  # out= overloads are not autocast (as in torch)
+        if kind is None or kwargs.get("out") is not None:  # out= overloads: not autocast, as in torch
             return func(*args, **kwargs)
         dev = frame.device_type
 
@@ -445,8 +448,26 @@ def _infer_device_type(model: nn.Module | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _module_type_named(name: str, model: nn.Module | None) -> type | None:
+    """The nn.Module subclass called ``name``: a class used in ``model``, else one in torch.nn."""
+    if model is not None:
+        for mod in model.modules():
+            if type(mod).__name__ == name:
+                return type(mod)
+    candidate = getattr(nn, name, None)
+    if isinstance(candidate, type) and issubclass(candidate, nn.Module):
+        return candidate
+    return None
+
+
 def _resolve_keep_fp32(keep_fp32: Iterable[str | type], model: nn.Module | None
                        ) -> tuple[tuple[nn.Module, ...], tuple[type, ...]]:
+    """Split keep_fp32 into module instances (hooked one by one) and types (global hooks).
+
+    A string is a qualified submodule name of ``model`` ("head", "blocks.0.ln1"), else a module
+    class name ("LayerNorm": a class used in ``model`` or in torch.nn). With a model, types are
+    resolved to its instances, which is cheaper than a global hook on every module call.
+    """
     if isinstance(keep_fp32, (str, type)):
         keep_fp32 = [keep_fp32]
     modules: dict[int, nn.Module] = {}
@@ -455,30 +476,39 @@ def _resolve_keep_fp32(keep_fp32: Iterable[str | type], model: nn.Module | None
         if isinstance(entry, type) and issubclass(entry, nn.Module):
             module_types.append(entry)
         elif isinstance(entry, str):
+            mod = None
+            if model is not None:
+                try:
+                    mod = model.get_submodule(entry)
+                except AttributeError:
+                    mod = None
+            if mod is not None:
+                modules[id(mod)] = mod
+                continue
+            typ = _module_type_named(entry, model)
+            if typ is not None:
+                module_types.append(typ)
+                continue
             if model is None:
                 raise ValueError(
-                    f"autocast(keep_fp32=[{entry!r}, ...]): a module name needs the model to "
-                    f"resolve it against; pass model=<your nn.Module>, or name a module type "
-                    f"(e.g. keep_fp32=[nn.LayerNorm])"
+                    f"autocast(keep_fp32=[{entry!r}, ...]): {entry!r} is not a torch.nn module "
+                    f"class, and a module name needs the model to resolve it against; pass "
+                    f"model=<your nn.Module>"
                 )
-            try:
-                mod = model.get_submodule(entry)
-            except AttributeError:
-                names = [n for n, _ in model.named_modules() if n][:12]
-                raise ValueError(
-                    f"autocast(keep_fp32=[{entry!r}, ...]): model has no submodule {entry!r}; "
-                    f"qualified names look like {names}"
-                ) from None
-            modules[id(mod)] = mod
+            names = [n for n, _ in model.named_modules() if n][:12]
+            raise ValueError(
+                f"autocast(keep_fp32=[{entry!r}, ...]): the model has no submodule or module "
+                f"class {entry!r}; qualified names look like {names}"
+            )
         else:
             raise TypeError(
-                f"autocast(keep_fp32=[{entry!r}, ...]): entries must be qualified module names "
-                f"(str) or nn.Module subclasses, got {type(entry).__name__}"
+                f"autocast(keep_fp32=[{entry!r}, ...]): entries must be qualified module names, "
+                f"module class names (str) or nn.Module subclasses, got {type(entry).__name__}"
             )
     if model is not None and module_types:
-        # resolve types to instances: per-module hooks are cheaper than global ones
+        wanted = tuple(module_types)
         for mod in model.modules():
-            if isinstance(mod, tuple(module_types)):
+            if isinstance(mod, wanted):
                 modules[id(mod)] = mod
         module_types = []
     return tuple(modules.values()), tuple(module_types)
@@ -495,8 +525,8 @@ class autocast:  # noqa: N801 -- named like torch.autocast, which it replaces
             ``torch.autocast`` does on that device.
         emulate: round low-list ops' operands and results to ``dtype`` but compute and store in
             fp32 (low-precision numerics at fp32 speed; for fp16 on CPUs without fast fp16).
-        keep_fp32: modules whose ops run in fp32 -- qualified names in ``model`` and/or
-            ``nn.Module`` subclasses.
+        keep_fp32: modules whose ops run in fp32: qualified names in ``model`` ("head"),
+            module classes (``nn.LayerNorm``) or class names ("LayerNorm").
         model: the module that ``keep_fp32`` names refer to.
         enabled: False makes the context a no-op (an inner disabled context turns casting off).
         cache_enabled: reuse the low-precision copy of each parameter within the context.

@@ -43,6 +43,7 @@ To keep, say, softmax in fp32 on CPU as well: ``default_policy("cpu").with_ops(C
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
@@ -244,7 +245,7 @@ _CUDA_COMPOSITE = _COMPOSITE_ALL | {"normalize", "softmin"}
 
 
 def default_policy(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> CastPolicy:
-    """The policy ``torch.autocast(device_type, dtype)`` applies.
+    """The policy ``torch.autocast(device_type, dtype)`` applies (one shared object per pair).
 
     ``"cpu"`` gets the AutocastCPU lists; every other device the AutocastCUDA lists (which XPU
     also uses; MPS registers a subset of them). In torch the lists do not depend on ``dtype``;
@@ -257,6 +258,11 @@ def default_policy(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16
             f"default_policy({device_type!r}, dtype={dtype}): the low dtype must be one of "
             f"{[str(d) for d in LOW_DTYPES]}"
         )
+    return _default_policy(device_type)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_policy(device_type: str) -> CastPolicy:
     if device_type == "cpu":
         return CastPolicy(
             device_type="cpu",
