@@ -1,0 +1,138 @@
+"""Step time of mixprec's from-scratch autocast against torch.autocast on this machine's CPU.
+
+One training step = zero_grad, forward + cross-entropy under the autocast, backward, SGD step.
+Every configuration trains its own copy of the same model on the same batch. Configurations are
+interleaved round by round (so drift in machine load hits all of them alike), each round times
+``--steps`` steps per configuration after ``--warmup`` untimed steps, and the table reports the
+median per-step time over rounds and ratios of medians measured in the same run.
+
+Configurations:
+  fp32            no autocast
+  native bf16     torch.autocast("cpu", torch.bfloat16)
+  scratch bf16    mixprec.autocast.autocast(torch.bfloat16)
+  native fp16     torch.autocast("cpu", torch.float16)  (real fp16 kernels; very slow on CPUs
+                  without AVX512-FP16, so it runs fewer rounds: --fp16-rounds)
+  emulated fp16   mixprec autocast(torch.float16, emulate=True): fp16 rounding, fp32 arithmetic
+
+    python benchmarks/scratch_vs_native.py [--models mlp cnn transformer] [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.autocast import autocast
+
+try:
+    from mixprec.train.models import build_model
+except ImportError:  # pragma: no cover -- models.py is part of the package
+    build_model = None
+
+INPUT_SHAPE = (1, 28, 28)  # Fashion-MNIST
+NUM_CLASSES = 10
+
+
+def make_model(name: str) -> nn.Module:
+    if build_model is None:
+        raise SystemExit("mixprec.train.models.build_model is missing")
+    return build_model(name, input_shape=INPUT_SHAPE, num_classes=NUM_CLASSES)
+
+
+CONTEXTS: dict[str, Callable[[], object]] = {
+    "fp32": lambda: torch.autocast("cpu", enabled=False),
+    "native bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "scratch bf16": lambda: autocast(torch.bfloat16, device_type="cpu"),
+    "native fp16": lambda: torch.autocast("cpu", dtype=torch.float16),
+    "emulated fp16": lambda: autocast(torch.float16, device_type="cpu", emulate=True),
+}
+
+
+class Runner:
+    def __init__(self, model: nn.Module, ctx: Callable[[], object], x: torch.Tensor, y: torch.Tensor):
+        self.model = model
+        self.ctx = ctx
+        self.x, self.y = x, y
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        with self.ctx():
+            loss = F.cross_entropy(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+
+    def time_steps(self, n: int) -> float:
+        """Seconds per step over n steps (CPU ops are synchronous; no .item() inside)."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.step()
+        return (time.perf_counter() - t0) / n
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, float]:
+    torch.manual_seed(0)
+    base = make_model(name)
+    x = torch.randn(args.batch_size, *INPUT_SHAPE)
+    y = torch.randint(0, NUM_CLASSES, (args.batch_size,))
+    configs = [c for c in CONTEXTS if c != "native fp16" or args.fp16_rounds > 0]
+    runners = {c: Runner(copy.deepcopy(base), CONTEXTS[c], x, y) for c in configs}
+    for c, r in runners.items():  # warm-up: allocator, oneDNN primitive caches, lazy init
+        for _ in range(args.warmup if c != "native fp16" else 1):
+            r.step()
+    samples: dict[str, list[float]] = {c: [] for c in configs}
+    for i in range(args.rounds):
+        order = configs if i % 2 == 0 else configs[::-1]  # alternate order within rounds
+        for c in order:
+            if c == "native fp16" and i >= args.fp16_rounds:
+                continue
+            samples[c].append(runners[c].time_steps(args.steps if c != "native fp16" else 1))
+    return {c: statistics.median(s) for c, s in samples.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round and configuration")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--fp16-rounds", type=int, default=3, help="rounds for native fp16 (0 skips it)")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, batch {args.batch_size}, input {INPUT_SHAPE}, "
+          f"median of {args.rounds} rounds x {args.steps} steps (native fp16: {args.fp16_rounds} x 1)\n")
+    rows = []
+    for name in args.models:
+        t = bench_model(name, args)
+        rows.append((name, t))
+
+    ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
+    print("| model | fp32 ms | native bf16 ms | scratch bf16 ms | scratch / native (bf16) "
+          "| native fp16 ms | emulated fp16 ms | emulated / native fp16 | emulated fp16 / fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, t in rows:
+        nf16, emu = t.get("native fp16"), t["emulated fp16"]
+        cells = [
+            name, ms(t["fp32"]), ms(t["native bf16"]), ms(t["scratch bf16"]),
+            f"{t['scratch bf16'] / t['native bf16']:.3f}",
+            ms(nf16) if nf16 else "skipped", ms(emu),
+            f"{emu / nf16:.4f}" if nf16 else "-", f"{emu / t['fp32']:.3f}",
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
