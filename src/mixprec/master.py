@@ -1,0 +1,181 @@
+"""FP32 master weights for fp16/bf16 parameters.
+
+Why master weights matter
+-------------------------
+A bf16 number carries 8 significant bits, so just below 1.0 the spacing of representable values
+(one ulp) is 2**-8 ~ 0.0039. An SGD update ``Δ = -lr * g`` with ``|Δ| < ulp(w) / 2`` is rounded away
+entirely: ``bf16(w + Δ) == w``. With lr = 1e-3 and g ~ 1 that is every single step; the weight never
+moves, however long you train ("lost updates"; fp16 has the same problem with 11 bits). Adam's
+normalised steps of size ~lr hit it just as hard.
+
+The fix is to let the optimizer update an fp32 copy (24 significant bits, where Δ survives and
+small steps accumulate) and give the model ``round(master)`` after every step: the low-precision
+weights then track the fp32 trajectory to within half an ulp instead of freezing. The optimizer is
+built over :attr:`MasterWeights.master_params`, so its state (momentum, Adam moments) is fp32 too::
+
+    mw = MasterWeights(model)                       # model params are bf16 or fp16
+    opt = torch.optim.AdamW(mw.master_params, lr=1e-3)
+    loss.backward()                                 # low-precision grads on the model
+    mw.copy_grads_to_master()                       # -> fp32 grads on the masters; model grads freed
+    scaler.step(opt); scaler.update()               # (fp16: unscale + inf check happen in fp32)
+    mw.write_back()                                 # model params = round(master)
+
+Rounding the write-back
+-----------------------
+``rounding="nearest"`` is the plain cast (round to nearest even). ``rounding="stochastic"`` rounds
+each weight up or down with probabilities that make ``E[write_back] = master`` (see
+:mod:`mixprec.formats`), drawing from ``generator``. With ``resync=True`` the master is re-read from
+the low-precision params before every step (:meth:`sync_from_model`, called by
+:meth:`copy_grads_to_master`), so no fp32 weight state carries across steps: this is "bf16-true"
+training, where stochastic rounding alone keeps small updates alive in expectation (with round to
+nearest and ``resync=True`` the updates are lost exactly as without master weights).
+
+Parameters that are already fp32 (or wider) are shared, not copied: their master *is* the model
+parameter, their gradient stays where autograd put it, and write-back skips them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.formats import get_format, quantize
+
+__all__ = ["MasterWeights"]
+
+_WIDE = (torch.float32, torch.float64)
+
+
+class MasterWeights:
+    """FP32 master copies of a model's low-precision parameters.
+
+    Args:
+        params_or_module: a module (its ``parameters()``) or an iterable of parameters.
+        rounding: how :meth:`write_back` rounds to the model dtype: ``"nearest"`` or ``"stochastic"``.
+        generator: random source for stochastic rounding, on the parameters' device; ``None`` uses
+            the device's global default generator (``torch.manual_seed``). Saved in
+            :meth:`state_dict` when given.
+        resync: re-read the masters from the model before each step (no persistent fp32 state).
+    """
+
+    def __init__(
+        self,
+        params_or_module: nn.Module | Iterable[torch.Tensor],
+        *,
+        rounding: str = "nearest",
+        generator: torch.Generator | None = None,
+        resync: bool = False,
+    ) -> None:
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"MasterWeights(..., rounding={rounding!r}): use 'nearest' or 'stochastic'")
+        if isinstance(params_or_module, nn.Module):
+            params = list(params_or_module.parameters())
+        elif isinstance(params_or_module, torch.Tensor):
+            raise TypeError("MasterWeights(tensor): pass a module or a list of parameters, e.g. [weight]")
+        else:
+            params = list(params_or_module)
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                raise TypeError(f"MasterWeights(...): parameter {i} is not a floating-point tensor ({type(p).__name__})")
+            if id(p) in seen:
+                raise ValueError(f"MasterWeights(...): parameter {i} appears twice; pass each parameter once")
+            seen.add(id(p))
+            if rounding == "stochastic" and p.dtype not in _WIDE:
+                get_format(p.dtype)  # raises a clear ValueError for dtypes quantize cannot round to
+        self.rounding = rounding
+        self.generator = generator
+        self.resync = bool(resync)
+        self.model_params: list[torch.Tensor] = params
+        self.master_params: list[torch.Tensor] = [p if p.dtype in _WIDE else _fp32_copy(p) for p in params]
+
+    def _pairs(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """(model param, master) for the params that have a separate fp32 copy."""
+        return ((p, m) for p, m in zip(self.model_params, self.master_params) if m is not p)
+
+    @torch.no_grad()
+    def sync_from_model(self) -> None:
+        """Overwrite each fp32 master with its model parameter (an exact upcast)."""
+        for p, m in self._pairs():
+            m.copy_(p)
+
+    @torch.no_grad()
+    def copy_grads_to_master(self) -> None:
+        """Give each master the fp32 value of its model parameter's ``.grad`` (still loss-scaled if
+        the loss was), overwriting any master grad, and set the model's ``.grad`` to None to free
+        it. A model param without a grad leaves its master's grad None. With ``resync=True``,
+        first calls :meth:`sync_from_model`."""
+        if self.resync:
+            self.sync_from_model()
+        for p, m in self._pairs():
+            g = p.grad
+            if g is None:
+                m.grad = None
+                continue
+            if m.grad is None or m.grad.shape != g.shape:
+                m.grad = g.to(torch.float32, copy=True)
+            else:
+                m.grad.copy_(g)
+            p.grad = None
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Round each fp32 master to its model parameter's dtype and store it there, in place."""
+        for p, m in self._pairs():
+            if self.rounding == "nearest":
+                p.copy_(m)
+            else:
+                p.copy_(quantize(m, p.dtype, "stochastic", generator=self.generator))
+
+    def nbytes(self) -> int:
+        """Bytes held by the fp32 master copies (0 for shared fp32 params). Their gradients are
+        gradient memory and are not counted here."""
+        return sum(m.numel() * m.element_size() for _, m in self._pairs())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Keys: ``master_params`` (list aligned with the params: the fp32 master, or None where it is
+        the shared model param; tensors are references, as in ``nn.Module.state_dict``),
+        ``rounding``, ``resync``, ``generator_state`` (ByteTensor, or None without a generator)."""
+        return {
+            "master_params": [None if m is p else m.detach() for p, m in zip(self.model_params, self.master_params)],
+            "rounding": self.rounding,
+            "resync": self.resync,
+            "generator_state": None if self.generator is None else self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Copy saved masters into the existing ones in place (the optimizer keeps its references)
+        and restore the generator state when both sides have a generator. The model params are
+        not touched: load them from the model's own state dict."""
+        if not isinstance(state_dict, Mapping) or "master_params" not in state_dict:
+            raise ValueError(
+                "MasterWeights.load_state_dict(...): expected the dict returned by MasterWeights.state_dict() "
+                "(with a 'master_params' key)"
+            )
+        saved = list(state_dict["master_params"])
+        if len(saved) != len(self.master_params):
+            raise ValueError(
+                f"MasterWeights.load_state_dict(...): the state has {len(saved)} master params, this model has "
+                f"{len(self.master_params)}; build MasterWeights over the same parameters in the same order"
+            )
+        for i, (p, m, s) in enumerate(zip(self.model_params, self.master_params, saved)):
+            if (s is None) != (m is p) or (s is not None and s.shape != m.shape):
+                raise ValueError(
+                    f"MasterWeights.load_state_dict(...): master param {i} does not match "
+                    f"(saved {None if s is None else tuple(s.shape)}, expected "
+                    f"{None if m is p else tuple(m.shape)}); build MasterWeights over the same parameters"
+                )
+        with torch.no_grad():
+            for m, s in zip(self.master_params, saved):
+                if s is not None:
+                    m.copy_(s)
+        gen_state = state_dict.get("generator_state")
+        if self.generator is not None and gen_state is not None:
+            self.generator.set_state(gen_state)
+
+
+def _fp32_copy(p: torch.Tensor) -> torch.Tensor:
+    return p.detach().to(torch.float32, copy=True).requires_grad_(p.requires_grad)
