@@ -38,7 +38,13 @@ with the format's smallest normal exponent ``emin`` gives the fixed spacing of t
 range). ``round(x / 2**k) * 2**k`` then rounds to the format's grid; ``torch.round`` rounds half
 to even, and both scalings by powers of two are exact, so the only rounding is the one we want.
 Inputs of other floating dtypes are first converted to float32, which is also what PyTorch's
-own casts do (they are defined on float32), so float64 inputs round identically too.
+own casts do (they are defined on float32), so float64 inputs round identically too. For tf32,
+RNE models the format; hardware differs (PTX ``cvt.rna.tf32.f32`` rounds ties away from zero,
+and tensor cores may simply drop the low mantissa bits).
+
+Where torch has the dtype, ``x.to(dtype).float()`` gives the same result as ``quantize`` with
+less memory traffic (the tests prove the equality); ``quantize`` is for tf32, for stochastic
+rounding, and as a checked reference. It allocates a few float64 temporaries of ``x``'s size.
 
 Overflow
 --------
