@@ -94,6 +94,10 @@ class DynamicLossScaler:
         applied = scaler.step(optimizer)   # False when the step was skipped
         scaler.update()
 
+    Each optimizer moves through ``READY -unscale_-> UNSCALED -step-> STEPPED -update-> READY``
+    (``step`` unscales itself from READY); any other order raises a ``RuntimeError`` that names the
+    fix. ``step`` before the first ``scale`` raises too: there would be no scale to unscale by.
+
     Args:
         init_scale: the first scale (a power of two keeps scaling exact).
         growth_factor: multiplies the scale after ``growth_interval`` consecutive clean steps; > 1.
@@ -178,7 +182,7 @@ class DynamicLossScaler:
     # ------------------------------------------------------------------ the iteration
 
     def scale(self, loss: torch.Tensor | Iterable[torch.Tensor]) -> Any:
-        """Return ``loss * scale`` (a tensor, or a list/tuple of tensors of the same shape)."""
+        """Return ``loss * scale`` (for a tensor, or elementwise for a list/tuple of tensors)."""
         if not self._enabled:
             return loss
         if isinstance(loss, torch.Tensor):
