@@ -55,6 +55,9 @@ def _sorted_finite(name: str) -> torch.Tensor:
     return torch.unique(v[v.isfinite()].double())  # sorted; -0.0 and 0.0 merge
 
 
+_GRIDS = {name: _sorted_finite(name) for name in CAST_FORMATS}  # every finite value, ascending
+
+
 def _f32_bits_to_tensor(ints: list[int]) -> torch.Tensor:
     return torch.tensor(ints, dtype=torch.int64).to(torch.int32).view(torch.float32)
 
@@ -192,8 +195,6 @@ def test_nearest_matches_cast_property_near_format_values(name: str, data: st.Da
     x = base.float().view(torch.int32) + data.draw(st.integers(-3, 3))
     _assert_matches_cast(x.view(torch.float32).reshape(1), name)
 
-
-_GRIDS = {name: _sorted_finite(name) for name in CAST_FORMATS}
 
 
 def test_nearest_specials_explicitly() -> None:
