@@ -165,10 +165,9 @@ class StepResult:
 
     skipped: bool
     """True when the step was skipped because gradients were inf/nan (loss-scaled recipes only)."""
-    scale: float
-    """Loss scale after the update (1.0 for recipes without loss scaling)."""
-    grad_norm: float | None
-    """Total L2 norm of the true (unscaled) gradients before clipping; None unless clipping was asked."""
+    grad_norm: torch.Tensor | None
+    """Total L2 norm of the true (unscaled) gradients before clipping, as a 0-dim tensor (not synced);
+    None unless clipping was asked for."""
 
 
 class Recipe:
@@ -316,41 +315,45 @@ class Recipe:
         """Unscale, check for inf/nan, clip the *true* gradients, step or skip, update the scale.
 
         With master weights the low-precision model grads are first copied into the fp32 masters, so
-        unscaling and clipping happen in fp32. One host sync (the skip decision inside scaler.step).
+        unscaling and clipping happen in fp32. Host syncs: one for loss-scaled recipes (the skip decision);
+        one more when clipping without a loss scaler (a non-finite norm must stop the run before the step).
         """
         if self.master is not None:
-            if self.master.resync:
-                self.master.sync_from_model()
-            self.master.copy_grads_to_master()
+            self.master.copy_grads_to_master()  # re-reads the masters first when master.resync
         self.scaler.unscale_(optimizer)  # no-op when loss scaling is off
         grad_norm = None
         if clip_norm is not None:
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm, error_if_nonfinite=False)
-        if grad_norm is not None and not self.spec.loss_scaling and not bool(torch.isfinite(grad_norm)):
-            raise NonFiniteError(
-                f"non-finite gradient norm ({float(grad_norm)}) with recipe {self.name}, which has no loss "
-                "scaler to skip the step; the step was not applied",
-                what="gradient",
-            )
-        skipped = self._found_inf(optimizer)
-        self.scaler.step(optimizer)
+            if not self.spec.loss_scaling and not bool(torch.isfinite(grad_norm)):
+                raise NonFiniteError(
+                    f"non-finite gradient norm ({float(grad_norm)}) with recipe {self.name}, which has no loss "
+                    "scaler to skip the step; the step was not applied",
+                    what="gradient",
+                )
+        skipped = self._step_or_skip(optimizer)
         self.scaler.update()
         if self.master is not None:
             self.master.write_back()
-        scale = float(self.scaler.get_scale()) if self.spec.loss_scaling else 1.0
-        return StepResult(skipped=bool(skipped), scale=scale,
-                          grad_norm=None if grad_norm is None else float(grad_norm))
+        return StepResult(skipped=skipped, grad_norm=grad_norm)
 
-    def _found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _step_or_skip(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step unless the unscaled grads had inf/nan; returns True when skipped."""
         if not self.spec.loss_scaling:
+            self.scaler.step(optimizer)  # a disabled scaler just steps
             return False
         if self.impl == "native":
             # GradScaler records the per-device found_inf of the unscale_ above; this private accessor has
-            # been stable since torch 1.6 and is what GradScaler.step itself reads.
-            per_device = self.scaler._found_inf_per_device(optimizer)
-            return sum(v.item() for v in per_device.values()) > 0
-        return self.scaler.found_inf.item() > 0
+            # been stable since torch 1.6 and is what GradScaler.step itself reads. Its .item() is the
+            # step's one sync (GradScaler.step's own read then finds the value ready).
+            found = sum(v.item() for v in self.scaler._found_inf_per_device(optimizer).values())
+            self.scaler.step(optimizer)
+            return found > 0
+        return not self.scaler.step(optimizer)
+
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 without loss scaling). Reads the device: call at log points, not per step."""
+        return float(self.scaler.get_scale()) if self.spec.loss_scaling else 1.0
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
