@@ -1,0 +1,376 @@
+"""Library API: diagnose a model, a batch and a loss function under a precision recipe.
+
+``diagnose(model, (x, y), loss_fn, precision="fp16-mixed")`` trains a *copy* of the model for a few
+steps with the trainer's own step (:func:`mixprec.train.loop.train_step`: the recipe's autocast,
+backward, unscale/step), and watches each step:
+
+1. step 0 runs under the dispatcher-level observer with the precision-map sink (every op, dtype, module);
+2. before every step, an fp32 pass records per-layer ranges (:mod:`.ranges`) and the true gradients,
+   which the real step's gradients are compared with (gradient elements lost to underflow);
+3. every step runs under the non-finite watch (:mod:`.nonfinite`); the first non-finite op of a step is
+   classified by replays on a copy of the pre-step weights (:mod:`.replay`): scale overflow, or a fault,
+   for which the smallest set of modules to keep in fp32 is searched;
+4. ``optimizer.step`` is hooked to count lost updates (:mod:`.lost_updates`);
+5. the loss scale, skips and their causes are recorded (:mod:`.scale_history`).
+
+The observation costs a lot more than training (a Python call per op, an extra fp32 pass per step), which
+is why it lives here and never in ``mixprec train``. :func:`diagnose_run` does the same for a
+:class:`~mixprec.train.loop.Run` (what ``mixprec doctor`` builds from its flags).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import NonFiniteError, UsageError
+from ..precision import Recipe, ScalerConfig, build_recipe
+from ..train.config import TrainConfig
+from ..train.loop import Run, train_step
+from .attribution import ModuleTracker
+from .lost_updates import LostUpdateMonitor, LostUpdates, optimizer_param_names
+from .nonfinite import NonFiniteEvent, NonFiniteWatch
+from .observer import OpObserver
+from .precision_map import PrecisionMap, PrecisionMapSink
+from .ranges import DEFAULT_FORMATS, RangeProfile, RangeProfiler
+from .replay import ReplayResult, max_finite_scale, minimal_fp32_set, replay_step
+from .report import DoctorReport, GradientLoss
+from .scale_history import ScaleHistory, StepRecord
+
+__all__ = [
+    "diagnose", "diagnose_run", "doctor_run", "precision_map", "range_profile", "find_first_nonfinite",
+    "FaultAnalysis", "DoctorError",
+]
+
+
+class DoctorError(UsageError):
+    """A diagnose() call that cannot work as asked; the message names the fix."""
+
+
+@dataclasses.dataclass
+class FaultAnalysis:
+    """A non-finite event of one step, classified by replays."""
+
+    step: int
+    event: NonFiniteEvent
+    classification: str
+    """``scale overflow``, ``forward overflow``, ``forward nan``, ``backward overflow``, ``backward nan``,
+    ``optimizer step`` or ``non-finite inputs``."""
+    max_finite_scale: float | None = None
+    """Scale overflows: the largest power of two at which the same step is finite."""
+    replay: ReplayResult | None = None
+    """Faults: the fp32 replay's minimal module set."""
+
+    @property
+    def is_fault(self) -> bool:
+        return self.classification != "scale overflow"
+
+    def describe(self) -> str:
+        s = f"step {self.step}, {self.classification} at loss scale {self.event.loss_scale:g}: {self.event.describe()}"
+        if self.max_finite_scale is not None:
+            s += f"; finite at scale <= {self.max_finite_scale:g}"
+        return s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "classification": self.classification, "event": self.event.to_dict(),
+                "max_finite_scale": self.max_finite_scale,
+                "replay": None if self.replay is None else self.replay.to_dict(), "description": self.describe()}
+
+
+# ------------------------------------------------------------------------------------------------------
+# building a run for a user's module
+# ------------------------------------------------------------------------------------------------------
+
+def _optimizer_factory(optimizer: Any, lr: float) -> Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]:
+    if optimizer is None:
+        return lambda params: torch.optim.SGD(list(params), lr=lr)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls, defaults = type(optimizer), {k: v for k, v in optimizer.defaults.items() if k != "fused"}
+        return lambda params: cls(list(params), **defaults)
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return lambda params: optimizer(list(params), lr=lr)
+    if callable(optimizer):
+        return optimizer
+    raise DoctorError(
+        f"diagnose(..., optimizer={optimizer!r}): pass None (SGD with lr), an optimizer class, an optimizer "
+        "instance (its class and defaults are reused over the recipe's tensors), or a function params -> optimizer"
+    )
+
+
+def doctor_run(
+    model: nn.Module,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    *,
+    precision: str = "fp16-mixed",
+    optimizer: Any = None,
+    lr: float = 1e-2,
+    amp_impl: str = "auto",
+    init_scale: float = 2.0**16,
+    growth_interval: int = 2000,
+    stochastic_rounding: bool = False,
+    keep_fp32: tuple[str, ...] = (),
+    clip_grad_norm: float | None = None,
+    device: str | torch.device = "cpu",
+) -> Run:
+    """A :class:`Run` over a deep copy of ``model`` (the caller's module is never modified)."""
+    recipe = build_recipe(precision, device=device, amp_impl=amp_impl,
+                          scaler=ScalerConfig(init_scale=init_scale, growth_interval=growth_interval),
+                          stochastic_rounding=stochastic_rounding, keep_fp32=tuple(keep_fp32))
+    m = recipe.convert_module(copy.deepcopy(model))
+    opt = recipe.build_optimizer(m, _optimizer_factory(optimizer, lr))
+    config = TrainConfig(precision=recipe.name, amp_impl=recipe.impl, lr=lr, init_scale=init_scale,
+                         growth_interval=growth_interval, stochastic_rounding=stochastic_rounding,
+                         keep_fp32=tuple(keep_fp32), clip_grad_norm=clip_grad_norm, device=str(recipe.device),
+                         model=type(model).__name__, dataset="user batch")
+    return Run(config=config, device=recipe.device, data=None, model=m, recipe=recipe, optimizer=opt,
+               loss_fn=loss_fn, train_loader=None)
+
+
+def _batches(batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
+        return [batch]
+    try:
+        out = [tuple(b) for b in batch]
+    except TypeError:
+        out = []
+    if not out or not all(len(b) == 2 and isinstance(b[0], torch.Tensor) for b in out):
+        raise DoctorError(
+            "diagnose(model, batch, loss_fn): batch must be an (inputs, targets) tuple of tensors, or a list of "
+            "such tuples; loss_fn(model(inputs), targets) must return a scalar loss"
+        )
+    return out
+
+
+def _cycle(batches: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for epoch in itertools.count():
+        if hasattr(batches, "set_epoch"):
+            batches.set_epoch(epoch)
+        n = 0
+        for b in batches:
+            n += 1
+            yield b
+        if n == 0:
+            raise DoctorError("no batches to diagnose: the dataset is empty (check --limit-train)")
+
+
+# ------------------------------------------------------------------------------------------------------
+# the diagnosis
+# ------------------------------------------------------------------------------------------------------
+
+def _low_dtype(recipe: Recipe) -> torch.dtype | None:
+    return recipe.spec.compute_dtype if recipe.spec.compute_dtype != torch.float32 else None
+
+
+def _analyze(run: Run, pre_step: nn.Module, xb, yb, event: NonFiniteEvent, step: int, scale: float,
+             replay: bool) -> FaultAnalysis:
+    """Classify one step's first non-finite op by replays on ``pre_step`` (the weights before the step)."""
+    event.step, event.loss_scale = step, scale
+    autocast, loss_fn = run.recipe.autocast, run.loss_fn
+    base = list(run.recipe.keep_fp32)
+    if not event.inputs_finite:
+        return FaultAnalysis(step, event, "non-finite inputs")
+    if event.phase == "step":
+        return FaultAnalysis(step, event, "optimizer step")
+    if event.phase == "backward" and scale > 1:
+        mfs = max_finite_scale(pre_step, autocast, loss_fn, xb, yb, scale=scale, fp32=base)
+        if mfs is not None:
+            return FaultAnalysis(step, event, "scale overflow", max_finite_scale=mfs)
+    kind = "overflow" if event.output.n_nan == 0 else "nan"
+    analysis = FaultAnalysis(step, event, f"{event.phase} {kind}")
+    if replay:
+        analysis.replay = minimal_fp32_set(pre_step, autocast, loss_fn, xb, yb, scale=1.0, base=base)
+    return analysis
+
+
+def diagnose_run(
+    run: Run,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    steps: int = 8,
+    formats: Iterable[str] = DEFAULT_FORMATS,
+    replay: bool = True,
+    max_analyzed: int = 3,
+    title: dict[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> DoctorReport:
+    """Train ``run`` for ``steps`` steps with every check on; returns the :class:`DoctorReport`.
+
+    Args:
+        batches: (inputs, targets) pairs, cycled if fewer than ``steps`` (a BatchLoader is re-shuffled
+            per pass).
+        replay: classify non-finite steps and search the minimal fp32 module set (replays a copy).
+        max_analyzed: classify at most this many non-finite steps (the rest keep their first op as cause).
+        title: extra facts for the report header (model name, dataset...).
+    """
+    if steps < 1:
+        raise DoctorError(f"--steps must be >= 1, got {steps}")
+    model, recipe = run.model, run.recipe
+    tracker = ModuleTracker(model)
+    map_sink = PrecisionMapSink(_low_dtype(recipe))
+    watch = NonFiniteWatch()
+    profiler = RangeProfiler(model, formats)
+    monitor = LostUpdateMonitor(run.optimizer, optimizer_param_names(run.optimizer, model, recipe.master))
+    history = ScaleHistory()
+    faults: list[FaultAnalysis] = []
+    grad_loss = GradientLoss()
+    scale = float(recipe.scaler_config.init_scale) if recipe.has_loss_scaling else 1.0
+    pmap: PrecisionMap | None = None
+    model.train()
+    with recipe.run_context(), monitor:
+        for step, (xb, yb) in zip(range(steps), _cycle(batches)):
+            xb, yb = xb.to(run.device), yb.to(run.device)
+            ref_grads = profiler.observe(run.loss_fn, xb, yb)
+            pre_step = copy.deepcopy(model) if len(faults) < max_analyzed else None
+            tracker.new_step()
+            watch.reset()
+            sinks = [watch, map_sink] if step == 0 else [watch]
+            stopped = False
+            with tracker, OpObserver(tracker, sinks):  # hooks only around the step: snapshots stay clean
+                try:
+                    loss, res = train_step(run, xb, yb, step=step)
+                    loss_value, skipped, next_scale = float(loss), res.skipped, recipe.loss_scale()
+                except NonFiniteError:
+                    loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
+            if step == 0:
+                pmap = map_sink.result()
+            cause = None
+            if watch.first is not None:
+                ev = watch.first
+                ev.step, ev.loss_scale = step, scale
+                cause = f"{ev.phase} {'overflow' if ev.output.n_nan == 0 else 'nan'}: {ev.describe()}"
+                if pre_step is not None:
+                    fa = _analyze(run, pre_step, xb, yb, ev, step, scale, replay and not any(f.is_fault for f in faults))
+                    faults.append(fa)
+                    cause = f"{fa.classification}: {ev.describe()}"
+                    if fa.max_finite_scale is not None:
+                        cause += f" (finite at scale <= {fa.max_finite_scale:g})"
+            elif not (loss_value == loss_value):  # nan loss without a non-finite op: cannot happen, but say so
+                cause = "non-finite loss"
+            if not skipped and not stopped:
+                grad_loss.add(model, ref_grads)
+            history.add(StepRecord(step=step, loss=loss_value, scale=scale, next_scale=next_scale,
+                                   skipped=bool(skipped), cause=cause, stopped=stopped))
+            if log is not None:
+                log(f"doctor step {step}: loss {loss_value:.4f}, scale {scale:g}"
+                    + (" SKIPPED" if skipped else "") + (f" ({cause})" if cause else ""))
+            scale = next_scale
+            if stopped:
+                break
+    order = [n for n, _ in model.named_modules()]
+    return DoctorReport(
+        title={**(title or {}), "recipe": recipe.name, "impl": recipe.impl, "describe": recipe.describe(),
+               "device": str(run.device), "steps": len(history.records),
+               "params": sum(p.numel() for p in model.parameters())},
+        recipe_spec={"compute": _dtype(recipe.spec.compute_dtype), "params": _dtype(recipe.spec.param_dtype),
+                     "loss_scaling": recipe.spec.loss_scaling, "master_weights": recipe.spec.master_weights,
+                     "emulated": bool(getattr(recipe, "emulate", False)),
+                     "stochastic_rounding": recipe.stochastic_rounding},
+        precision_map=pmap,
+        ranges=profiler.result(),
+        loss_scale=scale,
+        gradient_loss=grad_loss,
+        faults=faults,
+        lost_updates=monitor.result(order),
+        history=history,
+    )
+
+
+def _dtype(dt: torch.dtype) -> str:
+    from .observer import dtype_name
+
+    return dtype_name(dt)
+
+
+def diagnose(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    *,
+    precision: str = "fp16-mixed",
+    steps: int = 8,
+    optimizer: Any = None,
+    lr: float = 1e-2,
+    amp_impl: str = "auto",
+    init_scale: float = 2.0**16,
+    growth_interval: int = 2000,
+    stochastic_rounding: bool = False,
+    keep_fp32: tuple[str, ...] = (),
+    clip_grad_norm: float | None = None,
+    device: str | torch.device = "cpu",
+    formats: Iterable[str] = DEFAULT_FORMATS,
+    replay: bool = True,
+    out: str | None = None,
+) -> DoctorReport:
+    """Diagnose ``model`` on ``batch`` under a precision recipe (see the module docstring).
+
+    Args:
+        model: any ``nn.Module``; a deep copy is trained, the original is left untouched.
+        batch: ``(inputs, targets)``, or a list of them (cycled over ``steps``).
+        loss_fn: ``loss_fn(model(inputs), targets) -> scalar``.
+        precision: a recipe name (``fp16-mixed``, ``bf16-mixed``, ``bf16-true``, ...; see mixprec.precision).
+        optimizer: None (SGD with ``lr``), an optimizer class, an optimizer instance (class and defaults
+            reused over the recipe's tensors, which may be fp32 master copies), or ``params -> optimizer``.
+        init_scale, growth_interval: the dynamic loss scaler (fp16 recipes).
+        formats: formats the range profile projects onto.
+        replay: classify non-finite steps and search the minimal fp32 module set.
+        out: also write doctor.json and the PNG plots into this folder.
+    """
+    run = doctor_run(model, loss_fn, precision=precision, optimizer=optimizer, lr=lr, amp_impl=amp_impl,
+                     init_scale=init_scale, growth_interval=growth_interval,
+                     stochastic_rounding=stochastic_rounding, keep_fp32=keep_fp32,
+                     clip_grad_norm=clip_grad_norm, device=device)
+    report = diagnose_run(run, _batches(batch), steps=steps, formats=formats, replay=replay,
+                          title={"model": type(model).__name__, "data": "user batch"})
+    if out is not None:
+        report.write(out)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------------
+# the individual checks
+# ------------------------------------------------------------------------------------------------------
+
+def precision_map(model: nn.Module, batch: Any, loss_fn: Callable, *, precision: str = "fp16-mixed",
+                  amp_impl: str = "auto", device: str | torch.device = "cpu") -> PrecisionMap:
+    """The precision map of one training step (forward, backward, optimizer step) of a copy of ``model``."""
+    run = doctor_run(model, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
+    x, y = (t.to(run.device) for t in _batches(batch)[0])
+    tracker = ModuleTracker(run.model)
+    sink = PrecisionMapSink(_low_dtype(run.recipe))
+    with run.recipe.run_context(), tracker, OpObserver(tracker, [sink]):
+        try:
+            train_step(run, x, y, step=0)
+        except NonFiniteError:
+            pass  # the map of what ran so far is still the answer
+    return sink.result()
+
+
+def range_profile(model: nn.Module, batch: Any, loss_fn: Callable, *,
+                  formats: Iterable[str] = DEFAULT_FORMATS) -> RangeProfile:
+    """Per-layer fp32 ranges of activations and gradients over the given batch(es); no training."""
+    profiler = RangeProfiler(model, formats)
+    for x, y in _batches(batch):
+        profiler.observe(loss_fn, x, y)
+    return profiler.result()
+
+
+def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable, *, precision: str = "fp16-mixed",
+                         amp_impl: str = "auto", loss_scale: float = 1.0, replay: bool = True,
+                         device: str | torch.device = "cpu") -> FaultAnalysis | None:
+    """First non-finite op of one forward + ``(loss * loss_scale)`` backward under the recipe, classified.
+
+    Returns None when the step is finite. Nothing is trained; ``model`` is not modified.
+    """
+    run = doctor_run(model, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
+    x, y = (t.to(run.device) for t in _batches(batch)[0])
+    with run.recipe.run_context():
+        ev = replay_step(run.model, run.recipe.autocast, loss_fn, x, y, scale=loss_scale)
+        if ev is None:
+            return None
+        return _analyze(run, run.model, x, y, ev, 0, loss_scale, replay)

@@ -1,0 +1,109 @@
+"""Which module and which phase (forward, backward, optimizer step) an op belongs to.
+
+Forward ops are easy: module forward pre/post hooks keep a stack of qualified module names, and an op
+runs inside the innermost one. Backward ops run inside the autograd engine, long after the modules
+returned, so they are attributed through the autograd graph instead: when a module's forward returns,
+its post hook walks the ``grad_fn`` graph back from the module's outputs and claims every node it
+meets, stopping at the ``grad_fn`` of the module's inputs (made before it ran) and at nodes an inner
+module already claimed (inner post hooks run first). During backward the engine reports the node it is
+executing (``torch._C._current_autograd_node()``), and the node's owner is the module path of every op
+it runs. ``AccumulateGrad`` nodes (writing ``.grad`` of a leaf) belong to the module owning the
+parameter.
+
+The phase is ``backward`` while the engine runs a node, ``step`` for ops after the first backward op
+(unscale, clip, optimizer), and ``forward`` before it. One tracker observes one training step; call
+:meth:`ModuleTracker.new_step` between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["ModuleTracker", "OUTSIDE", "display_path"]
+
+OUTSIDE = None
+"""Module path of ops that ran outside the model (the loss function, loss scaling, the optimizer)."""
+
+
+def display_path(path: str | None) -> str:
+    """A module path as the report prints it."""
+    if path is None:
+        return "(outside model)"
+    return path or "(model)"
+
+
+class ModuleTracker:
+    """Attributes ops to modules and phases while active (``with tracker:``); hooks are removed on exit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._names = {id(m): name for name, m in model.named_modules()}
+        self._param_owner: dict[int, str] = {}
+        for name, m in model.named_modules():
+            for p in m.parameters(recurse=False):
+                self._param_owner.setdefault(id(p), name)
+        self._stack: list[tuple[str, set[Any]]] = []
+        self._node_owner: dict[Any, str] = {}
+        self._handles: list[Any] = []
+        self.after_backward = False
+
+    # -- context -------------------------------------------------------------------------------------
+    def __enter__(self) -> ModuleTracker:
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def new_step(self) -> None:
+        """Forget the previous step's graph and phase."""
+        self._node_owner.clear()
+        self._stack.clear()
+        self.after_backward = False
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        frontier = {t.grad_fn for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        self._stack.append((self._names.get(id(module), type(module).__name__), frontier))
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._stack:
+            return
+        path, frontier = self._stack.pop()
+        todo = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        owner = self._node_owner
+        while todo:
+            node = todo.pop()
+            if node is None or node in owner or node in frontier:
+                continue
+            owner[node] = path
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+
+    # -- queries -------------------------------------------------------------------------------------
+    def where(self) -> tuple[str, str | None, str | None]:
+        """``(phase, module path, autograd node name)`` of the op being dispatched now."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            self.after_backward = True
+            path = self._node_owner.get(node)
+            if path is None:
+                var = getattr(node, "variable", None)  # AccumulateGrad
+                if var is not None:
+                    path = self._param_owner.get(id(var))
+            return "backward", path, node.name()
+        if self.after_backward:
+            return "step", OUTSIDE, None
+        return "forward", (self._stack[-1][0] if self._stack else OUTSIDE), None
+
+    def owner_of_param(self, p: torch.Tensor) -> str | None:
+        return self._param_owner.get(id(p))

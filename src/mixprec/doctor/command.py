@@ -1,0 +1,57 @@
+"""``mixprec doctor``: the diagnosis of a recipe on a built-in model and dataset (argument handling only)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import ConfigError
+
+__all__ = ["add_parser", "run"]
+
+DEFAULT_OUT = "mixprec-doctor"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..cli import add_train_arguments  # lazy: cli imports this module
+
+    p = sub.add_parser(
+        "doctor",
+        help="diagnose a recipe's numerics: precision map, ranges, first non-finite, lost updates",
+        description="Train a few steps with every numerics check on and report: which op ran in which dtype, "
+                    "per-layer value ranges against fp16/bf16/fp8, the first op that produced inf/nan (with an "
+                    "fp32 replay that finds the modules to keep in fp32), updates rounded away in low-precision "
+                    "weights, and the loss-scale history. Writes doctor.json, report.txt and PNG plots to --out.",
+    )
+    add_train_arguments(p)
+    p.set_defaults(precision="fp16-mixed", log_every=0, progress="off")
+    g = p.add_argument_group("doctor")
+    g.add_argument("--steps", type=int, default=20, metavar="N", help="training steps to observe (default 20)")
+    g.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"folder for doctor.json, report.txt and the plots (default ./{DEFAULT_OUT})")
+    g.add_argument("--no-replay", action="store_true",
+                   help="do not replay non-finite steps (no scale classification, no fp32 module search)")
+    g.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import config_from_args
+    from ..train.loop import build_run
+    from .api import diagnose_run
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    # --out is the doctor's folder here, not the trainer's checkpoint folder
+    config = config_from_args(args, out=None, checkpoint_every=None, resume=None, metrics_json=None)
+    r = build_run(config)
+    print(f"mixprec doctor: observing {args.steps} steps of {config.model} on {r.data.name} "
+          f"with {r.recipe.name} [{r.recipe.impl}] ...", flush=True)
+    report = diagnose_run(
+        r, r.train_loader, steps=args.steps, replay=not args.no_replay,
+        title={"model": config.model, "data": r.data.name, "batch_size": config.batch_size},
+    )
+    print(report.render())
+    paths = report.write(args.out, plots=not args.no_plots)
+    print(f"\nwrote {', '.join(paths)}")
+    return 0

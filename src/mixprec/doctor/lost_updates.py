@@ -1,0 +1,182 @@
+"""Lost updates: parameter updates that were non-zero but rounded away, ``low(w + Δ) == w``.
+
+A weight stored in bf16 has 8 significant bits: adding ``Δ`` to ``w`` changes nothing when
+``|Δ| < ulp(w) / 2``, about ``|w| * 2**-9``. With a small learning rate (or late in training, when
+gradients are small) most updates of a bf16-true model vanish, every step, and the loss stalls without any
+error. Master weights fix it (the optimizer steps an fp32 copy, where the same ``Δ`` survives, and the
+model gets the rounded copy); stochastic rounding fixes it in expectation.
+
+How it is measured
+------------------
+:class:`LostUpdateMonitor` hooks ``optimizer.step`` (``register_step_pre_hook``/``post_hook``), so it sees
+exactly the tensors the recipe's optimizer steps: the low-precision parameters for ``bf16-true``, the fp32
+master copies for the ``*-master`` recipes, the fp32 parameters for ``*-mixed``. Before the step it runs a
+*shadow* step: the same optimizer class and hyper-parameters over fp32 copies of the tensors, their
+gradients and a deep copy of the optimizer state. Its result minus ``w`` is the intended update ``Δ``,
+computed at full precision whatever the recipe. Then ``w + Δ`` is computed exactly (float64) and rounded
+to the stored dtype; where that gives ``w`` back while ``Δ != 0``, the update is lost. The post hook also
+counts the elements the real step left unchanged, as a cross-check.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .observer import dtype_name
+
+__all__ = ["LayerUpdates", "LostUpdates", "LostUpdateMonitor", "optimizer_param_names"]
+
+
+@dataclasses.dataclass
+class LayerUpdates:
+    name: str
+    dtype: str
+    """Dtype of the tensors the optimizer steps (``fp32`` for master copies)."""
+    updated: int = 0
+    """Elements with a non-zero intended update, summed over steps."""
+    lost: int = 0
+    """Of those, elements where ``low(w + Δ) == w``."""
+    unchanged: int = 0
+    """Of those, elements the real step left unchanged (cross-check of ``lost``)."""
+    ratios: list[float] = dataclasses.field(default_factory=list)
+    """Per step, the median of ``|Δ| / |w|`` over non-zero ``w``."""
+
+    @property
+    def lost_fraction(self) -> float:
+        return self.lost / self.updated if self.updated else 0.0
+
+    @property
+    def median_ratio(self) -> float | None:
+        return sorted(self.ratios)[len(self.ratios) // 2] if self.ratios else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.name, "dtype": self.dtype, "updated": self.updated, "lost": self.lost,
+                "unchanged": self.unchanged, "lost_fraction": self.lost_fraction,
+                "median_update_ratio": self.median_ratio}
+
+
+@dataclasses.dataclass
+class LostUpdates:
+    layers: list[LayerUpdates]
+    steps: int
+
+    @property
+    def lost_fraction(self) -> float:
+        upd = sum(layer.updated for layer in self.layers)
+        return sum(layer.lost for layer in self.layers) / upd if upd else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "lost_fraction": self.lost_fraction,
+                "layers": [layer.to_dict() for layer in self.layers]}
+
+
+def optimizer_param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                          master: Any = None) -> dict[int, str]:
+    """Name each tensor the optimizer steps after the model parameter it stands for.
+
+    The optimizer holds either the model's parameters or master copies of them, in the model's
+    parameter order (mixprec's MasterWeights keeps that order); matching falls back to position.
+    """
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    names: dict[int, str] = {}
+    model_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for i, p in enumerate(stepped):
+        if id(p) in by_id:
+            names[id(p)] = by_id[id(p)]
+        elif len(stepped) == len(model_params) and model_params[i][1].shape == p.shape:
+            names[id(p)] = model_params[i][0]
+        else:
+            names[id(p)] = f"param{i}"
+    return names
+
+
+def _layer_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+class LostUpdateMonitor:
+    """Measures lost updates on every ``optimizer.step()`` while active (``with monitor:``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+        self.optimizer = optimizer
+        self.names = names
+        self._layers: dict[str, LayerUpdates] = {}
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerUpdates]] = []
+        self._handles: list[Any] = []
+        self.steps = 0
+
+    def __enter__(self) -> LostUpdateMonitor:
+        self._handles = [self.optimizer.register_step_pre_hook(self._pre),
+                         self.optimizer.register_step_post_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _shadow_updates(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(param, Δ) for each param with a gradient: the update an all-fp32 optimizer would make."""
+        groups, pairs = [], []
+        for g in opt.param_groups:
+            shadow = []
+            for p in g["params"]:
+                s = p.detach().float().clone()
+                if p.grad is not None:
+                    s.grad = p.grad.detach().float().clone()
+                shadow.append(s)
+                pairs.append((p, s))
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shadow})
+        defaults = {k: v for k, v in opt.defaults.items() if k not in ("fused",)}
+        sopt = type(opt)(groups, **defaults)
+        sopt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict casts state to fp32
+        with torch.no_grad():
+            before = [s.clone() for _, s in pairs]
+            sopt.step()
+        return [(p, s - b) for (p, s), b in zip(pairs, before) if p.grad is not None]
+
+    def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._pending.clear()
+        with _disable_current_modes():  # the shadow step is not part of the observed step
+            updates = self._shadow_updates(opt)
+        for p, delta in updates:
+            name = self.names.get(id(p), "?")
+            layer = _layer_of(name)
+            lu = self._layers.get(layer)
+            if lu is None:
+                lu = self._layers[layer] = LayerUpdates(layer, dtype_name(p.dtype))
+            with _disable_current_modes():
+                self._pending.append((p, p.detach().clone(), delta, lu))
+
+    def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with torch.no_grad(), _disable_current_modes():
+            self._count()
+
+    def _count(self) -> None:
+        for p, before, delta, lu in self._pending:
+            moved = delta != 0
+            w = before.double()
+            rounded = (w + delta.double()).to(p.dtype)
+            lost = moved & (rounded == before)
+            lu.updated += int(moved.sum())
+            lu.lost += int(lost.sum())
+            lu.unchanged += int((moved & (p.detach() == before)).sum())
+            nz = moved & (before != 0)
+            if bool(nz.any()):
+                lu.ratios.append(float((delta[nz].abs() / before[nz].float().abs()).median()))
+        self._pending.clear()
+        self.steps += 1
+
+    def result(self, order: Iterable[str] | None = None) -> LostUpdates:
+        layers = list(self._layers.values())
+        if order is not None:
+            rank = {n: i for i, n in enumerate(order)}
+            layers.sort(key=lambda lu: rank.get(lu.name, len(rank)))
+        return LostUpdates(layers=layers, steps=self.steps)

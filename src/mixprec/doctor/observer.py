@@ -1,0 +1,156 @@
+"""Observe every ATen op of a training step at the dispatcher level.
+
+:class:`OpObserver` is a ``TorchDispatchMode``. The Python dispatch key sits *below* Autocast and
+Autograd, so the observer sees the ops that actually run: the ``_to_copy`` casts ``torch.autocast``
+inserts, the low-precision ``addmm`` after them, every backward kernel, and the optimizer's foreach ops.
+That is why the same observer works for PyTorch's native autocast and for mixprec's scratch autocast
+(a ``TorchFunctionMode`` above the dispatcher): both end up dispatching the same ATen ops.
+
+For each op the observer builds an :class:`OpCall` (op name, phase, module path from the
+:class:`~mixprec.doctor.attribution.ModuleTracker`, the arguments and outputs) and hands it to its sinks
+(the precision map, the non-finite watch). It also keeps two facts per tensor, in weak dictionaries
+(nothing is kept alive):
+
+* the op that produced it, so a report can say "the fp16 cast of the output of ``addmm``";
+* for emulated low precision (mixprec's ``emulate=True``: operands rounded with ``x.to(fp16).to(fp32)``,
+  arithmetic in fp32), the low dtype whose values an fp32 tensor carries. The mark is set on the upcast of
+  a low-precision tensor and follows views, so an fp32 ``addmm`` whose floating inputs all carry fp16
+  values is reported as ``fp16 (emulated)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .attribution import ModuleTracker
+
+__all__ = ["OpCall", "OpObserver", "LOW_DTYPES", "dtype_name", "is_data_movement"]
+
+LOW_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+_NAMES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2",
+}
+
+# ops that move or alias data without arithmetic (listed apart from the compute ops in the map)
+_MOVEMENT = frozenset({
+    "_to_copy", "to", "clone", "copy_", "detach", "_unsafe_view", "alias", "lift_fresh", "contiguous",
+    "empty_like", "zeros_like", "ones_like", "full_like", "empty", "zeros", "ones", "fill_", "zero_",
+    "new_empty", "new_zeros", "new_ones", "full", "new_full", "empty_strided", "new_empty_strided", "scalar_tensor",
+    "_local_scalar_dense", "lift", "set_", "resize_", "_reshape_alias",
+})
+
+
+def dtype_name(dt: torch.dtype | None) -> str:
+    if dt is None:
+        return "-"
+    return _NAMES.get(dt, str(dt).removeprefix("torch."))
+
+
+def is_data_movement(func: Any) -> bool:
+    """True for views, copies, casts and allocations: ops that do no arithmetic."""
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    return name in _MOVEMENT or bool(getattr(func, "is_view", False))
+
+
+@dataclasses.dataclass
+class OpCall:
+    """One dispatched ATen op."""
+
+    func: Any
+    name: str
+    """ATen op name without namespace or overload (``addmm``, ``_to_copy``)."""
+    phase: str
+    """``forward``, ``backward`` or ``step``."""
+    module: str | None
+    """Qualified name of the module it ran in (``""`` the model itself, None outside the model)."""
+    node: str | None
+    """Name of the autograd node running it (backward only), e.g. ``AddmmBackward0``."""
+    args: tuple
+    kwargs: dict
+    out: Any
+    in_tensors: list[torch.Tensor]
+    out_tensors: list[torch.Tensor]
+    emulated: torch.dtype | None
+    """The low dtype whose values every floating input carries, when the op runs emulated in fp32."""
+
+    @property
+    def in_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(t.dtype for t in self.in_tensors if t.is_floating_point())
+
+    @property
+    def out_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(t.dtype for t in self.out_tensors if t.is_floating_point())
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the op computes in: its floating inputs' dtype (the widest if mixed)."""
+        dts = self.in_dtypes or self.out_dtypes
+        if not dts:
+            return None
+        return max(dts, key=lambda d: torch.finfo(d).bits)
+
+
+class OpObserver(TorchDispatchMode):
+    """Dispatch mode calling each sink's ``on_op(call, observer)`` after every op runs.
+
+    Args:
+        tracker: supplies phase and module path; must be entered around the same code.
+        sinks: objects with ``on_op(call: OpCall, observer: OpObserver) -> None``.
+    """
+
+    def __init__(self, tracker: ModuleTracker, sinks: Sequence[Any]) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.sinks = list(sinks)
+        self.producer: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._carries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def producer_of(self, t: torch.Tensor) -> str | None:
+        return self.producer.get(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        phase, module, node = self.tracker.where()
+        ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+        emulated = self._emulated(ins)
+        call = OpCall(func=func, name=name, phase=phase, module=module, node=node, args=args, kwargs=kwargs,
+                      out=out, in_tensors=ins, out_tensors=outs, emulated=emulated)
+        for sink in self.sinks:
+            sink.on_op(call, self)
+        self._mark(func, name, ins, outs, emulated)
+        return out
+
+    # -- per-tensor facts ----------------------------------------------------------------------------
+    def _emulated(self, ins: list[torch.Tensor]) -> torch.dtype | None:
+        floats = [t for t in ins if t.is_floating_point()]
+        if not floats or any(t.dtype != torch.float32 for t in floats):
+            return None
+        marks = {self._carries.get(t) for t in floats}
+        if len(marks) == 1:
+            return marks.pop()
+        return None
+
+    def _mark(self, func: Callable, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+              emulated: torch.dtype | None) -> None:
+        for o in outs:
+            self.producer[o] = name
+        if not outs or outs[0].dtype != torch.float32:
+            return
+        if name == "_to_copy" and ins and ins[0].dtype in LOW_DTYPES:
+            self._carries[outs[0]] = ins[0].dtype  # an upcast of low-precision values
+        elif emulated is not None and (getattr(func, "is_view", False) or name in ("clone", "_unsafe_view",
+                                                                                     "detach", "t")):
+            for o in outs:
+                self._carries[o] = emulated

@@ -1,0 +1,139 @@
+"""PNG plots of a doctor report (matplotlib's Agg canvas; no global backend is set).
+
+* ``ranges_activations.png`` / ``ranges_gradients.png``: one row per layer, one column per binade, colour =
+  share of the layer's non-zero values in that binade; vertical lines mark each format's limits (largest
+  value, smallest normal, smallest subnormal). Gradients are drawn as stored at the current loss scale.
+* ``loss_scale.png``: the loss scale per step (log2), skipped steps marked, the loss on a second axis.
+* ``lost_updates.png``: lost-update fraction per layer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from .attribution import display_path
+from .ranges import BIN_MIN, Log2Histogram
+
+__all__ = ["write_plots"]
+
+_LIMITS = {  # format: (color, [(log2 value, label)])
+    "fp16": ("tab:red", [(math.log2(65504), "fp16 max"), (-14, "fp16 min normal"), (-24, "fp16 min subnormal")]),
+    "bf16": ("tab:blue", [(math.log2(3.39e38), "bf16 max"), (-126, "bf16 min normal"), (-133, "bf16 min subn.")]),
+    "fp8_e4m3": ("tab:green", [(math.log2(448), "e4m3 max"), (-6, "e4m3 min normal"), (-9, "e4m3 min subn.")]),
+    "fp8_e5m2": ("tab:purple", [(math.log2(57344), "e5m2 max"), (-14, None), (-16, "e5m2 min subn.")]),
+}
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int, title: str) -> str | None:
+    ranges = [h.binade_range() for h in hists]
+    occupied = [r for r in ranges if r]
+    if not occupied:
+        return None
+    lo = min(r[0] for r in occupied) + shift - 3
+    hi = max(r[1] for r in occupied) + shift + 3
+    lo, hi = min(lo, -26), max(hi, 17)  # always show fp16's whole range
+    cols = np.arange(lo, hi + 1)
+    grid = np.zeros((len(hists), len(cols)))
+    for i, h in enumerate(hists):
+        c = h.counts.numpy().astype(float)
+        tot = c.sum()
+        if tot == 0:
+            continue
+        for j, e in enumerate(cols):
+            idx = e - shift - BIN_MIN
+            if 0 <= idx < len(c):
+                grid[i, j] = c[idx] / tot
+    fig = _figure(max(8.0, 0.11 * len(cols) + 3), max(2.5, 0.32 * len(hists) + 1.6))
+    ax = fig.add_subplot(1, 1, 1)
+    masked = np.ma.masked_where(grid == 0, grid)
+    from matplotlib.colors import LogNorm
+
+    im = ax.imshow(masked, aspect="auto", cmap="viridis", norm=LogNorm(vmin=max(masked.min(), 1e-6), vmax=1.0),
+                   extent=(lo - 0.5, hi + 0.5, len(hists) - 0.5, -0.5), interpolation="nearest")
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=7)
+    ax.set_xlabel("binade e: |x| in [2^e, 2^(e+1))")
+    for fmt, (color, lines) in _LIMITS.items():
+        for x, label in lines:
+            if lo <= x <= hi + 1:
+                ax.axvline(x, color=color, lw=1, ls="--" if "subn" in (label or "") else "-", alpha=0.8)
+                if label:
+                    ax.text(x, -0.6, label, rotation=90, fontsize=6, color=color, va="bottom", ha="right")
+    ax.set_title(title, fontsize=9, pad=42)
+    fig.colorbar(im, ax=ax, label="share of the layer's non-zero values")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write_plots(report: Any, out_dir: str) -> list[str]:
+    """Write the PNGs into ``out_dir``; returns their paths (none if matplotlib is missing)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return []
+    paths: list[str] = []
+    layers = report.ranges.layers
+    names = [f"{display_path(lr.name)} ({lr.kind})" for lr in layers]
+    t = report.title
+    head = f"{t.get('recipe')} on {t.get('model')}"
+    p = _heatmap(os.path.join(out_dir, "ranges_activations.png"), names, [lr.activations for lr in layers], 0,
+                 f"{head}: activation magnitudes per layer vs format limits")
+    if p:
+        paths.append(p)
+    k = report.log2_scale
+    p = _heatmap(os.path.join(out_dir, "ranges_gradients.png"), names, [lr.gradients() for lr in layers], k,
+                 f"{head}: gradient magnitudes x loss scale 2^{k} (as stored) vs format limits")
+    if p:
+        paths.append(p)
+
+    recs = report.history.records
+    if recs:
+        fig = _figure(7, 3.2)
+        ax = fig.add_subplot(1, 1, 1)
+        steps = [r.step for r in recs]
+        ax.step(steps, [math.log2(max(r.scale, 1e-30)) for r in recs], where="post", label="log2 loss scale")
+        sk = [r for r in recs if r.skipped]
+        if sk:
+            ax.scatter([r.step for r in sk], [math.log2(max(r.scale, 1e-30)) for r in sk], color="tab:red",
+                       marker="x", zorder=3, label="skipped step")
+        ax.set_xlabel("step")
+        ax.set_ylabel("log2 loss scale")
+        ax2 = ax.twinx()
+        ax2.plot(steps, [r.loss for r in recs], color="tab:gray", alpha=0.7, label="loss")
+        ax2.set_ylabel("loss")
+        ax.legend(loc="upper right", fontsize=7)
+        ax.set_title(f"{head}: loss scale and loss", fontsize=9)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "loss_scale.png")
+        fig.savefig(p)
+        paths.append(p)
+
+    lu = report.lost_updates.layers
+    if lu:
+        fig = _figure(7, max(2.5, 0.3 * len(lu) + 1.2))
+        ax = fig.add_subplot(1, 1, 1)
+        ax.barh([f"{display_path(x.name)} [{x.dtype}]" for x in lu], [x.lost_fraction for x in lu], color="tab:orange")
+        ax.set_xlim(0, 1)
+        ax.invert_yaxis()
+        ax.set_xlabel("share of non-zero updates rounded away (low(w + d) == w)")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title(f"{head}: lost updates per layer", fontsize=9)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "lost_updates.png")
+        fig.savefig(p)
+        paths.append(p)
+    return paths

@@ -1,0 +1,159 @@
+"""Precision map: every op of one training step, with its dtypes, module, count, FLOPs and bytes cast.
+
+Built from the dispatcher-level :class:`~mixprec.doctor.observer.OpObserver`, so it shows what really
+ran, whichever autocast produced it: an ``addmm`` listed as ``bf16`` ran a bf16 kernel; ``_to_copy
+fp32->bf16`` rows are the casts autocast inserted (the weight-cast cache shows up as *fewer* of them); an
+``fp16 (emulated)`` op computed in fp32 on operands rounded to fp16 (mixprec's emulation on CPUs without
+fast fp16). FLOPs come from PyTorch's own formulas (``torch.utils.flop_counter``: matmuls, convolutions,
+attention); everything else counts zero FLOPs, which is what matters for the summary "share of FLOPs in
+low precision". "Kept in fp32" lists the forward ops that did arithmetic in fp32 although the recipe had
+a low dtype: the ops the cast policy protects (losses, softmax and norms where the policy says so) and
+the ones it merely lets through (residual adds that meet an fp32 operand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from .attribution import display_path
+from .observer import LOW_DTYPES, OpCall, OpObserver, dtype_name, is_data_movement
+
+__all__ = ["MapRow", "PrecisionMap", "PrecisionMapSink"]
+
+
+@dataclasses.dataclass
+class MapRow:
+    phase: str
+    module: str | None
+    op: str
+    inputs: str
+    """Floating input dtypes, e.g. ``bf16,bf16,bf16``."""
+    outputs: str
+    compute: str
+    """Dtype the op computed in: ``bf16``, ``fp32``, ``fp16 (emulated)``; ``cast`` for dtype conversions."""
+    count: int = 0
+    flops: int = 0
+    cast_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["module"] = display_path(self.module)
+        return d
+
+
+@dataclasses.dataclass
+class PrecisionMap:
+    """What one forward + backward (+ optimizer step) ran, aggregated per (phase, module, op, dtypes)."""
+
+    low_dtype: str
+    rows: list[MapRow]
+
+    def flop_rows(self) -> list[MapRow]:
+        return [r for r in self.rows if r.flops > 0]
+
+    def _is_low(self, r: MapRow) -> bool:
+        return r.compute.split(" ")[0] in {dtype_name(d) for d in LOW_DTYPES}
+
+    @property
+    def total_flops(self) -> int:
+        return sum(r.flops for r in self.rows if r.phase != "step")
+
+    @property
+    def low_flops(self) -> int:
+        return sum(r.flops for r in self.rows if r.phase != "step" and self._is_low(r))
+
+    @property
+    def low_flop_share(self) -> float:
+        return self.low_flops / self.total_flops if self.total_flops else 0.0
+
+    @property
+    def emulated(self) -> bool:
+        return any("emulated" in r.compute for r in self.rows)
+
+    def casts(self) -> tuple[int, int]:
+        """(number of dtype casts, bytes written by them) in forward + backward."""
+        rows = [r for r in self.rows if r.cast_bytes and r.phase != "step"]
+        return sum(r.count for r in rows), sum(r.cast_bytes for r in rows)
+
+    def kept_fp32(self) -> dict[str, int]:
+        """Forward ops that did arithmetic in fp32 (not emulated), with how often they ran."""
+        c: Counter[str] = Counter()
+        for r in self.rows:
+            if r.phase == "forward" and r.compute == "fp32" and r.op not in _SKIP_KEPT:
+                c[r.op] += r.count
+        return dict(c)
+
+    def op_counts(self) -> dict[str, int]:
+        c: Counter[str] = Counter()
+        for r in self.rows:
+            c[r.phase] += r.count
+        return dict(c)
+
+    def summary(self) -> dict[str, Any]:
+        n_casts, cast_bytes = self.casts()
+        return {
+            "low_dtype": self.low_dtype,
+            "low_flop_share": self.low_flop_share,
+            "total_flops": self.total_flops,
+            "low_flops": self.low_flops,
+            "ops": self.op_counts(),
+            "casts": n_casts,
+            "cast_bytes": cast_bytes,
+            "kept_fp32": self.kept_fp32(),
+            "emulated": self.emulated,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary(), "rows": [r.to_dict() for r in self.rows]}
+
+
+# forward ops that are fp32 for lack of floating inputs or that do not compute values worth listing
+_SKIP_KEPT = frozenset({"detach", "ones_like", "zeros_like", "empty_like", "nll_loss_forward_target"})
+
+
+class PrecisionMapSink:
+    """Aggregates :class:`OpCall` s into a :class:`PrecisionMap` (a sink of :class:`OpObserver`)."""
+
+    def __init__(self, low_dtype: torch.dtype | None) -> None:
+        self.low_dtype = low_dtype
+        self._rows: dict[tuple, MapRow] = {}
+
+    def on_op(self, call: OpCall, observer: OpObserver) -> None:
+        if is_data_movement(call.func) and call.name != "_to_copy":
+            return
+        ins = ",".join(dtype_name(d) for d in call.in_dtypes) or "-"
+        outs = ",".join(dtype_name(d) for d in call.out_dtypes) or "-"
+        if call.name == "_to_copy":
+            compute = "cast"
+        elif call.emulated is not None:
+            compute = f"{dtype_name(call.emulated)} (emulated)"
+        else:
+            compute = dtype_name(call.compute_dtype)
+        key = (call.phase, call.module, call.name, ins, outs, compute)
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = MapRow(call.phase, call.module, call.name, ins, outs, compute)
+        row.count += 1
+        row.flops += _flops(call)
+        if call.name == "_to_copy" and call.in_tensors and call.out_tensors:
+            src, dst = call.in_tensors[0], call.out_tensors[0]
+            if src.dtype != dst.dtype and src.is_floating_point() and dst.is_floating_point():
+                row.cast_bytes += dst.numel() * dst.element_size()
+
+    def result(self) -> PrecisionMap:
+        return PrecisionMap(low_dtype=dtype_name(self.low_dtype), rows=list(self._rows.values()))
+
+
+def _flops(call: OpCall) -> int:
+    formula = flop_registry.get(call.func.overloadpacket)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*call.args, **call.kwargs, out_val=call.out))
+    except Exception:  # a formula that does not know this overload: count nothing rather than fail
+        return 0

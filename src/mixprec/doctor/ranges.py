@@ -1,0 +1,287 @@
+"""Range profile: per-layer log2 histograms of activations and gradients, set against each format's range.
+
+What is measured
+----------------
+Each profiled step runs one extra forward + backward of the model *in fp32* (a functional call with fp32
+copies of the weights, the recipe's autocast off, the RNG state forked so dropout masks equal the real
+step's): the true magnitudes, before any format could clip them. For every layer (leaf modules and modules
+owning parameters) it records the magnitudes of
+
+* the layer's output (activations),
+* the gradient of the loss with respect to that output (what backward carries between layers),
+* the gradients of the layer's own parameters,
+
+as counts per binade: ``|x|`` in ``[2**e, 2**(e+1))`` goes to bin ``e`` (``e = frexp(x).exponent - 1``,
+exact, no logarithms), plus separate counts of exact zeros and non-finite values.
+
+Projection onto a format
+------------------------
+A format with smallest subnormal ``2**s``, smallest normal ``2**n`` and max ``M`` maps a value in binade
+``e`` (after multiplying by a loss scale ``2**k``, i.e. in binade ``e + k``) to
+
+* **overflow** if ``e + k > floor(log2 M)`` (fp16: ``e + k >= 16``, i.e. ``>= 65536``),
+* **underflow to zero** if ``e + k <= s - 2`` (below half the smallest subnormal, round-to-nearest gives 0),
+* **subnormal** (precision loss: fewer than the format's mantissa bits survive) if ``s - 1 <= e + k < n``.
+
+Resolution is one binade: the top binade of a format (fp16: 32768..65504) counts as representable. Fractions
+are of the non-zero finite values (a zero is a zero in every format). Activations are projected at scale 1;
+gradients at the loss scale (``2**k``), because what backward stores in fp16 is the *scaled* gradient.
+
+Choosing a loss scale
+---------------------
+:meth:`Log2Histogram.best_scale` tries every power of two ``2**k`` and keeps the one with (in order): no
+overflow if any scale achieves it (an overflow makes the scaler skip the whole step), the fewest values
+lost to underflow or overflow, the fewest subnormals, and finally the middle of the remaining tie range,
+which leaves the most headroom both ways for gradients that grow or shrink during training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
+
+from ..formats import Format, get_format
+
+__all__ = ["Log2Histogram", "LayerRanges", "RangeProfile", "RangeProfiler", "DEFAULT_FORMATS", "BIN_MIN", "BIN_MAX"]
+
+DEFAULT_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+BIN_MIN, BIN_MAX = -160, 140
+"""Binade range kept (fp32 spans -149..127; float64 extremes are clamped into the end bins)."""
+_NBINS = BIN_MAX - BIN_MIN + 1
+
+
+def _fmt_edges(fmt: Format) -> tuple[int, int, int]:
+    """(top binade that fits, smallest-subnormal exponent s, smallest-normal exponent n)."""
+    return (math.floor(math.log2(fmt.max)), round(math.log2(fmt.smallest_subnormal)),
+            round(math.log2(fmt.smallest_normal)))
+
+
+@dataclasses.dataclass
+class Log2Histogram:
+    """Counts of magnitudes per binade, plus zeros and non-finite values."""
+
+    counts: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(_NBINS, dtype=torch.int64))
+    zeros: int = 0
+    nonfinite: int = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        a = t.detach().reshape(-1)
+        if a.is_complex() or not a.is_floating_point():
+            return
+        a = a.abs().float() if a.dtype != torch.float64 else a.abs()
+        fin = torch.isfinite(a)
+        nz = fin & (a > 0)
+        self.nonfinite += int((~fin).sum())
+        self.zeros += int((fin & (a == 0)).sum())
+        vals = a[nz]
+        if vals.numel():
+            e = torch.frexp(vals).exponent.to(torch.int64) - 1
+            e = e.clamp(BIN_MIN, BIN_MAX) - BIN_MIN
+            self.counts += torch.bincount(e, minlength=_NBINS).cpu()
+
+    def merge(self, other: Log2Histogram) -> None:
+        self.counts += other.counts
+        self.zeros += other.zeros
+        self.nonfinite += other.nonfinite
+
+    @property
+    def nonzero(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def total(self) -> int:
+        return self.nonzero + self.zeros + self.nonfinite
+
+    def binade_range(self) -> tuple[int, int] | None:
+        """(lowest, highest) occupied binade, or None if there are no non-zero finite values."""
+        idx = torch.nonzero(self.counts).flatten()
+        if not idx.numel():
+            return None
+        return int(idx[0]) + BIN_MIN, int(idx[-1]) + BIN_MIN
+
+    def fractions(self, fmt: str | Format, log2_scale: int = 0) -> dict[str, float]:
+        """Fractions of the non-zero finite values that overflow / underflow / are subnormal at ``2**k``."""
+        top, s, n = _fmt_edges(get_format(fmt))
+        nz = self.nonzero
+        if nz == 0:
+            return {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0}
+        e = torch.arange(BIN_MIN, BIN_MAX + 1) + int(log2_scale)
+        c = self.counts
+        return {
+            "overflow": int(c[e > top].sum()) / nz,
+            "underflow": int(c[e <= s - 2].sum()) / nz,
+            "subnormal": int(c[(e >= s - 1) & (e < n)].sum()) / nz,
+        }
+
+    def best_scale(self, fmt: str | Format = "fp16", k_min: int = -24, k_max: int = 40) -> int | None:
+        """The exponent ``k`` of the recommended loss scale ``2**k`` (see the module docstring)."""
+        if self.nonzero == 0:
+            return None
+        cands = []
+        for k in range(k_min, k_max + 1):
+            f = self.fractions(fmt, k)
+            cands.append((f["overflow"] > 0, f["overflow"] + f["underflow"], f["subnormal"], k))
+        best = min(c[:3] for c in cands)
+        tied = [c[3] for c in cands if c[:3] == best]
+        return tied[(len(tied) - 1) // 2]
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.binade_range()
+        counts = {}
+        if r is not None:
+            for e in range(r[0], r[1] + 1):
+                v = int(self.counts[e - BIN_MIN])
+                if v:
+                    counts[str(e)] = v
+        return {"binade_counts": counts, "zeros": self.zeros, "nonfinite": self.nonfinite,
+                "binade_range": list(r) if r else None}
+
+
+@dataclasses.dataclass
+class LayerRanges:
+    name: str
+    kind: str
+    """Module type name."""
+    activations: Log2Histogram = dataclasses.field(default_factory=Log2Histogram)
+    grad_outputs: Log2Histogram = dataclasses.field(default_factory=Log2Histogram)
+    grad_params: Log2Histogram = dataclasses.field(default_factory=Log2Histogram)
+
+    def gradients(self) -> Log2Histogram:
+        h = Log2Histogram()
+        h.merge(self.grad_outputs)
+        h.merge(self.grad_params)
+        return h
+
+
+@dataclasses.dataclass
+class RangeProfile:
+    """Per-layer histograms over the profiled steps, and their projection onto formats."""
+
+    layers: list[LayerRanges]
+    steps: int
+    formats: tuple[str, ...] = DEFAULT_FORMATS
+
+    def all_gradients(self) -> Log2Histogram:
+        h = Log2Histogram()
+        for lr in self.layers:
+            h.merge(lr.gradients())
+        return h
+
+    def all_activations(self) -> Log2Histogram:
+        h = Log2Histogram()
+        for lr in self.layers:
+            h.merge(lr.activations)
+        return h
+
+    def layer_rows(self, log2_scale: int) -> list[dict[str, Any]]:
+        """Per layer: binade ranges and fractions per format (activations at 1, gradients at 2**k)."""
+        rows = []
+        for lr in self.layers:
+            g = lr.gradients()
+            rows.append({
+                "layer": lr.name,
+                "type": lr.kind,
+                "activation_binades": lr.activations.binade_range(),
+                "gradient_binades": g.binade_range(),
+                "activation_nonfinite": lr.activations.nonfinite,
+                "gradient_nonfinite": g.nonfinite,
+                "activations": {f: lr.activations.fractions(f, 0) for f in self.formats},
+                "gradients": {f: g.fractions(f, log2_scale) for f in self.formats},
+            })
+        return rows
+
+    def to_dict(self, log2_scale: int = 0) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "formats": list(self.formats),
+            "layers": self.layer_rows(log2_scale),
+            "histograms": {lr.name: {"activations": lr.activations.to_dict(),
+                                     "grad_outputs": lr.grad_outputs.to_dict(),
+                                     "grad_params": lr.grad_params.to_dict()} for lr in self.layers},
+        }
+
+
+def profiled_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Leaf modules and modules owning parameters, minus pass-through ``nn.Identity``; not the root."""
+    out = []
+    for name, m in model.named_modules():
+        if not name or isinstance(m, nn.Identity):
+            continue
+        if not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False)):
+            out.append((name, m))
+    return out
+
+
+class RangeProfiler:
+    """Accumulates a :class:`RangeProfile` over calls of :meth:`observe` (one fp32 pass each)."""
+
+    def __init__(self, model: nn.Module, formats: Iterable[str] = DEFAULT_FORMATS) -> None:
+        self.model = model
+        self.formats = tuple(formats)
+        for f in self.formats:
+            get_format(f)  # fail early on a bad name
+        self._layers = {name: LayerRanges(name, type(m).__name__) for name, m in profiled_layers(model)}
+        self._modules = dict(profiled_layers(model))
+        if any(True for _ in model.parameters(recurse=False)):  # e.g. a transformer's cls / pos embeddings
+            self._layers[""] = LayerRanges("", type(model).__name__)
+        self._owner = {}
+        for name, m in model.named_modules():
+            for pn, _ in m.named_parameters(recurse=False, prefix=name):
+                self._owner[pn] = name
+        self.steps = 0
+
+    def observe(self, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One fp32 forward + backward on ``(x, y)``; returns the fp32 parameter gradients by name.
+
+        Leaves the model, its gradients, its buffers and the global RNG state exactly as they were.
+        """
+        model = self.model
+        params = {n: p.detach().float().requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+        buffers = {n: (b.detach().float() if b.is_floating_point() else b.detach()).clone()
+                   for n, b in model.named_buffers()}
+        handles = []
+
+        def hook(name: str):
+            def fwd(module: nn.Module, args: tuple, output: Any) -> None:
+                lr = self._layers[name]
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        lr.activations.add(t)
+                        if t.requires_grad:
+                            t.register_hook(lambda g, lr=lr: lr.grad_outputs.add(g))
+            return fwd
+
+        for name, m in self._modules.items():
+            handles.append(m.register_forward_hook(hook(name)))
+        devices = [x.device] if x.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.autocast(x.device.type, enabled=False):
+                out = functional_call(model, {**params, **buffers}, (x,))
+                loss = loss_fn(out, y)
+                wrt = [(n, p) for n, p in params.items() if p.requires_grad]
+                grads = torch.autograd.grad(loss.float(), [p for _, p in wrt], allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        ref = {}
+        for (n, _), g in zip(wrt, grads):
+            if g is None:
+                continue
+            ref[n] = g
+            owner = self._owner.get(n)
+            if owner in self._layers:
+                self._layers[owner].grad_params.add(g)
+        self.steps += 1
+        return ref
+
+    def result(self) -> RangeProfile:
+        layers = [lr for lr in self._layers.values()
+                  if lr.activations.total or lr.grad_outputs.total or lr.grad_params.total]
+        return RangeProfile(layers=layers, steps=self.steps, formats=self.formats)

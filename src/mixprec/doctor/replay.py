@@ -1,0 +1,200 @@
+"""Replay a failing step to explain it: at lower loss scales, and with chosen modules in fp32.
+
+A non-finite value has three usual causes, and each replay below tells one from the others. Replays run
+on a *copy* of the model with the weights of the failing step, the same batch and the recipe's autocast,
+so the run being diagnosed is never disturbed (BatchNorm statistics included).
+
+1. **The loss scale is too large** (fp16 with dynamic scaling): the forward is finite and the backward
+   overflows only because the loss was multiplied by ``S``. The dynamic scaler handles this by skipping
+   the step and halving ``S``. :func:`max_finite_scale` finds the largest power of two ``<= S`` at which
+   the step is finite (bisection over the exponent; finiteness is monotone in ``S`` up to rounding).
+2. **A layer's values leave the low format's range** (an activation above 65504 in fp16, a gradient
+   that explodes in a custom backward): :func:`minimal_fp32_set` runs modules in fp32 until the step is
+   finite. Greedy: replay, take the module of the first non-finite op, add it to the fp32 set, replay
+   again, until finite; then drop every module whose removal keeps the step finite. The result is a
+   1-minimal set (no single module can be dropped), usually the one layer that overflows.
+3. **The values are non-finite even in fp32** (a too-large learning rate, a log of zero): no module set
+   helps, and the replay says so.
+
+Running a module in fp32 (:class:`Fp32Modules`) means: its parameters and buffers converted to fp32 (on
+the copy), its floating inputs cast up, and autocast disabled inside it -- both ``torch.autocast`` and
+mixprec's scratch autocast, so the same replay works for either mechanism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .attribution import ModuleTracker, display_path
+from .nonfinite import NonFiniteEvent, NonFiniteWatch
+from .observer import OpObserver
+
+__all__ = ["Fp32Modules", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult"]
+
+
+def _scratch_disabled() -> contextlib.AbstractContextManager:
+    try:
+        from ..autocast import autocast as scratch_autocast
+    except ImportError:  # the scratch engine is optional for this purpose
+        return contextlib.nullcontext()
+    return scratch_autocast(torch.bfloat16, enabled=False)
+
+
+class Fp32Modules:
+    """Context: the named modules of ``model`` run in fp32 with autocast off (converts them in place)."""
+
+    def __init__(self, model: nn.Module, names: Iterable[str], device_type: str) -> None:
+        self.model = model
+        self.names = list(dict.fromkeys(names))
+        self.device_type = device_type
+        self._handles: list[Any] = []
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(self.device_type, enabled=False))
+        stack.enter_context(_scratch_disabled())
+        self._stacks.append(stack)
+
+        def up(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32:
+                return t.float()
+            return t
+
+        return tree_map(up, args), tree_map(up, kwargs)
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._stacks:
+            self._stacks.pop().close()
+
+    def __enter__(self) -> Fp32Modules:
+        for name in self.names:
+            m = self.model.get_submodule(name)
+            m.float()
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        while self._stacks:
+            self._stacks.pop().close()
+
+
+def replay_step(
+    model: nn.Module,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    loss_fn: Callable,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    fp32: Iterable[str] = (),
+) -> NonFiniteEvent | None:
+    """Forward + ``(loss * scale).backward()`` on a copy of ``model``; the first non-finite op, or None."""
+    replica = copy.deepcopy(model)
+    replica.train(model.training)
+    device_type = x.device.type
+    tracker = ModuleTracker(replica)
+    watch = NonFiniteWatch()
+    with tracker, Fp32Modules(replica, fp32, device_type), OpObserver(tracker, [watch]):
+        with autocast():
+            loss = loss_fn(replica(x), y)
+        if watch.first is None:
+            (loss * scale).backward()
+    if watch.first is not None:
+        watch.first.loss_scale = scale
+    return watch.first
+
+
+def max_finite_scale(model, autocast, loss_fn, x, y, *, scale: float, fp32: Iterable[str] = ()) -> float | None:
+    """Largest power of two ``<= scale`` at which the step is finite; None if not even at 1."""
+    fp32 = list(fp32)
+    if replay_step(model, autocast, loss_fn, x, y, scale=1.0, fp32=fp32) is not None:
+        return None
+    lo, hi = 0, max(0, math.floor(math.log2(scale)))  # finite at 2**lo; test up to 2**hi
+    if hi > 0 and replay_step(model, autocast, loss_fn, x, y, scale=2.0**hi, fp32=fp32) is None:
+        return 2.0**hi
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if replay_step(model, autocast, loss_fn, x, y, scale=2.0**mid, fp32=fp32) is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return 2.0**lo
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    """Outcome of :func:`minimal_fp32_set`."""
+
+    modules: list[str] | None
+    """The 1-minimal set of modules to keep in fp32 (qualified names), or None when none was found."""
+    trials: list[dict[str, Any]]
+    """Each replay: the fp32 set and the first non-finite op it still produced (None: finite)."""
+    note: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def minimal_fp32_set(
+    model: nn.Module,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    loss_fn: Callable,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    base: Iterable[str] = (),
+    max_trials: int = 32,
+) -> ReplayResult:
+    """Find a small set of modules whose fp32 execution makes the step finite (see the module docstring).
+
+    Args:
+        base: modules already kept in fp32 (the recipe's ``keep_fp32``); always part of every replay.
+    """
+    base = list(base)
+    trials: list[dict[str, Any]] = []
+
+    def trial(mods: list[str]) -> NonFiniteEvent | None:
+        ev = replay_step(model, autocast, loss_fn, x, y, scale=scale, fp32=base + mods)
+        trials.append({"fp32": [display_path(m) for m in mods],
+                       "first_nonfinite": None if ev is None else ev.describe()})
+        return ev
+
+    chosen: list[str] = []
+    ev = trial(chosen)
+    if ev is None:
+        return ReplayResult([], trials, "the step is finite in this replay; nothing needs fp32")
+    while ev is not None:
+        if len(trials) >= max_trials:
+            return ReplayResult(None, trials, f"no finite replay within {max_trials} trials")
+        m = ev.module
+        if m is None:
+            return ReplayResult(None, trials, f"the first non-finite op ran outside the model "
+                                              f"({ev.phase}: aten.{ev.op}); keeping modules in fp32 cannot fix it")
+        if m in chosen or m in base:
+            return ReplayResult(None, trials, f"{display_path(m)} still produces non-finite values in fp32 "
+                                              f"({ev.describe()}): this is not a precision problem")
+        chosen.append(m)
+        ev = trial(chosen)
+    for m in reversed(list(chosen)):  # prune to a 1-minimal set
+        if len(chosen) > 1 and len(trials) < max_trials:
+            rest = [c for c in chosen if c != m]
+            if trial(rest) is None:
+                chosen = rest
+    names = ", ".join(display_path(m) for m in chosen)
+    return ReplayResult(chosen, trials, f"the step is finite with {names} in fp32")

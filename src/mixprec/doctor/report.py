@@ -1,0 +1,318 @@
+"""The doctor's report: one object holding every check's result, rendered as text, JSON and PNG plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .attribution import display_path
+from .lost_updates import LostUpdates
+from .precision_map import PrecisionMap
+from .ranges import RangeProfile
+from .scale_history import ScaleHistory
+
+__all__ = ["DoctorReport", "GradientLoss"]
+
+
+@dataclasses.dataclass
+class GradientLoss:
+    """Gradient elements lost to underflow: zero after the recipe's backward, non-zero in the fp32 pass.
+
+    Both passes see the same weights, batch and dropout masks, so a difference in zero-ness is rounding:
+    a gradient below the low format's smallest subnormal (times the loss scale) flushed to zero.
+    """
+
+    nonzero: int = 0
+    lost: int = 0
+    steps: int = 0
+    per_layer: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def add(self, model: nn.Module, ref: dict[str, torch.Tensor]) -> None:
+        counted = False
+        for name, p in model.named_parameters():
+            r, g = ref.get(name), p.grad
+            if r is None or g is None or not bool(torch.isfinite(g).all()):
+                continue
+            mask = r != 0
+            n, lost = int(mask.sum()), int((mask & (g == 0)).sum())
+            layer = name.rsplit(".", 1)[0] if "." in name else ""
+            acc = self.per_layer.setdefault(layer, [0, 0])
+            acc[0] += lost
+            acc[1] += n
+            self.nonzero += n
+            self.lost += lost
+            counted = True
+        self.steps += counted
+
+    @property
+    def fraction(self) -> float:
+        return self.lost / self.nonzero if self.nonzero else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "nonzero": self.nonzero, "lost": self.lost, "fraction": self.fraction,
+                "per_layer": {display_path(k): {"lost": v[0], "nonzero": v[1]} for k, v in self.per_layer.items()}}
+
+
+def _log2(x: float) -> int:
+    return int(round(math.log2(x))) if x > 0 else 0
+
+
+def _pct(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if x < 0.0001:
+        return "<0.01%"
+    return f"{100 * x:.2f}%" if x < 0.1 else f"{100 * x:.1f}%"
+
+
+def _binades(r) -> str:
+    return "-" if not r else f"{r[0]}..{r[1]}"
+
+
+def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    out = [indent + "  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    for r in rows:
+        out.append(indent + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+    return out
+
+
+@dataclasses.dataclass
+class DoctorReport:
+    """Everything one doctor run found. ``render()`` for people, ``to_dict()`` for tools."""
+
+    title: dict[str, Any]
+    recipe_spec: dict[str, Any]
+    precision_map: PrecisionMap | None
+    ranges: RangeProfile
+    loss_scale: float
+    """The loss scale after the last step (1 without loss scaling)."""
+    gradient_loss: GradientLoss
+    faults: list[Any]
+    """:class:`~mixprec.doctor.api.FaultAnalysis` of the first non-finite steps."""
+    lost_updates: LostUpdates
+    history: ScaleHistory
+
+    # -- derived facts --------------------------------------------------------------------------------
+    @property
+    def low_format(self) -> str | None:
+        c = self.recipe_spec["compute"]
+        return c if c in ("fp16", "bf16") else None
+
+    @property
+    def log2_scale(self) -> int:
+        return _log2(self.loss_scale)
+
+    def recommended_log2_scale(self) -> int | None:
+        """Exponent of the loss scale that minimises fp16 gradient overflow + underflow (see ranges.py)."""
+        return self.ranges.all_gradients().best_scale("fp16")
+
+    def gradient_fractions(self, fmt: str = "fp16", log2_scale: int | None = None) -> dict[str, float]:
+        k = self.log2_scale if log2_scale is None else log2_scale
+        return self.ranges.all_gradients().fractions(fmt, k)
+
+    def first_fault(self):
+        return next((f for f in self.faults if f.is_fault), None)
+
+    def recommendations(self) -> list[dict[str, str]]:
+        from .advice import recommend
+
+        return recommend(self)
+
+    # -- output ---------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        k_rec = self.recommended_log2_scale()
+        return {
+            "title": self.title,
+            "recipe": self.recipe_spec,
+            "precision_map": None if self.precision_map is None else self.precision_map.to_dict(),
+            "ranges": {
+                **self.ranges.to_dict(self.log2_scale),
+                "loss_scale": self.loss_scale,
+                "recommended_loss_scale": None if k_rec is None else 2.0**k_rec,
+                "gradients_at_current_scale": {f: self.gradient_fractions(f) for f in self.ranges.formats},
+                "gradients_at_recommended_scale": None if k_rec is None else {
+                    f: self.gradient_fractions(f, k_rec) for f in self.ranges.formats},
+                "observed_gradient_underflow": self.gradient_loss.to_dict(),
+            },
+            "nonfinite": {
+                "first": self.faults[0].to_dict() if self.faults else None,
+                "first_fault": None if self.first_fault() is None else self.first_fault().to_dict(),
+                "analyzed": [f.to_dict() for f in self.faults],
+            },
+            "lost_updates": self.lost_updates.to_dict(),
+            "loss_scale_history": self.history.to_dict(),
+            "recommendations": self.recommendations(),
+        }
+
+    def write(self, out_dir: str, *, plots: bool = True) -> list[str]:
+        """Write doctor.json, report.txt and (with matplotlib) the PNG plots; returns the paths."""
+        os.makedirs(out_dir, exist_ok=True)
+        paths = []
+        p = os.path.join(out_dir, "doctor.json")
+        tmp = p + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1, default=_json_default, allow_nan=True)
+        os.replace(tmp, p)
+        paths.append(p)
+        p = os.path.join(out_dir, "report.txt")
+        with open(p, "w", encoding="utf-8") as f:
+            f.write(self.render() + "\n")
+        paths.append(p)
+        if plots:
+            from .plots import write_plots
+
+            paths += write_plots(self, out_dir)
+        return paths
+
+    def render(self) -> str:
+        t, s = self.title, self.recipe_spec
+        lines = [f"mixprec doctor: {t.get('recipe')} [{t.get('impl')}] on {t.get('model', '?')}"
+                 f" / {t.get('data', '?')}, {t.get('steps')} steps"
+                 + (f" of batch {t['batch_size']}" if t.get("batch_size") else "")
+                 + f", {t.get('params', 0):,} params, {t.get('device')}",
+                 f"  {t.get('describe', '')}", ""]
+        lines += self._render_map() + [""]
+        lines += self._render_ranges() + [""]
+        lines += self._render_nonfinite() + [""]
+        lines += self._render_lost() + [""]
+        lines += self._render_history() + [""]
+        lines.append("Recommendations")
+        for r in self.recommendations():
+            lines.append(f"  - {r['text']}")
+        return "\n".join(lines)
+
+    def _render_map(self) -> list[str]:
+        lines = ["1. Precision map (step 0, observed at the dispatcher: forward, backward, optimizer step)"]
+        pm = self.precision_map
+        if pm is None:
+            return lines + ["  (not recorded)"]
+        sm = pm.summary()
+        low = sm["low_dtype"]
+        em = " emulated: fp32 arithmetic on operands and results rounded to fp16" if sm["emulated"] else ""
+        lines.append(f"  FLOPs in low precision ({low}): {_pct(sm['low_flop_share'])} of "
+                     f"{sm['total_flops'] / 1e6:.2f} MFLOP (forward + backward){';' + em if em else ''}")
+        ops = sm["ops"]
+        lines.append(f"  ops: {ops.get('forward', 0)} forward, {ops.get('backward', 0)} backward, "
+                     f"{ops.get('step', 0)} optimizer step; {sm['casts']} dtype casts wrote "
+                     f"{sm['cast_bytes'] / 2**20:.2f} MiB")
+        kept = ", ".join(f"{k} x{v}" for k, v in sorted(sm["kept_fp32"].items()))
+        lines.append(f"  kept in fp32 (forward arithmetic): {kept or 'nothing'}")
+        rows = [r for r in pm.rows if r.phase != "step" and (r.flops or r.cast_bytes)]
+        shown = rows[:40]
+        lines += _table(
+            ["phase", "module", "op", "inputs -> outputs", "compute", "count", "MFLOP", "cast KiB"],
+            [[r.phase, display_path(r.module), r.op, f"{r.inputs} -> {r.outputs}", r.compute, str(r.count),
+              f"{r.flops / 1e6:.2f}" if r.flops else "", f"{r.cast_bytes / 1024:.1f}" if r.cast_bytes else ""]
+             for r in shown])
+        if len(rows) > len(shown):
+            lines.append(f"  ... {len(rows) - len(shown)} more rows with FLOPs or casts in doctor.json")
+        lines.append(f"  ({len(pm.rows)} distinct (phase, module, op, dtypes) rows in doctor.json)")
+        return lines
+
+    def _render_ranges(self) -> list[str]:
+        rp = self.ranges
+        k = self.log2_scale
+        lines = [f"2. Range profile (fp32 reference pass on each of {rp.steps} steps; binade e holds |x| in "
+                 f"[2^e, 2^(e+1)); fp16 fits e <= 15, normal from e = -14, zero below e = -26)"]
+        rows = []
+        for r in rp.layer_rows(k):
+            a16 = r["activations"].get("fp16", {})
+            g16 = r["gradients"].get("fp16", {})
+            e4 = r["activations"].get("fp8_e4m3", {})
+            e5 = r["gradients"].get("fp8_e5m2", {})
+            rows.append([display_path(r["layer"]), r["type"], _binades(r["activation_binades"]),
+                         _pct(a16.get("overflow")), _pct(e4.get("overflow")), _binades(r["gradient_binades"]),
+                         _pct(g16.get("underflow")), _pct(g16.get("subnormal")), _pct(g16.get("overflow")),
+                         _pct(e5.get("underflow"))])
+        lines += _table(["layer", "type", "act binades", "act>fp16", "act>e4m3", "grad binades",
+                         f"fp16 zero@2^{k}", "subnormal", "overflow", f"e5m2 zero@2^{k}"], rows)
+        now = self.gradient_fractions("fp16")
+        lines.append(f"  all gradients at the current loss scale 2^{k} = {self.loss_scale:g}: fp16 underflow "
+                     f"{_pct(now['underflow'])}, subnormal {_pct(now['subnormal'])}, overflow {_pct(now['overflow'])}")
+        k_rec = self.recommended_log2_scale()
+        if k_rec is not None:
+            rec = self.gradient_fractions("fp16", k_rec)
+            lines.append(f"  recommended loss scale for fp16: 2^{k_rec} = {2.0**k_rec:g}: underflow "
+                         f"{_pct(rec['underflow'])}, subnormal {_pct(rec['subnormal'])}, overflow {_pct(rec['overflow'])}")
+        gl = self.gradient_loss
+        if gl.steps:
+            lines.append(f"  observed: {_pct(gl.fraction)} of gradient elements that are non-zero in fp32 were zero "
+                         f"after the recipe's backward ({gl.lost:,} of {gl.nonzero:,} over {gl.steps} steps)")
+        return lines
+
+    def _render_nonfinite(self) -> list[str]:
+        lines = ["3. First non-finite"]
+        if not self.faults:
+            lines.append(f"  none: every op of forward, backward and optimizer step was finite in all "
+                         f"{len(self.history.records)} steps")
+            return lines
+        first = self.faults[0]
+        lines.append(f"  {first.describe()}")
+        for i in first.event.inputs:
+            lines.append(f"    input {i.short()}")
+        fault = self.first_fault()
+        if fault is None:
+            lines.append("  no other cause: every non-finite step was a loss-scale overflow that a smaller scale avoids")
+            return lines
+        if fault is not first:
+            lines.append(f"  first fault: {fault.describe()}")
+            for i in fault.event.inputs:
+                lines.append(f"    input {i.short()}")
+        if fault.replay is not None:
+            rr = fault.replay
+            lines.append(f"  fp32 replay ({len(rr.trials)} replays): {rr.note}")
+            for tr in rr.trials:
+                fp32 = ", ".join(tr["fp32"]) or "nothing"
+                lines.append(f"    fp32 = {{{fp32}}}: {tr['first_nonfinite'] or 'finite'}")
+        return lines
+
+    def _render_lost(self) -> list[str]:
+        lu = self.lost_updates
+        dtypes = sorted({layer.dtype for layer in lu.layers})
+        lines = [f"4. Lost updates (non-zero updates with low(w + d) == w; the optimizer steps "
+                 f"{'/'.join(dtypes) or '-'} tensors; {lu.steps} steps applied)"]
+        if not lu.layers:
+            return lines + ["  no optimizer step was applied"]
+        lines += _table(["layer", "dtype", "updated", "lost", "lost %", "median |d/w|"],
+                        [[display_path(layer.name), layer.dtype, f"{layer.updated:,}", f"{layer.lost:,}",
+                          _pct(layer.lost_fraction),
+                          "-" if layer.median_ratio is None else f"{layer.median_ratio:.2e}"]
+                         for layer in lu.layers])
+        lines.append(f"  overall: {_pct(lu.lost_fraction)} of non-zero updates rounded away")
+        return lines
+
+    def _render_history(self) -> list[str]:
+        h = self.history
+        sm = h.summary()
+        causes = ", ".join(f"{k} x{v}" for k, v in sm["causes"].items()) or "none"
+        lines = [f"5. Loss-scale history: {sm['first_scale']:g} -> {sm['final_scale']:g} over {sm['steps']} steps; "
+                 f"{sm['skipped']} skipped; non-finite causes: {causes}"]
+        recs = h.records
+        interesting = [r for r in recs if r.skipped or r.cause or r.next_scale != r.scale]
+        shown = recs if len(recs) <= 12 else interesting[:20]
+        rows = [[str(r.step), f"{r.loss:.4f}", f"{r.scale:g}", "yes" if r.skipped else "",
+                 (r.cause or "")[:110]] for r in shown]
+        if rows:
+            lines += _table(["step", "loss", "scale", "skipped", "cause"], rows)
+        if len(recs) > 12:
+            lines.append(f"  (steps without events omitted; all {len(recs)} in doctor.json)")
+        return lines
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, (torch.dtype, torch.device)):
+        return str(o)
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
