@@ -367,7 +367,7 @@ class _PolicyMode(TorchFunctionMode):
             with self:  # re-enter: the body's inner calls come back through this mode
                 return body(*args, **kwargs)
 
-        if kind is _BANNED:
+        if kind is _BANNED and any(_eligible(t, dev) for t in _iter_tensors(args, kwargs)):
             raise RuntimeError(
                 f"{name} is banned inside mixprec autocast({frame.dtype}, device_type="
                 f"{dev!r}): " + _BANNED_MESSAGE.get(name, "the policy lists it as unsafe.")
