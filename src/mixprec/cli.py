@@ -85,6 +85,9 @@ def add_train_arguments(p: argparse.ArgumentParser, *, with_precision: bool = Tr
     g.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="clip the L2 norm of the true (unscaled) gradients to X")
     g.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum, metavar="K",
+                   help="accumulate gradients of K batches per optimizer step (effective batch: "
+                        "batch size x K x processes)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed (weights, data order, rounding)")
 
     g = p.add_argument_group("run")
@@ -93,7 +96,10 @@ def add_train_arguments(p: argparse.ArgumentParser, *, with_precision: bool = Tr
     g.add_argument("--progress", default=d.progress, choices=("auto", "on", "off"),
                    help="progress bar (auto: only on a terminal)")
     g.add_argument("--strategy", default=d.strategy, choices=("none", "ddp", "fsdp"),
-                   help="multi-process strategy under torchrun")
+                   help="multi-process strategy under torchrun: ddp (replicate) or fsdp (shard)")
+    g.add_argument("--check-consistency", type=int, default=None, metavar="N",
+                   help="every N steps, check that all ranks hold the same loss scale, skipped-step count "
+                        "and parameters; stop on divergence (debug)")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,9 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from .train import distributed
     from .train.loop import train
 
-    result = train(config_from_args(args))
+    try:
+        result = train(config_from_args(args))
+    finally:
+        distributed.teardown()  # leave torchrun's process group (no-op in a one-process run)
     return 1 if result.stopped else 0
 
 

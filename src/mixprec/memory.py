@@ -33,7 +33,13 @@ __all__ = ["MemoryReport", "SavedTensorTracker", "storage_bytes", "static_memory
 MIB = 1024.0 * 1024.0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2 shard) counts the memory this rank holds: its local tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    t = _local(t)
     s = t.untyped_storage()
     return (str(t.device), s.data_ptr())
 
@@ -49,7 +55,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], *, exclude: set[tuple[str, in
         if key in seen or key[1] == 0:
             continue
         seen.add(key)
-        total += t.untyped_storage().nbytes()
+        total += _local(t).untyped_storage().nbytes()
     return total
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .config import RESUME_MUST_MATCH
+from .config import RESUME_MUST_MATCH, TrainConfig
 
 __all__ = ["FORMAT", "VERSION", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_path", "rng_state",
            "set_rng_state"]
@@ -87,12 +87,17 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     return p
 
 
-def load_checkpoint(path: str | os.PathLike, *, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, *, config: dict[str, Any] | None = None, world_size: int | None = None
+) -> dict[str, Any]:
     """Read and validate a checkpoint; nothing is applied to any model here.
 
     Args:
         path: a checkpoint file, or a folder holding ``last.pt``.
-        config: the current run's config; fields in RESUME_MUST_MATCH must equal the checkpoint's.
+        config: the current run's config; fields in RESUME_MUST_MATCH must equal the checkpoint's (a field
+            the checkpoint predates counts as its default).
+        world_size: the current number of processes; must equal the checkpoint's (1 if it has none),
+            because the data order and the steps per epoch depend on it.
     """
     p = resolve_checkpoint_path(path)
     try:
@@ -114,9 +119,10 @@ def load_checkpoint(path: str | os.PathLike, *, config: dict[str, Any] | None = 
         raise CheckpointError(f"--resume {path}: checkpoint {p} lacks {', '.join(missing)}; it is corrupt")
     if config is not None:
         theirs = ckpt["config"]
+        defaults = TrainConfig().to_dict()
         diffs = []
         for k in RESUME_MUST_MATCH:
-            a, b = config.get(k), theirs.get(k)
+            a, b = config.get(k), theirs.get(k, defaults.get(k))
             if isinstance(a, tuple):
                 a = list(a)
             if isinstance(b, tuple):
@@ -128,4 +134,11 @@ def load_checkpoint(path: str | os.PathLike, *, config: dict[str, Any] | None = 
                 f"--resume {path}: the checkpoint is from a different run: " + "; ".join(diffs)
                 + ". Resume with the same flags (only --epochs/--max-steps and output options may change)."
             )
+    theirs_world = ckpt.get("world_size", 1)
+    if world_size is not None and theirs_world != world_size:
+        raise CheckpointError(
+            f"--resume {path}: the checkpoint was written by a run of {theirs_world} process(es), this run has "
+            f"{world_size}; resume with `torchrun --nproc_per_node={theirs_world}` (the data order and the steps "
+            "per epoch depend on the number of processes)"
+        )
     return ckpt

@@ -107,6 +107,12 @@ class TrainConfig:
     """Progress bar: auto (only on a terminal), on, off."""
     strategy: str = "none"
     """Multi-process strategy under torchrun: none, ddp or fsdp."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step: gradients of K batches of batch_size are accumulated (no
+    gradient all-reduce until the last), then one unscale/clip/step. Effective batch: batch_size x K x ranks."""
+    check_consistency: int | None = None
+    """Every N optimizer steps, compare loss scale, skipped steps and a parameter checksum across ranks and
+    stop on divergence (debug; one all-gather each time)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag for values that cannot work."""
@@ -120,7 +126,8 @@ class TrainConfig:
         for flag in ("epochs", "batch_size", "lr", "width", "depth", "channels", "d_model", "n_heads",
                      "n_layers", "patch_size", "synthetic_train", "synthetic_test"):
             positive(flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("clip_grad_norm", "max_steps", "checkpoint_every", "limit_train", "limit_test"):
+        for flag in ("clip_grad_norm", "max_steps", "checkpoint_every", "limit_train", "limit_test",
+                     "check_consistency"):
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         if self.momentum < 0 or self.weight_decay < 0:
             raise ConfigError("--momentum and --weight-decay must be >= 0")
@@ -140,6 +147,9 @@ class TrainConfig:
             raise ConfigError(f"--synthetic-shape must be positive sizes, got {self.synthetic_shape}")
         if self.max_consecutive_skips < 1:
             raise ConfigError("--max-consecutive-skips must be >= 1")
+        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise ConfigError(f"--grad-accum must be a positive integer (micro-batches per step), "
+                              f"got {self.grad_accum!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -152,6 +162,6 @@ class TrainConfig:
 RESUME_MUST_MATCH = (
     "precision", "model", "width", "depth", "channels", "d_model", "n_heads", "n_layers", "patch_size",
     "dataset", "synthetic_train", "synthetic_shape", "limit_train", "batch_size", "optimizer", "seed",
-    "strategy",
+    "strategy", "grad_accum",
 )
 """Fields a resumed run must share with the checkpoint's run (others, like --epochs, may change)."""

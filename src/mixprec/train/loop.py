@@ -1,12 +1,15 @@
 """The training loop: one code path for every recipe.
 
 The loop never asks which precision it runs; it calls the recipe's hooks (see :mod:`mixprec.precision`).
-One step reads top to bottom in :func:`train_step`; :func:`train` adds epochs, evaluation, memory
-sampling, logging, checkpoints and the summary. ``bench`` and ``doctor`` reuse these functions.
+One step reads top to bottom in :func:`accumulate_step` (:func:`train_step` is its one-batch form);
+:func:`train` adds epochs, evaluation, memory sampling, logging, checkpoints and the summary. ``bench`` and
+``doctor`` reuse these functions. Under torchrun the same loop runs on every rank; :mod:`.distributed`
+supplies the process group, the DDP/FSDP wrapper and the reductions, each a no-op in a one-process run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -25,12 +28,14 @@ from ..errors import NonFiniteError
 from ..memory import MemoryReport, SavedTensorTracker, static_memory
 from ..precision import Recipe, ScalerConfig, StepResult, build_recipe
 from . import checkpoint as ckpt_mod
+from . import distributed
 from .config import TrainConfig
 from .data import BatchLoader, Dataset, load_dataset
 from .models import build_model
 from .report import Reporter, summary_table
 
-__all__ = ["Run", "build_run", "train_step", "evaluate", "train", "TrainResult", "make_optimizer_factory"]
+__all__ = ["Run", "build_run", "train_step", "accumulate_step", "evaluate", "train", "TrainResult",
+           "make_optimizer_factory"]
 
 
 @dataclasses.dataclass
@@ -60,9 +65,12 @@ def make_optimizer_factory(config: TrainConfig) -> Callable:
 
 
 def build_run(config: TrainConfig, *, data: Dataset | None = None) -> Run:
-    """Resolve device and recipe, load data, build and convert the model, create the optimizer."""
+    """Resolve device and recipe, load data, build, convert and wrap the model, create the optimizer.
+
+    Under torchrun this joins the process group (``--strategy ddp|fsdp``) and shards the data by rank.
+    """
     config.validate()
-    device = hardware.resolve_device(config.device)
+    env, device = distributed.setup(config.strategy, hardware.resolve_device(config.device))
     recipe = build_recipe(
         config.precision,
         device=device,
@@ -78,6 +86,7 @@ def build_run(config: TrainConfig, *, data: Dataset | None = None) -> Run:
         seed=config.seed,
         keep_fp32=tuple(config.keep_fp32),
     )
+    distributed.prepare_recipe(recipe)  # multi-process: the loss scaler all-reduces found_inf
     if data is None:
         data = load_dataset(
             config.dataset,
@@ -103,10 +112,12 @@ def build_run(config: TrainConfig, *, data: Dataset | None = None) -> Run:
         patch_size=config.patch_size,
     )
     model = recipe.convert_module(model)
+    model = distributed.wrap_model(model, recipe, config.strategy, device)  # DDP / FSDP2, or as it is
     optimizer = recipe.build_optimizer(model, make_optimizer_factory(config))
-    loader = BatchLoader(data.x_train, data.y_train, config.batch_size, shuffle=True, seed=config.seed)
+    loader = BatchLoader(data.x_train, data.y_train, config.batch_size, shuffle=True, seed=config.seed,
+                         rank=env.rank, world_size=env.world_size)
     return Run(config=config, device=device, data=data, model=model, recipe=recipe, optimizer=optimizer,
-               loss_fn=F.cross_entropy, train_loader=loader)
+               loss_fn=F.cross_entropy, train_loader=loader, rank=env.rank, world_size=env.world_size)
 
 
 def train_step(
@@ -117,45 +128,75 @@ def train_step(
     step: int | None = None,
     tracker: SavedTensorTracker | None = None,
 ) -> tuple[torch.Tensor, StepResult]:
-    """One optimizer step: forward under the recipe's autocast, scaled backward, unscale/clip/step.
+    """One optimizer step on one batch: forward under the recipe's autocast, scaled backward, unscale/clip/step.
 
     Returns the (unscaled, detached) loss tensor — not read on the host here — and the StepResult.
     """
+    return accumulate_step(run, [(xb, yb)], step=step, tracker=tracker)
+
+
+def accumulate_step(
+    run: Run,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    step: int | None = None,
+    tracker: SavedTensorTracker | None = None,
+) -> tuple[torch.Tensor, StepResult]:
+    """One optimizer step over K micro-batches (gradient accumulation; K = 1 is a plain step).
+
+    Each micro-batch's loss is weighted by its share of the step's samples, so the accumulated gradient is
+    that of the mean loss over all of them, as if they were one batch. The (scaled) backwards accumulate
+    into ``.grad``; under DDP/FSDP only the last one reduces gradients across ranks. Then the recipe
+    unscales, checks, clips, steps and updates the scale once. ``tracker`` watches the first forward.
+
+    Returns the step's mean loss (detached, not read on the host) and the StepResult.
+    """
     model, recipe, optimizer = run.model, run.recipe, run.optimizer
-    xb = xb.to(run.device, non_blocking=True)
-    yb = yb.to(run.device, non_blocking=True)
+    n_samples = sum(len(yb) for _, yb in micro_batches)
     optimizer.zero_grad(set_to_none=True)
-    if tracker is None:
-        with recipe.autocast():
-            loss = run.loss_fn(model(xb), yb)
-    else:
-        with tracker, recipe.autocast():
-            loss = run.loss_fn(model(xb), yb)
-    recipe.backward(loss, step=step)
+    step_loss = None
+    for i, (xb, yb) in enumerate(micro_batches):
+        xb = xb.to(run.device, non_blocking=True)
+        yb = yb.to(run.device, non_blocking=True)
+        last = i == len(micro_batches) - 1
+        with distributed.no_sync(model, enabled=not last):
+            with tracker if (tracker is not None and i == 0) else contextlib.nullcontext(), recipe.autocast():
+                loss = run.loss_fn(model(xb), yb)
+            if len(micro_batches) > 1:
+                loss = loss * (len(yb) / n_samples)
+            recipe.backward(loss, step=step)
+        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
     result = recipe.step(optimizer, run.config.clip_grad_norm)
-    return loss.detach(), result
+    return step_loss, result
 
 
 @torch.no_grad()
 def evaluate(run: Run, *, batch_size: int = 1000) -> tuple[float, float]:
-    """Test accuracy (fraction) and mean loss, under the recipe's autocast."""
+    """Test accuracy (fraction) and mean loss, under the recipe's autocast.
+
+    Under torchrun each rank evaluates a strided shard (padded so all ranks run the same batches; the
+    padding is not counted) and the sums are all-reduced, so every rank returns the whole test set's numbers.
+    """
     model = run.model
     was_training = model.training
     model.eval()
     x, y = run.data.x_test, run.data.y_test
-    correct = torch.zeros((), dtype=torch.int64, device=run.device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    for i in range(0, len(x), batch_size):
-        xb = x[i:i + batch_size].to(run.device)
-        yb = y[i:i + batch_size].to(run.device)
+    idx, n_real = distributed.eval_shard(len(x))
+    sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # correct, loss sum
+    for i in range(0, len(idx), batch_size):
+        xb = x.index_select(0, idx[i:i + batch_size]).to(run.device)
+        yb = y.index_select(0, idx[i:i + batch_size]).to(run.device)
+        k = min(max(n_real - i, 0), len(yb))  # real samples in this batch; the rest is padding
         with run.recipe.autocast():
-            logits = model(xb)
-            loss = run.loss_fn(logits, yb)
-        correct += (logits.argmax(dim=1) == yb).sum()
-        loss_sum += loss.double() * len(yb)
+            logits = model(xb)[:k]
+            loss = run.loss_fn(logits, yb[:k]) if k else None
+        if k:
+            sums[0] += (logits.argmax(dim=1) == yb[:k]).sum()
+            sums[1] += loss.double() * k
+    distributed.all_reduce_sum(sums)
     model.train(was_training)
     n = max(len(x), 1)
-    return correct.item() / n, loss_sum.item() / n
+    return sums[0].item() / n, sums[1].item() / n
 
 
 def _sync(device: torch.device) -> None:
@@ -193,10 +234,13 @@ def _memory_sample(run: Run, tracker: SavedTensorTracker, t0_cuda: bool) -> Memo
 
 
 def _checkpoint_payload(run: Run, *, epoch: int, batch: int, global_step: int, history, counters) -> dict:
+    """The checkpoint's contents; under FSDP gathering them is a collective, so every rank calls this."""
+    model_state, optimizer_state = distributed.state_dicts(run.model, run.optimizer)
     return {
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "recipe": run.recipe.state_dict(),
+        "world_size": run.world_size,
         "rng": ckpt_mod.rng_state(),
         "epoch": epoch,
         "batch": batch,
@@ -208,13 +252,13 @@ def _checkpoint_payload(run: Run, *, epoch: int, batch: int, global_step: int, h
 
 
 def _params_finite(model: nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return all(bool(torch.isfinite(distributed.local_tensor(p)).all()) for p in model.parameters())
 
 
 def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | None = None) -> TrainResult:
     """Train per ``config``; returns per-epoch history and the summary (also written per --metrics-json)."""
     run = run or build_run(config)
-    reporter = reporter or Reporter(progress=config.progress)
+    reporter = reporter or Reporter(progress=config.progress, rank=run.rank)
     recipe, device, loader = run.recipe, run.device, run.train_loader
     reporter.info(recipe.describe())
     reporter.info(
@@ -222,15 +266,21 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
         f"[{len(run.data.x_train):,} train / {len(run.data.x_test):,} test from {run.data.source}], "
         f"device {device} ({hardware.device_name(device)}), {torch.get_num_threads()} threads"
     )
+    if run.world_size > 1 or config.grad_accum > 1:
+        per_step = config.batch_size * config.grad_accum * run.world_size
+        reporter.info(
+            f"{run.world_size} process(es), strategy {config.strategy}: batch {config.batch_size} x "
+            f"{config.grad_accum} accumulated x {run.world_size} rank(s) = {per_step} samples per optimizer step; "
+            "logs and checkpoints from rank 0, metrics averaged over ranks"
+        )
 
     history: list[dict[str, Any]] = []
     counters = {"skipped_total": 0, "consecutive_skips": 0}
     start_epoch, start_batch, global_step = 0, 0, 0
     if config.resume:
-        ck = ckpt_mod.load_checkpoint(config.resume, config=config.to_dict())
+        ck = ckpt_mod.load_checkpoint(config.resume, config=config.to_dict(), world_size=run.world_size)
         try:
-            run.model.load_state_dict(ck["model"])
-            run.optimizer.load_state_dict(ck["optimizer"])
+            distributed.load_state_dicts(run.model, run.optimizer, ck["model"], ck["optimizer"])
             recipe.load_state_dict(ck["recipe"])
         except (RuntimeError, KeyError, ValueError) as e:
             from ..errors import CheckpointError
@@ -244,16 +294,16 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
                       f"(step {global_step})")
 
     def save(epoch: int, batch: int) -> None:
-        if config.out is None or run.rank != 0:
+        if config.out is None:
             return
-        ckpt_mod.save_checkpoint(
-            os.path.join(config.out, ckpt_mod.LAST),
-            _checkpoint_payload(run, epoch=epoch, batch=batch, global_step=global_step, history=history,
-                                counters=counters),
-        )
+        payload = _checkpoint_payload(run, epoch=epoch, batch=batch, global_step=global_step, history=history,
+                                      counters=counters)
+        if run.rank == 0:
+            ckpt_mod.save_checkpoint(os.path.join(config.out, ckpt_mod.LAST), payload)
 
     stopped: str | None = None
-    steps_per_epoch = len(loader)
+    accum = config.grad_accum
+    steps_per_epoch = math.ceil(len(loader) / accum)
     total_steps = steps_per_epoch * config.epochs
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
@@ -263,7 +313,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
             if global_step >= total_steps:
                 break
             loader.set_epoch(epoch)
-            sample_at = min(1, steps_per_epoch - 1)  # first step after warm-up (optimizer state exists)
+            sample_at = min(1, steps_per_epoch - 1) * accum  # first step after warm-up (optimizer state exists)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             losses: list[torch.Tensor] = []
             step_times: list[float] = []
@@ -274,9 +324,8 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
             t_epoch = time.perf_counter()
             t_prev = t_epoch
             first = start_batch if epoch == start_epoch else 0
-            for batch_idx, (xb, yb) in enumerate(loader):
-                if batch_idx < first:
-                    continue
+            pos = first  # next batch of the loader: where a checkpoint resumes
+            for batch_idx, micro_batches in _step_batches(loader, accum, first):
                 if global_step >= total_steps:
                     break
                 sampled = batch_idx == sample_at
@@ -286,7 +335,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
                 try:
-                    loss, res = train_step(run, xb, yb, step=global_step, tracker=tracker)
+                    loss, res = accumulate_step(run, micro_batches, step=global_step, tracker=tracker)
                 except NonFiniteError as e:
                     e.step = global_step
                     stopped = _stop_nonfinite(run, e, epoch, batch_idx, save, reporter)
@@ -295,6 +344,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
                     mem = _memory_sample(run, tracker, device.type == "cuda")
                 global_step += 1
                 n_steps += 1
+                pos = batch_idx + len(micro_batches)
                 loss_sum += loss
                 losses.append(loss)
                 if res.skipped:
@@ -306,45 +356,56 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
                 step_times.append(now - t_prev)
                 t_prev = now
                 if config.log_every and batch_idx % config.log_every == 0:
-                    reporter.log(f"Epoch: {epoch}, Batch: {batch_idx}, Loss: {loss.item():.4f}")
+                    reporter.log(f"Epoch: {epoch}, Batch: {batch_idx}, "
+                                 f"Loss: {distributed.mean_over_ranks(loss).item():.4f}")
                 bar.advance()
                 if counters["consecutive_skips"] >= config.max_consecutive_skips:
                     stopped = (
                         f"stopped at step {global_step}: {counters['consecutive_skips']} optimizer steps in a row were "
-                        f"skipped for inf/nan gradients (loss scale now {res.scale:g}); the loss itself is likely "
+                        f"skipped for inf/nan gradients (loss scale now {recipe.loss_scale():g}); the loss itself is "
+                        "likely "
                         "non-finite — lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer"
                     )
                     reporter.error(stopped)
                     break
+                if config.check_consistency and global_step % config.check_consistency == 0:
+                    try:
+                        distributed.check_consistency(run.model, step=global_step, scale=recipe.loss_scale(),
+                                                      skipped=counters["skipped_total"] + skipped_epoch,
+                                                      device=device)
+                    except distributed.RankDivergenceError as e:
+                        stopped = str(e)
+                        reporter.error(stopped)
+                        break
                 if config.checkpoint_every and global_step % config.checkpoint_every == 0:
-                    save(epoch, batch_idx + 1)
+                    save(epoch, pos)
             _sync(device)
-            epoch_time = time.perf_counter() - t_epoch
+            epoch_time = distributed.max_over_ranks(time.perf_counter() - t_epoch, device)
             counters["skipped_total"] += skipped_epoch
             if n_steps == 0:
                 break
             acc, test_loss = evaluate(run)
-            curve = torch.stack(losses).float().cpu().tolist()
+            curve = distributed.mean_over_ranks(torch.stack(losses).float()).cpu().tolist()
+            samples_per_step = config.batch_size * accum * run.world_size
             rec = {
                 "epoch": epoch,
                 "steps": n_steps,
-                "train_loss": loss_sum.item() / n_steps,
+                "train_loss": distributed.mean_over_ranks(loss_sum).item() / n_steps,
                 "test_loss": test_loss,
                 "test_accuracy": acc,
                 "epoch_time_s": epoch_time,
-                "samples_per_s": n_steps * config.batch_size / epoch_time,
+                "samples_per_s": n_steps * samples_per_step / epoch_time,
                 "step_times_s": step_times,
                 "loss_curve": curve,
                 "skipped_steps": skipped_epoch,
-                "loss_scale": res.scale,
+                "loss_scale": recipe.loss_scale(),
                 "memory": mem.to_dict() if mem else None,
             }
             history.append(rec)
             reporter.epoch_done(rec, recipe.name)
             if stopped:
                 break
-            finished_epoch = n_steps + first >= steps_per_epoch
-            save(epoch + 1, 0) if finished_epoch else save(epoch, first + n_steps)
+            save(epoch + 1, 0) if pos >= len(loader) else save(epoch, pos)
 
     summary = _summarize(run, history, counters, stopped)
     reporter.summary(summary_table([summary]))
@@ -364,7 +425,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
 def _stop_nonfinite(run: Run, e: NonFiniteError, epoch: int, batch_idx: int, save, reporter: Reporter) -> str:
     """Save the last good state (if the params are still finite) and explain what to do."""
     where = ""
-    if run.config.out and run.rank == 0:
+    if run.config.out:
         if _params_finite(run.model):
             save(epoch, batch_idx)
             where = f"; the last good state (before step {e.step}) is saved in {run.config.out}/last.pt"
@@ -392,6 +453,8 @@ def _summarize(run: Run, history: list[dict], counters: dict, stopped: str | Non
         "dataset": run.data.name,
         "device": str(run.device),
         "world_size": run.world_size,
+        "strategy": run.config.strategy,
+        "grad_accum": run.config.grad_accum,
         "epochs": len(history),
         "peak_memory_bytes": peak,
         "memory": peak_mem,
@@ -403,6 +466,21 @@ def _summarize(run: Run, history: list[dict], counters: dict, stopped: str | Non
         "final_loss_scale": history[-1]["loss_scale"] if history else math.nan,
         "stopped": stopped,
     }
+
+
+def _step_batches(loader: BatchLoader, accum: int, first: int):
+    """Yield ``(index of the first batch, [accum consecutive batches])`` per optimizer step, from batch
+    ``first`` on (the last group of an epoch may be shorter)."""
+    group: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for batch_idx, (xb, yb) in enumerate(loader):
+        if batch_idx < first:
+            continue
+        group.append((xb, yb))
+        if len(group) == accum:
+            yield batch_idx - accum + 1, group
+            group = []
+    if group:
+        yield len(loader) - len(group), group
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,414 @@
+"""Multi-process training under ``torchrun``: process group, DDP / FSDP2 wrapping, reductions, consistency.
+
+mixprec has no launcher and no communication of its own: ``torchrun --nproc_per_node=N -m mixprec train
+--strategy ddp|fsdp`` starts N processes, each reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and joins one process group: ``gloo`` when the run's
+device is the CPU, ``nccl`` on CUDA (each process then takes GPU ``LOCAL_RANK``). The loop calls the
+helpers below; with one process every one of them is a no-op, so the loop has one path.
+
+Strategies
+----------
+- ``ddp``: :class:`~torch.nn.parallel.DistributedDataParallel`. Every rank holds the whole model; the
+  backward all-reduces (averages) the gradients, so every rank applies the same update and the
+  parameters stay bit-identical. The recipe is unchanged (autocast, master weights, loss scaling).
+- ``fsdp``: FSDP2 :func:`~torch.distributed.fsdp.fully_shard`, one unit per element of every
+  ``nn.ModuleList`` (the transformer's blocks) plus the root. Each rank stores 1/N of every parameter in
+  fp32; the recipe maps to :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (:func:`fsdp_mp_policy`):
+  autocast recipes with fp32 params all-gather the params in the compute dtype (``param_dtype``: bf16 or
+  fp16), reduce-scatter gradients in fp32 (``reduce_dtype``) and leave the output dtype to autocast
+  (``output_dtype=None``; the loss runs in fp32 under autocast anyway). The sharded fp32 params are
+  the master copy, so the master-weight recipes (fp16-master, bf16-master, stochastic rounding) are
+  refused under FSDP with a pointer to the mixed recipe that means the same thing there.
+
+Data
+----
+:class:`~mixprec.train.data.BatchLoader` draws one permutation per ``(seed, epoch)`` on every rank and
+gives rank ``r`` positions ``r, r + N, r + 2N, ...`` (``DistributedSampler``'s striding). Step ``j`` of
+rank ``r`` with batch ``B`` therefore covers positions ``r + N*i`` for ``i`` in ``[jB, (j+1)B)``, and
+the union over ranks is exactly positions ``[jNB, (j+1)NB)``: the ``j``-th batch of one process with
+batch ``N*B`` and the same seed. DDP averages the per-rank mean losses' gradients, which equals the
+gradient of the mean over the union when ranks have equal batches (they do: shards are padded by
+wrapping to equal length). So ``N`` ranks x batch ``B`` train the same model as 1 process x batch
+``N*B``, up to fp32 summation order (tests/test_distributed.py checks it).
+
+Loss scaling
+------------
+Every rank must skip the same steps and hold the same scale, or the replicas diverge. DDP's all-reduce
+spreads an inf from any rank's backward to all, but an inf that appears after the reduction (or in one
+FSDP shard) is seen by one rank only, so ``found_inf`` itself is all-reduced: mixprec's
+:class:`~mixprec.scaler.DynamicLossScaler` does it when a process group exists, and for ``--amp-impl
+native`` :func:`prepare_recipe` swaps ``torch.amp.GradScaler`` for PyTorch's
+:class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` (same rule, same state dict, plus
+the all-reduce; it handles plain and DTensor gradients). :func:`check_consistency` (``--check-consistency
+N``) proves it at run time: every N steps it all-gathers scale, skipped-step count and a parameter
+checksum and stops with :class:`RankDivergenceError` when ranks disagree.
+
+Checkpoints
+-----------
+One file, written by rank 0 (:func:`state_dicts`): DDP saves the inner module's state dict (the same keys
+as a one-process run); FSDP gathers full, CPU-offloaded state dicts with
+``torch.distributed.checkpoint.state_dict`` (a collective: every rank calls it, rank 0 gets the tensors;
+the optimizer state is keyed by parameter name). The scaler, master weights and RNG state are the same
+on every rank, so rank 0's are saved. On resume every rank reads the file (so ``--out`` must be on a
+filesystem all ranks see) and :func:`load_state_dicts` applies it; FSDP re-shards the full tensors.
+Resuming needs the same world size and strategy: the data order and the steps per epoch depend on them.
+
+Known limitation: recipes without loss scaling raise on a non-finite loss before backward. The loss is
+per rank, so if only one rank's loss is non-finite that rank stops and torchrun then stops the others
+(exit code non-zero), without the collective "last good state" checkpoint a one-process run writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+
+__all__ = [
+    "DistEnv",
+    "RankDivergenceError",
+    "setup",
+    "teardown",
+    "wrap_model",
+    "prepare_recipe",
+    "fsdp_mp_policy",
+    "unwrap",
+    "no_sync",
+    "all_reduce_sum",
+    "mean_over_ranks",
+    "max_over_ranks",
+    "eval_shard",
+    "state_dicts",
+    "load_state_dicts",
+    "check_consistency",
+    "local_tensor",
+    "STRATEGIES",
+]
+
+STRATEGIES = ("none", "ddp", "fsdp")
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_owns_process_group = False  # True when setup() created the group (teardown() then destroys it)
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks that must agree (loss scale, skipped steps, replicated parameters) do not."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: rank 0 of 1 without torchrun."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    """``gloo`` or ``nccl`` when a process group is active; None for a plain one-process run."""
+
+    @property
+    def active(self) -> bool:
+        return self.backend is not None
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
+
+
+def setup(strategy: str, device: torch.device) -> tuple[DistEnv, torch.device]:
+    """Join torchrun's process group (or reuse one that exists) and pick this rank's device.
+
+    Returns the environment and the device to train on (``cuda:LOCAL_RANK`` under torchrun on CUDA).
+    Raises ConfigError when ``--strategy`` and the launch disagree: several processes with strategy
+    ``none`` (each would train its own copy), or ``ddp``/``fsdp`` without torchrun.
+    """
+    global _owns_process_group
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown --strategy {strategy!r}; choose none, ddp or fsdp")
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else _env_int("WORLD_SIZE", 1)
+    if strategy == "none":
+        if world > 1:
+            raise ConfigError(
+                f"{world} processes were started (WORLD_SIZE={world}) but --strategy is none, so each would "
+                "train its own copy of the model; add --strategy ddp (replicate the model, average gradients) "
+                "or --strategy fsdp (shard params, gradients and optimizer state)"
+            )
+        return DistEnv(), device
+    if not initialized:
+        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        if missing:
+            raise ConfigError(
+                f"--strategy {strategy} needs processes started by torchrun ({', '.join(missing)} not set); run "
+                f"`torchrun --nproc_per_node=N -m mixprec train ... --strategy {strategy}`, or drop --strategy"
+            )
+    if not dist.is_available():
+        raise ConfigError(f"--strategy {strategy}: this PyTorch build has no torch.distributed")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA device(s): start at most "
+                f"{torch.cuda.device_count()} processes per node (--nproc_per_node), or use --device cpu"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not initialized:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _owns_process_group = True
+    env = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                  backend=str(dist.get_backend()))
+    return env, device
+
+
+def teardown() -> None:
+    """Destroy the process group if :func:`setup` created it (no-op otherwise)."""
+    global _owns_process_group
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _owns_process_group = False
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# ------------------------------------------------------------------------------------------ wrapping
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module: DDP's ``.module``; FSDP2 modifies the module in place, so it is itself."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def fsdp_mp_policy(recipe):
+    """The FSDP2 ``MixedPrecisionPolicy`` a recipe means (see the module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    spec = recipe.spec
+    # Emulated fp16 (CPUs without fp16 kernels) needs fp32 tensors holding fp16 values: keep fp32 params
+    # and let the recipe's autocast round them, rather than hand it real fp16 weights.
+    low = spec.autocast and spec.param_dtype == torch.float32 and spec.compute_dtype != torch.float32
+    return MixedPrecisionPolicy(
+        param_dtype=spec.compute_dtype if low and not recipe.emulate else None,
+        reduce_dtype=torch.float32,
+        output_dtype=None,
+    )
+
+
+def wrap_model(model: nn.Module, recipe, strategy: str, device: torch.device) -> nn.Module:
+    """Wrap a converted model for ``strategy`` (call after ``recipe.convert_module``, before the optimizer)."""
+    if strategy == "none" or not dist.is_initialized():
+        return model
+    if strategy == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    spec = recipe.spec
+    if spec.master_weights or recipe.stochastic_rounding:
+        raise ConfigError(
+            f"--strategy fsdp with {spec.name}{' --stochastic-rounding' if recipe.stochastic_rounding else ''}: "
+            "FSDP keeps the sharded fp32 params as the master copy itself; use --precision "
+            f"{'fp16' if spec.compute_dtype == torch.float16 else 'bf16'}-mixed (params all-gathered in the low "
+            "dtype), or --strategy ddp to keep this recipe"
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    policy = fsdp_mp_policy(recipe)
+    for module_list in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for block in module_list:
+            fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def prepare_recipe(recipe) -> None:
+    """Make the recipe's native loss scaler all-reduce ``found_inf`` across ranks (no-op on one process).
+
+    ``torch.amp.GradScaler`` checks only this rank's gradients; ``ShardedGradScaler`` is the same scaler
+    plus an all-reduce of ``found_inf``, and it accepts DTensor (FSDP) gradients. mixprec's own scaler
+    already reduces, so it is left alone.
+    """
+    if not _active() or recipe.impl != "native" or not recipe.spec.loss_scaling:
+        return
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    c = recipe.scaler_config
+    recipe.scaler = ShardedGradScaler(
+        recipe.device.type,
+        init_scale=c.init_scale,
+        growth_factor=c.growth_factor,
+        backoff_factor=c.backoff_factor,
+        growth_interval=c.growth_interval,
+    )
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter of backwards run inside (gradient accumulation).
+
+    Put forward and backward of every micro-batch but the last inside; the last one's backward then
+    reduces the accumulated gradients once. No-op for a plain module or when ``enabled`` is False.
+    """
+    if not enabled:
+        yield
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif _is_fsdp(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+# --------------------------------------------------------------------------------------- reductions
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks in place and return it (returns ``t`` untouched on one process)."""
+    if _active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Mean of ``t`` over ranks (a new tensor; ``t`` itself on one process)."""
+    if not _active():
+        return t
+    out = t.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / dist.get_world_size()
+
+
+def max_over_ranks(x: float, device: torch.device) -> float:
+    """Largest value of a Python float over ranks (for times: the slowest rank sets the pace)."""
+    if not _active():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def eval_shard(n: int) -> tuple[torch.Tensor, int]:
+    """This rank's evaluation indices and how many of them are real.
+
+    Rank ``r`` takes ``r, r + N, ...``, padded with index 0 to ``ceil(n / N)`` so every rank runs the same
+    number of batches (FSDP's forward is a collective). Only the first ``n_real`` entries count; the
+    padding is evaluated and ignored. On one process: ``arange(n)``, all real.
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _active() else (0, 1)
+    idx = torch.arange(rank, n, world)
+    per_rank = math.ceil(n / world)
+    pad = torch.zeros(per_rank - len(idx), dtype=idx.dtype)
+    return torch.cat([idx, pad]), len(idx)
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full model and optimizer state dicts to save from rank 0.
+
+    FSDP: gathered with ``torch.distributed.checkpoint.state_dict`` — a collective every rank must call;
+    rank 0 gets CPU tensors, the others empty dicts. DDP and plain modules: local state dicts (DDP's
+    without the ``module.`` prefix, so the keys match a one-process run).
+    """
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        opts = _full_options()
+        return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+    return unwrap(model).state_dict(), optimizer.state_dict()
+
+
+def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Apply state dicts from :func:`state_dicts` (every rank passes the full dicts it read)."""
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, model_state, options=opts)
+        set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+        return
+    unwrap(model).load_state_dict(model_state)
+    optimizer.load_state_dict(optim_state)
+
+
+# ---------------------------------------------------------------------------------------- consistency
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _checksum(params: Iterable[torch.Tensor]) -> tuple[float, float]:
+    """Sum and sum of squares of all elements, in float64 (equal bits give equal sums)."""
+    s = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        v = local_tensor(p.detach()).double().cpu()
+        s += v.sum()
+        sq += v.square().sum()
+    return float(s), float(sq)
+
+
+def check_consistency(model: nn.Module, *, step: int, scale: float, skipped: int, device: torch.device) -> None:
+    """All-gather loss scale, skipped-step count and a parameter checksum; raise if ranks differ.
+
+    Debug aid for ``--check-consistency N`` (one all-gather and a host sync per call). Under FSDP each
+    rank holds different shards, so only scale and skipped steps are compared. No-op on one process.
+
+    Raises:
+        RankDivergenceError: naming the step, the quantity and every rank's value.
+    """
+    if not _active():
+        return
+    names = ["loss scale", "skipped steps"]
+    values = [float(scale), float(skipped)]
+    if not _is_fsdp(model):
+        names += ["parameter sum", "parameter sum of squares"]
+        values += list(_checksum(model.parameters()))
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    rows = torch.stack(gathered).cpu()
+    bad = [j for j in range(len(names)) if not bool((rows[:, j] == rows[0, j]).all())]
+    if bad:
+        what = "; ".join(
+            f"{names[j]}: " + ", ".join(f"rank {r} {rows[r, j].item():.17g}" for r in range(rows.shape[0]))
+            for j in bad
+        )
+        raise RankDivergenceError(
+            f"ranks diverged at step {step} (--check-consistency): {what}. Replicas must skip the same steps and "
+            "hold the same parameters; check that every rank runs the same code and flags, and that the loss "
+            "scaler all-reduces found_inf"
+        )
