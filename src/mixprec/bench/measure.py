@@ -1,0 +1,240 @@
+"""Measurements: step/epoch timing from the trainer's history, an honest step memory peak, matmul peaks.
+
+**Timing.** The trainer records the wall time of every step (``history[e]["step_times_s"]``) with no
+``.item()`` or logging inside when ``log_every=0``; bench always runs it that way. The first
+``warmup_steps`` steps of *every* epoch are dropped: the first builds the epoch's permutation and, on the
+first epoch, creates kernels and caches; the second is the one the trainer samples memory on (saved-tensor
+hooks make it slower). The steady epoch time is the mean timed step times the epoch's step count, i.e. the
+epoch with its warm-up steps replaced by typical ones; the trainer's raw epoch time is kept beside it.
+On CUDA the step clock is read without a per-step synchronize, but every recipe syncs the host once per
+step (the skip decision, or the finite-loss check), so step times cannot drift ahead of the GPU by more
+than one step, and the epoch clock itself is synchronised by the trainer.
+
+**Memory.** The exact accounting (:mod:`mixprec.memory`) comes from the trainer's sampled step. Beside it,
+a *measured* peak of one training step, taken after the timed run is over so it cannot disturb timing:
+
+- CPU: the process resident set is misleading as it is: glibc keeps freed buffers in its heap, so the
+  next step reuses them without the RSS moving and a naive "RSS during the step minus RSS before" reads
+  several times too low. So the probe (1) switches glibc to ``mmap`` for every allocation of 64 KiB or
+  more (``mallopt(M_MMAP_THRESHOLD, 65536)``, what ``MALLOC_MMAP_THRESHOLD_=65536`` does at start-up),
+  so freed tensors go back to the kernel at once; (2) frees the gradients and calls ``malloc_trim(0)``;
+  (3) reads ``VmRSS`` as the baseline and writes ``5`` to ``/proc/self/clear_refs``, which resets the
+  high-water mark ``VmHWM`` to the current RSS; (4) runs one training step; (5) reads ``VmHWM``.
+  ``VmHWM - baseline`` is what one step adds at its peak: saved activations, gradients, and the
+  temporaries the exact accounting does not count (activation gradients during backward, kernel
+  workspace), so it reads somewhat *above* activations + gradients, never far below them
+  (``tests/test_bench.py`` checks the bounds). Linux only; elsewhere it is reported as unavailable.
+- CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the step, minus what was
+  allocated before it.
+
+**Peak matmul rate.** MFU needs the machine's peak for the dtype the matmuls run in, measured here and
+now rather than read from a datasheet: square matmuls of growing size, best time of a few repeats, within
+a time budget per dtype (so the 100x-slow CPU fp16 fallback costs about a second, not minutes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+__all__ = [
+    "timing_from_history",
+    "probe_step_memory",
+    "measure_matmul_peak",
+    "spread",
+]
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+MMAP_THRESHOLD_BYTES = 65536
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """Median, min, max and count of ``values`` (None if empty)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def timing_from_history(history: list[dict[str, Any]], *, warmup_steps: int, batch_size: int) -> dict[str, Any]:
+    """Step time, steady epoch time and samples/s of one run, warm-up steps of every epoch excluded."""
+    timed: list[float] = []
+    steady_epochs: list[float] = []
+    for h in history:
+        steps = h.get("step_times_s") or []
+        kept = steps[warmup_steps:]
+        if kept:
+            timed += kept
+            steady_epochs.append(sum(kept) / len(kept) * len(steps))
+    raw = [h["epoch_time_s"] for h in history if h.get("epoch_time_s") is not None]
+    step = statistics.median(timed) if timed else None
+    return {
+        "timed_steps": len(timed),
+        "warmup_steps_per_epoch": warmup_steps,
+        "step_time_s": step,
+        "step_time_p10_s": _quantile(timed, 0.1),
+        "step_time_p90_s": _quantile(timed, 0.9),
+        "epoch_time_s": statistics.fmean(steady_epochs) if steady_epochs else None,
+        "raw_epoch_time_s": statistics.fmean(raw) if raw else None,
+        "samples_per_s": batch_size / step if step else None,
+    }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt  # noqa: B018 -- glibc only
+        libc.malloc_trim  # noqa: B018
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int = 2) -> dict[str, Any]:
+    """Measured peak of one training step above the resident state (see the module docstring).
+
+    Runs ``repeats`` real optimizer steps on ``run`` (it changes the weights: call it after the run's
+    results are recorded). Returns the largest measured step peak and, for comparison, the exact
+    activations + gradients of the same step.
+    """
+    from ..memory import SavedTensorTracker, static_memory
+    from ..train.loop import train_step
+
+    device = run.device
+    cuda = device.type == "cuda"
+    libc = None
+    if not cuda:
+        libc = _libc()
+        if libc is None or _proc_status("VmHWM") is None:
+            return {"method": None, "reason": "needs glibc and /proc (Linux); not available here"}
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    best = None
+    exact = None
+    for _ in range(repeats):
+        run.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            libc.malloc_trim(0)
+            base = _proc_status("VmRSS")
+            if not _reset_hwm() or _proc_status("VmHWM") > base + MMAP_THRESHOLD_BYTES * 16:
+                return {"method": None, "reason": "cannot reset VmHWM (/proc/self/clear_refs not writable)"}
+        tracker = SavedTensorTracker(exclude=run.model.parameters())
+        train_step(run, xb, yb, tracker=tracker)
+        if cuda:
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+        else:
+            peak = _proc_status("VmHWM") - base
+        grads = static_memory(run.model, run.optimizer, run.recipe.master).gradients
+        exact = {"activations": tracker.nbytes, "gradients": grads, "total": tracker.nbytes + grads}
+        best = peak if best is None else max(best, peak)
+    out: dict[str, Any] = {
+        "method": "cuda max_memory_allocated" if cuda else
+        f"VmHWM after clear_refs, malloc mmap threshold {MMAP_THRESHOLD_BYTES} B, malloc_trim",
+        "step_peak_bytes": best,
+        "exact_activations_plus_gradients": exact,
+        "repeats": repeats,
+    }
+    if cuda:
+        out["cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
+# ------------------------------------------------------------------------------------- matmul peak
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_peak(
+    dtype: torch.dtype, device: torch.device | str = "cpu", *, budget_s: float = 1.0, tf32: bool = False,
+    sizes: tuple[int, ...] | None = None,
+) -> dict[str, Any]:
+    """Best measured rate (FLOP/s) of square ``n x n @ n x n`` matmuls in ``dtype`` on ``device``.
+
+    Sizes grow (CPU 512..2048, CUDA 2048..8192) while the predicted time of one matmul fits the budget;
+    each size gets one warm-up and then as many repeats as the budget allows (at least one); the best
+    time wins. ``tf32`` allows TF32 tensor cores for fp32 (restored afterwards).
+    """
+    device = torch.device(device)
+    sizes = sizes or ((2048, 4096, 8192) if device.type == "cuda" else (512, 1024, 2048))
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    best_rate, best_n, best_t = 0.0, None, None
+    start = time.perf_counter()
+    try:
+        for n in sizes:
+            flops = 2.0 * n**3
+            used = time.perf_counter() - start
+            if best_rate and flops / best_rate > max(0.0, budget_s - used) / 2:
+                break  # one warm-up + one timed run would not fit
+            a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+            b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+            _sync(device)
+            t0 = time.perf_counter()
+            a @ b  # warm-up: kernel selection, page faults
+            _sync(device)
+            t_warm = time.perf_counter() - t0
+            best = t_warm
+            deadline = start + budget_s
+            reps = 0
+            while reps < 1 or (time.perf_counter() + best < deadline and reps < 10):
+                t0 = time.perf_counter()
+                a @ b
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
+                reps += 1
+            rate = flops / best
+            if rate > best_rate:
+                best_rate, best_n, best_t = rate, n, best
+            del a, b
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    return {"flops_per_s": best_rate, "n": best_n, "seconds": best_t,
+            "dtype": str(dtype).replace("torch.", ""), "tf32": tf32, "device": str(device)}

@@ -1,0 +1,111 @@
+"""PNG plots of a bench: time bars, memory bars by category, loss curves overlaid.
+
+Figures are drawn with ``matplotlib.figure.Figure`` and its Agg canvas directly, never through
+``pyplot``: no display is needed, no global backend is switched, and nothing leaks between calls.
+matplotlib is an optional dependency (``mixprec[plots]``); without it :func:`write_plots` says so and
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .parity import default_window, fp32_band, smooth
+from .report import MEMORY_CATEGORIES, loss_curve
+
+__all__ = ["write_plots", "PLOT_FILES"]
+
+PLOT_FILES = ("time.png", "memory.png", "loss.png")
+
+
+def _figure(w: float = 8.0, h: float = 4.0):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _time_plot(rows, path: str, title: str) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    names = [r["recipe"] for r in rows]
+    med = [(r["epoch_time_s"] or {}).get("median") or 0.0 for r in rows]
+    lo = [m - ((r["epoch_time_s"] or {}).get("min") or m) for m, r in zip(med, rows)]
+    hi = [((r["epoch_time_s"] or {}).get("max") or m) - m for m, r in zip(med, rows)]
+    bars = ax.bar(names, med, yerr=[lo, hi], capsize=4, color="#4C72B0")
+    for b, r in zip(bars, rows):
+        s = r.get("speedup_vs_fp32")
+        text = f"{s:.2f}x" if s else ("failed" if not r["epoch_time_s"] else "")
+        ax.annotate(text, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                    xytext=(0, 3), textcoords="offset points", fontsize=8)
+    ax.set_ylabel("epoch time (s), median, min..max over repeats")
+    ax.set_title(title, fontsize=9)
+    fig.savefig(path)
+
+
+def _memory_plot(rows, path: str, title: str) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    names = [r["recipe"] for r in rows]
+    bottom = [0.0] * len(rows)
+    mib = 2.0**20
+    for cat in MEMORY_CATEGORIES:
+        vals = [((r["memory"] or {}).get(cat) or 0) / mib for r in rows]
+        ax.bar(names, vals, bottom=bottom, label=cat.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    measured_x, measured_y = [], []
+    for n, r in zip(names, rows):
+        m = r["memory"] or {}
+        step = r.get("cuda_peak_allocated_bytes") or r.get("measured_step_peak_bytes")
+        if step and m:
+            static = 0 if r.get("cuda_peak_allocated_bytes") else (
+                m["parameters"] + m["optimizer_state"] + m["master_weights"])
+            measured_x.append(n)
+            measured_y.append((static + step) / mib)
+    if measured_x:
+        ax.scatter(measured_x, measured_y, marker="D", color="black", zorder=3,
+                   label="measured (CUDA peak, or static + measured step peak)")
+    ax.set_ylabel("MiB (exact accounting of a sampled step)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path)
+
+
+def _loss_plot(rows, runs, path: str, title: str) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    curves_by = {r["recipe"]: [loss_curve(x) for x in runs if x["recipe"] == r["recipe"] and loss_curve(x)]
+                 for r in rows}
+    n_all = [len(c) for cs in curves_by.values() for c in cs]
+    window = default_window(min(n_all)) if n_all else 1
+    fp32 = curves_by.get("fp32") or []
+    if len(fp32) >= 2:
+        lo, hi, _ = fp32_band(fp32, window=window)
+        ax.fill_between(range(len(lo)), lo, hi, color="gray", alpha=0.3, label="fp32 band across seeds")
+    for name, cs in curves_by.items():
+        if not cs:
+            continue
+        n = min(len(c) for c in cs)
+        mean = sum(smooth(c[:n], window) for c in cs) / len(cs)
+        ax.plot(range(n), mean, label=f"{name} (mean of {len(cs)})", linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"training loss (moving average of {window})")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.savefig(path)
+
+
+def write_plots(rows: list[dict[str, Any]], runs: list[dict[str, Any]], out_dir: str, *, title: str) -> list[str]:
+    """Write ``time.png``, ``memory.png`` and ``loss.png`` into ``out_dir``; returns their file names."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("mixprec bench: matplotlib is not installed, so no plots (pip install 'mixprec[plots]')")
+        return []
+    _time_plot(rows, os.path.join(out_dir, PLOT_FILES[0]), title)
+    _memory_plot(rows, os.path.join(out_dir, PLOT_FILES[1]), title)
+    _loss_plot(rows, runs, os.path.join(out_dir, PLOT_FILES[2]), title)
+    return list(PLOT_FILES)
