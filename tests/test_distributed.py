@@ -1,0 +1,323 @@
+"""Multi-process training: 2 CPU processes on gloo, started by torchrun (in a subprocess) or torch.multiprocessing.
+
+What is proven here:
+- DDP with 2 ranks x batch B trains the same parameters as 1 process x batch 2B (the union of the ranks'
+  strided shards of one step is the 2B batch of the same step; see mixprec.train.distributed), within fp32
+  summation order for fp32, and within bf16 rounding for bf16-mixed (the batch split moves where the bf16
+  weight-gradient GEMMs round their outputs); the bf16 case also runs grad accumulation (K=2, no_sync) under
+  DDP, through the root train.py shim, with --check-consistency 1.
+- An inf injected into one rank's gradients *after* the gradient reduction (so no collective spreads it)
+  makes both ranks skip that step and back off the scale together: DDP and FSDP, --amp-impl native
+  (ShardedGradScaler) and scratch (DynamicLossScaler). The injection is a test-only wrapper around
+  ``recipe.backward`` inside this file's worker; product code has no hook for it.
+- check_consistency stops both ranks when parameters or skip counts differ; evaluation sharded over ranks
+  (odd test-set size, so one rank pads) gives the whole test set's accuracy.
+- FSDP2 (bf16-mixed: MixedPrecisionPolicy param bf16, reduce fp32) trains on digits to DDP's accuracy within
+  1 point, and a stopped-then-resumed FSDP run (full state dicts in last.pt) ends bit-identical.
+- A DDP run SIGKILLed mid-training and resumed ends with parameters equal to an uninterrupted run.
+- One process: --grad-accum 2 x batch B equals batch 2B (fp32), and the loss scale updates once per
+  optimizer step, not per micro-batch.
+"""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+from mixprec.train.config import TrainConfig
+from mixprec.train.loop import build_run, train
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+SYNTH = ["--dataset", "synthetic", "--synthetic-train", "512", "--synthetic-test", "128", "--synthetic-shape", "1,8,8",
+         "--model", "mlp", "--width", "32", "--depth", "1", "--epochs", "2", "--momentum", "0.9", "--lr", "0.05",
+         "--log-every", "0", "--progress", "off"]
+DIGITS = ["--dataset", "digits", "--model", "mlp", "--width", "64", "--depth", "1", "--batch-size", "32",
+          "--epochs", "3", "--precision", "bf16-mixed", "--lr", "0.1", "--momentum", "0.9", "--log-every", "0",
+          "--progress", "off"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_cmd(*args, script=("-m", "mixprec", "train")):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(_free_port()), *script, *map(str, args)]
+
+
+def _torchrun(*args, script=("-m", "mixprec", "train"), timeout=300):
+    r = subprocess.run(_torchrun_cmd(*args, script=script), env=ENV, cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _model(path):
+    return torch.load(os.path.join(path, "last.pt"), weights_only=True)["model"]
+
+
+def _config(args, **overrides) -> TrainConfig:
+    from mixprec.cli import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(["train", *map(str, args)]), **overrides)
+
+
+def _assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ------------------------------------------------------------------------------------------ launch checks
+
+
+def test_several_processes_without_a_strategy_exit_2(cli, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = cli("train", "--dataset", "digits", "--max-steps", "1")
+    assert code == 2 and "--strategy ddp" in err and "--strategy fsdp" in err and "Traceback" not in err
+
+
+def test_a_strategy_without_torchrun_exits_2(cli, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    code, _, err = cli("train", "--dataset", "digits", "--max-steps", "1", "--strategy", "ddp")
+    assert code == 2 and "torchrun --nproc_per_node" in err
+
+
+@pytest.mark.parametrize("flag,value", [("--grad-accum", "0"), ("--check-consistency", "0")])
+def test_bad_accumulation_and_check_flags_exit_2(cli, flag, value):
+    code, _, err = cli("train", "--dataset", "digits", "--max-steps", "1", flag, value)
+    assert code == 2 and flag in err
+
+
+# ------------------------------------------------------------------------------- one-process accumulation
+
+
+def test_grad_accum_k2_equals_one_batch_of_2b(tmp_path):
+    """digits has 1438 training samples: the last step is 30 samples in both runs (one short micro-batch)."""
+    base = dict(dataset="digits", model="mlp", width=32, depth=1, epochs=2, momentum=0.9, lr=0.05, log_every=0,
+                progress="off")
+    big, acc = tmp_path / "big", tmp_path / "acc"
+    r1 = train(TrainConfig(**base, batch_size=64, out=str(big)))
+    r2 = train(TrainConfig(**base, batch_size=32, grad_accum=2, out=str(acc)))
+    assert [h["steps"] for h in r1.history] == [h["steps"] for h in r2.history] == [23, 23]
+    a, b = _model(big), _model(acc)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    assert r2.summary["grad_accum"] == 2
+
+
+def test_grad_accum_updates_the_loss_scale_once_per_optimizer_step():
+    """growth_interval=1: the scale doubles after every optimizer step; 4 steps of K=2 give 2**4, not 2**8."""
+    cfg = TrainConfig(precision="fp16-mixed", amp_impl="scratch", dataset="digits", model="mlp", width=16, depth=1,
+                      batch_size=16, grad_accum=2, max_steps=4, init_scale=1.0, growth_interval=1, log_every=0,
+                      progress="off")
+    result = train(cfg)
+    assert result.history[0]["steps"] == 4
+    assert result.summary["skipped_steps"] == 0 and result.summary["final_loss_scale"] == 2.0**4
+
+
+# ---------------------------------------------------------------------------------------------- DDP parity
+
+
+@pytest.mark.parametrize("precision,accum,script,tol", [
+    # fp32: only the summation order differs (fp32 unit roundoff 6e-8).
+    ("fp32", 1, ("-m", "mixprec", "train"), 1e-5),
+    # bf16-mixed: each rank's weight-gradient GEMM rounds its half-batch sum to bf16 (unit roundoff 2**-9);
+    # one process rounds the whole-batch sum once. Measured: 0.1-0.4% of the distance the params moved.
+    ("bf16-mixed", 2, ("train.py",), 2.0**-7),
+])
+def test_ddp_2_ranks_x_b_equals_1_process_x_2b(tmp_path, precision, accum, script, tol):
+    ddp = tmp_path / "ddp"
+    _torchrun(*SYNTH, "--precision", precision, "--strategy", "ddp", "--batch-size", 32 // accum,
+              "--grad-accum", accum, "--check-consistency", 1, "--out", ddp, "--metrics-json", tmp_path / "m.json",
+              script=script)
+    one_cfg = _config(SYNTH, precision=precision, batch_size=64, out=str(tmp_path / "one"))
+    init = {k: v.clone() for k, v in build_run(one_cfg).model.state_dict().items()}
+    train(one_cfg)
+    a, b = _model(ddp), _model(tmp_path / "one")
+    for k in a:
+        moved = (b[k] - init[k]).norm()
+        assert moved > 0.05, k
+        assert (a[k] - b[k]).norm() <= tol * moved, (k, float((a[k] - b[k]).norm() / moved))
+    s = json.loads((tmp_path / "m.json").read_text())["summary"]
+    assert s["world_size"] == 2 and s["strategy"] == "ddp" and s["grad_accum"] == accum
+
+
+# ----------------------------------------------------------------------------------------- FSDP vs DDP
+
+
+@pytest.fixture(scope="module")
+def fsdp_digits(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fsdp")
+    r = _torchrun(*DIGITS, "--strategy", "fsdp", "--out", d / "out", "--metrics-json", d / "m.json")
+    return d, r
+
+
+def test_fsdp_trains_on_digits_and_matches_ddp_accuracy(tmp_path, fsdp_digits):
+    d, r = fsdp_digits
+    _torchrun(*DIGITS, "--strategy", "ddp", "--metrics-json", tmp_path / "ddp.json")
+    fsdp = json.loads((d / "m.json").read_text())["summary"]
+    ddp = json.loads((tmp_path / "ddp.json").read_text())["summary"]
+    assert fsdp["world_size"] == 2 and fsdp["strategy"] == "fsdp"
+    assert fsdp["test_accuracy"] > 0.85, fsdp
+    assert abs(fsdp["test_accuracy"] - ddp["test_accuracy"]) <= 0.01, (fsdp["test_accuracy"], ddp["test_accuracy"])
+    # rank 0 alone logs: one summary table, not two
+    assert r.stdout.count("| recipe | peak memory") == 1
+
+
+def test_fsdp_stopped_and_resumed_ends_bit_identical(tmp_path, fsdp_digits):
+    d, _ = fsdp_digits
+    part = tmp_path / "part"
+    _torchrun(*DIGITS, "--strategy", "fsdp", "--out", part, "--max-steps", 30)  # mid-epoch 2 of 23 steps/epoch
+    ck = torch.load(part / "last.pt", weights_only=True)
+    assert (ck["epoch"], ck["batch"], ck["global_step"], ck["world_size"]) == (1, 7, 30, 2)
+    _torchrun(*DIGITS, "--strategy", "fsdp", "--out", part, "--resume", part)
+    _assert_identical(_model(d / "out"), _model(part))
+
+
+# ------------------------------------------------------------------------------------ DDP kill and resume
+
+
+def test_killed_ddp_run_resumes_to_the_uninterrupted_parameters(tmp_path):
+    args = ["--dataset", "synthetic", "--synthetic-train", "8192", "--synthetic-test", "64", "--synthetic-shape",
+            "64", "--model", "mlp", "--width", "64", "--depth", "1", "--batch-size", "16", "--epochs", "2",
+            "--momentum", "0.9", "--precision", "bf16-mixed", "--strategy", "ddp", "--log-every", "0",
+            "--checkpoint-every", "50", "--progress", "off"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    _torchrun(*args, "--out", full)
+    total = torch.load(full / "last.pt", weights_only=True)["global_step"]
+    p = subprocess.Popen(_torchrun_cmd(*args, "--out", killed), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while not (killed / "last.pt").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGKILL)  # torchrun and both workers, mid-run
+    p.wait()
+    assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
+    ck = torch.load(killed / "last.pt", weights_only=True)
+    assert 0 < ck["global_step"] < total
+    _torchrun(*args, "--out", killed, "--resume", killed)
+    _assert_identical(_model(full), _model(killed))
+
+
+# ------------------------------------------------------------- inf on one rank, consistency check, eval
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank: build Runs in a 2-process gloo group, inject an inf into this rank's grads after the
+    reduction, and record what each step did; then exercise check_consistency and sharded evaluation."""
+    import torch.distributed as dist
+
+    from mixprec.train import distributed
+    from mixprec.train.loop import accumulate_step, evaluate, train_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    base = dict(precision="fp16-mixed", dataset="synthetic", synthetic_train=256, synthetic_test=65,
+                synthetic_shape=(16,), model="mlp", width=16, depth=1, batch_size=16, init_scale=2.0**10,
+                growth_interval=1000, log_every=0, progress="off")
+    out = {}
+    try:
+        for strategy in ("ddp", "fsdp"):
+            for impl in ("native", "scratch"):
+                run = build_run(TrainConfig(**base, amp_impl=impl, strategy=strategy))
+                backward = run.recipe.backward
+
+                def inject(loss, *, step=None, run=run, backward=backward):
+                    backward(loss, step=step)  # DDP/FSDP have reduced the gradients by now
+                    if rank == 1 and step == 2:
+                        g = distributed.local_tensor(next(run.model.parameters()).grad)
+                        g.view(-1)[0] = float("inf")
+
+                run.recipe.backward = inject
+                run.train_loader.set_epoch(0)
+                trace = []
+                for step, (xb, yb) in zip(range(4), run.train_loader):
+                    _, res = train_step(run, xb, yb, step=step)
+                    trace.append([res.skipped, run.recipe.loss_scale()])
+                checksum = distributed._checksum(run.model.parameters())
+                out[f"{strategy}-{impl}"] = {"trace": trace, "checksum": checksum,
+                                             "scaler": type(run.recipe.scaler).__name__}
+
+        # accumulation under DDP with loss scaling: the scale grows once per optimizer step
+        run = build_run(TrainConfig(**{**base, "init_scale": 1.0, "growth_interval": 1}, amp_impl="scratch",
+                                    strategy="ddp", grad_accum=2))
+        batches = list(run.train_loader)
+        for step in range(2):
+            accumulate_step(run, batches[2 * step:2 * step + 2], step=step)
+        out["accum_scale"] = run.recipe.loss_scale()
+
+        # sharded evaluation (65 test samples: rank 1 pads one) equals a whole-test-set pass
+        acc, loss = evaluate(run)
+        with torch.no_grad(), run.recipe.autocast():
+            logits = distributed.unwrap(run.model)(run.data.x_test)
+            full_loss = float(run.loss_fn(logits, run.data.y_test))
+        out["eval"] = [acc, loss, float((logits.argmax(1) == run.data.y_test).double().mean()), full_loss]
+
+        # check_consistency: silent while ranks agree; stops every rank when they do not
+        distributed.check_consistency(run.model, step=2, scale=1.0, skipped=0, device=run.device)
+        errors = []
+        if rank == 1:
+            with torch.no_grad():
+                next(run.model.parameters()).add_(1e-3)
+        try:
+            distributed.check_consistency(run.model, step=3, scale=1.0, skipped=0, device=run.device)
+        except distributed.RankDivergenceError as e:
+            errors.append(str(e))
+        fsdp = build_run(TrainConfig(**base, amp_impl="native", strategy="fsdp"))
+        try:
+            distributed.check_consistency(fsdp.model, step=4, scale=1.0, skipped=rank, device=fsdp.device)
+        except distributed.RankDivergenceError as e:
+            errors.append(str(e))
+        out["errors"] = errors
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def test_inf_on_one_rank_skips_on_every_rank_and_checks_catch_divergence(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.time() + 240
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-process worker did not finish in 240 s")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for key in ("ddp-native", "ddp-scratch", "fsdp-native", "fsdp-scratch"):
+        t0, t1 = r0[key]["trace"], r1[key]["trace"]
+        assert t0 == t1, (key, t0, t1)  # same skips, same scale, on both ranks
+        assert [s for s, _ in t0] == [False, False, True, False], (key, t0)
+        assert [sc for _, sc in t0] == [2.0**10, 2.0**10, 2.0**9, 2.0**9], (key, t0)
+        if key.startswith("ddp"):
+            assert r0[key]["checksum"] == r1[key]["checksum"], key  # replicas bit-identical
+    assert r0["ddp-native"]["scaler"] == "ShardedGradScaler" and r0["ddp-scratch"]["scaler"] == "DynamicLossScaler"
+    assert r0["accum_scale"] == r1["accum_scale"] == 4.0  # 2 optimizer steps of 2 micro-batches
+    acc, loss, full_acc, full_loss = r0["eval"]
+    assert r1["eval"][:2] == [acc, loss]
+    assert acc == full_acc and math.isclose(loss, full_loss, rel_tol=1e-5)
+    for r in (r0, r1):
+        assert len(r["errors"]) == 2, r["errors"]
+        assert "ranks diverged at step 3" in r["errors"][0] and "parameter sum" in r["errors"][0]
+        assert "loss scale:" not in r["errors"][0] and "skipped steps:" not in r["errors"][0]
+        assert "skipped steps: rank 0 0, rank 1 1" in r["errors"][1]
