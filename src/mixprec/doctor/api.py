@@ -20,9 +20,11 @@ is why it lives here and never in ``mixprec train``. :func:`diagnose_run` does t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -35,7 +37,7 @@ from ..train.config import TrainConfig
 from ..train.loop import Run, train_step
 from .attribution import ModuleTracker
 from .lost_updates import LostUpdateMonitor, LostUpdates, optimizer_param_names
-from .nonfinite import NonFiniteEvent, NonFiniteWatch
+from .nonfinite import NonFiniteEvent
 from .observer import OpObserver
 from .precision_map import PrecisionMap, PrecisionMapSink
 from .ranges import DEFAULT_FORMATS, RangeProfile, RangeProfiler
@@ -55,13 +57,16 @@ class DoctorError(UsageError):
 
 @dataclasses.dataclass
 class FaultAnalysis:
-    """A non-finite event of one step, classified by replays."""
+    """A step whose loss, gradients or weights went non-finite: its first non-finite op, classified."""
 
     step: int
-    event: NonFiniteEvent
+    event: NonFiniteEvent | None
+    """The first op that produced inf/nan when the step was replayed (None: the replay stayed finite)."""
     classification: str
-    """``scale overflow``, ``forward overflow``, ``forward nan``, ``backward overflow``, ``backward nan``,
-    ``optimizer step`` or ``non-finite inputs``."""
+    """``scale overflow`` (finite at a smaller loss scale), ``forward overflow``, ``forward nan``,
+    ``backward overflow``, ``backward nan``, ``optimizer step`` (forward and backward finite, the update
+    was not), ``non-finite inputs`` (the batch or the weights already were) or ``not reproduced``."""
+    loss_scale: float = 1.0
     max_finite_scale: float | None = None
     """Scale overflows: the largest power of two at which the same step is finite."""
     replay: ReplayResult | None = None
@@ -69,16 +74,23 @@ class FaultAnalysis:
 
     @property
     def is_fault(self) -> bool:
-        return self.classification != "scale overflow"
+        return self.classification not in ("scale overflow", "not reproduced")
 
-    def describe(self) -> str:
-        s = f"step {self.step}, {self.classification} at loss scale {self.event.loss_scale:g}: {self.event.describe()}"
+    def describe(self, short: bool = False) -> str:
+        s = f"{self.classification}"
+        if not short:
+            s = f"step {self.step}, {s} at loss scale {self.loss_scale:g}"
+        if self.event is not None:
+            s += f": {self.event.describe()}"
+        elif self.classification == "optimizer step":
+            s += ": forward and backward were finite, the weights after the update were not"
         if self.max_finite_scale is not None:
             s += f"; finite at scale <= {self.max_finite_scale:g}"
         return s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "classification": self.classification, "event": self.event.to_dict(),
+        return {"step": self.step, "classification": self.classification, "loss_scale": self.loss_scale,
+                "event": None if self.event is None else self.event.to_dict(),
                 "max_finite_scale": self.max_finite_scale,
                 "replay": None if self.replay is None else self.replay.to_dict(), "description": self.describe()}
 
@@ -167,24 +179,44 @@ def _low_dtype(recipe: Recipe) -> torch.dtype | None:
     return recipe.spec.compute_dtype if recipe.spec.compute_dtype != torch.float32 else None
 
 
-def _analyze(run: Run, pre_step: nn.Module, xb, yb, event: NonFiniteEvent, step: int, scale: float,
-             replay: bool) -> FaultAnalysis:
-    """Classify one step's first non-finite op by replays on ``pre_step`` (the weights before the step)."""
-    event.step, event.loss_scale = step, scale
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    # a sum is finite exactly when every term is (an inf or nan term makes it inf or nan); a finite sum
+    # that overflows float32 is rechecked element-wise
+    for t in tensors:
+        if not bool(torch.isfinite(t.detach().sum(dtype=torch.float32))) and not bool(torch.isfinite(t).all()):
+            return False
+    return True
+
+
+def _locate(run: Run, pre_step: nn.Module, xb, yb, rng: tuple, step: int, scale: float, bad_params: bool,
+            replay: bool) -> FaultAnalysis:
+    """Find and classify the first non-finite op of a failed step by replaying it on ``pre_step``.
+
+    The replay runs the step's forward and scaled backward on a copy of the weights before the step, with
+    the step's RNG state (same dropout masks) and loss scale, under the non-finite watch.
+    """
     autocast, loss_fn = run.recipe.autocast, run.loss_fn
     base = list(run.recipe.keep_fp32)
-    if not event.inputs_finite:
-        return FaultAnalysis(step, event, "non-finite inputs")
-    if event.phase == "step":
-        return FaultAnalysis(step, event, "optimizer step")
-    if event.phase == "backward" and scale > 1:
-        mfs = max_finite_scale(pre_step, autocast, loss_fn, xb, yb, scale=scale, fp32=base)
+    ev = replay_step(pre_step, autocast, loss_fn, xb, yb, scale=scale, fp32=base, rng=rng)
+    if ev is None:
+        kind = "optimizer step" if bad_params else "not reproduced"
+        return FaultAnalysis(step, None, kind, loss_scale=scale)
+    ev.step = step
+    if not ev.inputs_finite:
+        return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
+    if ev.phase == "backward" and scale > 1 and replay:
+        mfs = max_finite_scale(pre_step, autocast, loss_fn, xb, yb, scale=scale, fp32=base, rng=rng)
         if mfs is not None:
-            return FaultAnalysis(step, event, "scale overflow", max_finite_scale=mfs)
-    kind = "overflow" if event.output.n_nan == 0 else "nan"
-    analysis = FaultAnalysis(step, event, f"{event.phase} {kind}")
+            return FaultAnalysis(step, ev, "scale overflow", loss_scale=scale, max_finite_scale=mfs)
+    kind = "overflow" if ev.output.n_nan == 0 else "nan"
+    analysis = FaultAnalysis(step, ev, f"{ev.phase} {kind}", loss_scale=scale)
     if replay:
-        analysis.replay = minimal_fp32_set(pre_step, autocast, loss_fn, xb, yb, scale=1.0, base=base)
+        analysis.replay = minimal_fp32_set(pre_step, autocast, loss_fn, xb, yb, scale=1.0, base=base, rng=rng)
     return analysis
 
 
@@ -213,7 +245,6 @@ def diagnose_run(
     model, recipe = run.model, run.recipe
     tracker = ModuleTracker(model)
     map_sink = PrecisionMapSink(_low_dtype(recipe))
-    watch = NonFiniteWatch()
     profiler = RangeProfiler(model, formats)
     monitor = LostUpdateMonitor(run.optimizer, optimizer_param_names(run.optimizer, model, recipe.master))
     history = ScaleHistory()
@@ -227,31 +258,28 @@ def diagnose_run(
             xb, yb = xb.to(run.device), yb.to(run.device)
             ref_grads = profiler.observe(run.loss_fn, xb, yb)
             pre_step = copy.deepcopy(model) if len(faults) < max_analyzed else None
-            tracker.new_step()
-            watch.reset()
-            sinks = [watch, map_sink] if step == 0 else [watch]
+            rng = _rng_state(xb.device)
             stopped = False
-            with tracker, OpObserver(tracker, sinks):  # hooks only around the step: snapshots stay clean
+            observe = step == 0  # the precision map: one step under the dispatcher-level observer
+            tracker.new_step()
+            with tracker if observe else contextlib.nullcontext(), \
+                    OpObserver(tracker, [map_sink]) if observe else contextlib.nullcontext():
                 try:
                     loss, res = train_step(run, xb, yb, step=step)
                     loss_value, skipped, next_scale = float(loss), res.skipped, recipe.loss_scale()
                 except NonFiniteError:
                     loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
-            if step == 0:
+            if observe:
                 pmap = map_sink.result()
+            bad_params = not skipped and not stopped and not _all_finite(model.parameters())
             cause = None
-            if watch.first is not None:
-                ev = watch.first
-                ev.step, ev.loss_scale = step, scale
-                cause = f"{ev.phase} {'overflow' if ev.output.n_nan == 0 else 'nan'}: {ev.describe()}"
+            if skipped or stopped or bad_params or not math.isfinite(loss_value):
+                cause = "non-finite loss or gradients (not analysed: --steps past the first faults)"
                 if pre_step is not None:
-                    fa = _analyze(run, pre_step, xb, yb, ev, step, scale, replay and not any(f.is_fault for f in faults))
+                    fa = _locate(run, pre_step, xb, yb, rng, step, scale, bad_params,
+                                 replay=replay and not any(f.is_fault for f in faults))
                     faults.append(fa)
-                    cause = f"{fa.classification}: {ev.describe()}"
-                    if fa.max_finite_scale is not None:
-                        cause += f" (finite at scale <= {fa.max_finite_scale:g})"
-            elif not (loss_value == loss_value):  # nan loss without a non-finite op: cannot happen, but say so
-                cause = "non-finite loss"
+                    cause = fa.describe(short=True)
             if not skipped and not stopped:
                 grad_loss.add(model, ref_grads)
             history.add(StepRecord(step=step, loss=loss_value, scale=scale, next_scale=next_scale,
@@ -260,7 +288,7 @@ def diagnose_run(
                 log(f"doctor step {step}: loss {loss_value:.4f}, scale {scale:g}"
                     + (" SKIPPED" if skipped else "") + (f" ({cause})" if cause else ""))
             scale = next_scale
-            if stopped:
+            if stopped or bad_params:
                 break
     order = [n for n, _ in model.named_modules()]
     return DoctorReport(
@@ -370,7 +398,5 @@ def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable, *, pre
     run = doctor_run(model, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
     x, y = (t.to(run.device) for t in _batches(batch)[0])
     with run.recipe.run_context():
-        ev = replay_step(run.model, run.recipe.autocast, loss_fn, x, y, scale=loss_scale)
-        if ev is None:
-            return None
-        return _analyze(run, run.model, x, y, ev, 0, loss_scale, replay)
+        fa = _locate(run, run.model, x, y, _rng_state(x.device), 0, loss_scale, False, replay)
+    return None if fa.event is None else fa

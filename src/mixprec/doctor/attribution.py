@@ -105,5 +105,24 @@ class ModuleTracker:
             return "step", OUTSIDE, None
         return "forward", (self._stack[-1][0] if self._stack else OUTSIDE), None
 
+    def upstream(self) -> str | None:
+        """In backward: the module owning the node that receives the current node's gradient.
+
+        For a cast at the border of a module kept in fp32, that is the module whose output the cast
+        converted: the gradient overflowed on its way *into* that module's (low-precision) region.
+        """
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            path = self._node_owner.get(nxt)
+            if path is None:
+                var = getattr(nxt, "variable", None)
+                path = self._param_owner.get(id(var)) if var is not None else None
+            return path
+        return None
+
     def owner_of_param(self, p: torch.Tensor) -> str | None:
         return self._param_owner.get(id(p))

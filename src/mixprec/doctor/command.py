@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"folder for doctor.json, report.txt and the plots (default ./{DEFAULT_OUT})")
     g.add_argument("--no-replay", action="store_true",
-                   help="do not replay non-finite steps (no scale classification, no fp32 module search)")
+                   help="locate the first non-finite op of a failed step, but skip the follow-up replays "
+                        "(loss-scale bisection, fp32 module search)")
     g.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.set_defaults(func=run)
     return p

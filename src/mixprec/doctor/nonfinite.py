@@ -9,8 +9,8 @@ dtype, shape and range of each input. Inputs that are all finite mean *this* op 
 an fp16 overflow shows up as the ``addmm`` that produced 7e4 (native fp16), or as the ``_to_copy`` that
 rounded an fp32 result to fp16 (emulated fp16), inside the same module.
 
-Checking costs one reduction per op output plus a host sync: this is a diagnostic mode for the doctor's
-own run, never for training.
+Checking costs one reduction per op output plus a host sync, so the doctor does not watch every step: it
+replays a step under the watch only when the step's loss, gradients or weights came out non-finite.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ class NonFiniteEvent:
     inputs: list[TensorInfo]
     output: TensorInfo
     emulated: str | None = None
+    upstream: str | None = None
+    """Backward: the module the gradient flows into next (where a cast at a module border sends it)."""
     step: int | None = None
     loss_scale: float | None = None
 
@@ -101,7 +103,12 @@ class NonFiniteEvent:
         return "overflow" if self.output.n_nan == 0 else "nan"
 
     def describe(self) -> str:
-        where = f"{self.phase}: aten.{self.op} in {display_path(self.module)}"
+        op = f"aten.{self.op}"
+        if self.op in ("_to_copy", "copy_") and self.inputs:
+            src = self.inputs[0]
+            op += f" (cast {src.dtype} -> {self.output.dtype}" + (f" of the output of aten.{src.producer})"
+                                                               if src.producer else ")")
+        where = f"{self.phase}: {op} in {display_path(self.module)}"
         if self.node:
             where += f" (autograd node {self.node})"
         if self.emulated:
@@ -116,6 +123,12 @@ class NonFiniteEvent:
         d["kind"] = self.kind
         d["description"] = self.describe()
         return d
+
+
+def _finite(t: torch.Tensor) -> bool:
+    # one cheap reduction: the sum is finite exactly when every element is, unless finite values overflow
+    # the float32 sum, which the element-wise check then settles
+    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
 
 
 class NonFiniteWatch:
@@ -133,7 +146,7 @@ class NonFiniteWatch:
         if is_data_movement(call.func) and call.name not in _CHECK_MOVEMENT:
             return
         for o in call.out_tensors:
-            if o.is_floating_point() and o.numel() and not bool(torch.isfinite(o).all()):
+            if o.is_floating_point() and o.numel() and not _finite(o):
                 self.first = NonFiniteEvent(
                     phase=call.phase,
                     module=call.module,
@@ -143,5 +156,6 @@ class NonFiniteWatch:
                             if t.is_floating_point()],
                     output=tensor_info(o),
                     emulated=dtype_name(call.emulated) if call.emulated is not None else None,
+                    upstream=observer.tracker.upstream() if call.phase == "backward" else None,
                 )
                 return

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -47,6 +48,16 @@ _MOVEMENT = frozenset({
     "new_empty", "new_zeros", "new_ones", "full", "new_full", "empty_strided", "new_empty_strided", "scalar_tensor",
     "_local_scalar_dense", "lift", "set_", "resize_", "_reshape_alias",
 })
+
+
+def _autocast_on() -> bool:
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return True
+    try:
+        from ..autocast import is_autocast_active
+    except ImportError:
+        return False
+    return is_autocast_active()
 
 
 def dtype_name(dt: torch.dtype | None) -> str:
@@ -81,6 +92,8 @@ class OpCall:
     out_tensors: list[torch.Tensor]
     emulated: torch.dtype | None
     """The low dtype whose values every floating input carries, when the op runs emulated in fp32."""
+    in_autocast: bool = False
+    """The op ran inside an enabled autocast region (torch.autocast or mixprec's scratch autocast)."""
 
     @property
     def in_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -92,11 +105,32 @@ class OpCall:
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
-        """The dtype the op computes in: its floating inputs' dtype (the widest if mixed)."""
-        dts = self.in_dtypes or self.out_dtypes
-        if not dts:
+        """The dtype the op computes in: its first floating output's (type promotion decides it), else the
+        widest floating input's (comparisons, in-place ops without a floating result)."""
+        if self.out_dtypes:
+            return self.out_dtypes[0]
+        if not self.in_dtypes:
             return None
-        return max(dts, key=lambda d: torch.finfo(d).bits)
+        return max(self.in_dtypes, key=lambda d: torch.finfo(d).bits)
+
+
+class _AutocastProbe(TorchFunctionMode):
+    """Notes whether autocast is on at the torch-API level, for the dispatch-level ops a call runs.
+
+    Below the Autocast dispatch key ``torch.is_autocast_enabled()`` always reads False, so the observer
+    asks one level up, where the answer is still true inside ``with torch.autocast(...)``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        prev, self.active = self.active, _autocast_on()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.active = prev
 
 
 class OpObserver(TorchDispatchMode):
@@ -113,9 +147,28 @@ class OpObserver(TorchDispatchMode):
         self.sinks = list(sinks)
         self.producer: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._carries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._probe = _AutocastProbe()
+
+    def __enter__(self) -> OpObserver:
+        self._probe.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._probe.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._probe.__exit__(*exc)
 
     def producer_of(self, t: torch.Tensor) -> str | None:
         return self.producer.get(t)
+
+    def carries(self, t: torch.Tensor) -> torch.dtype | None:
+        """The low dtype whose values the fp32 tensor ``t`` holds (an upcast, or a view of one), else None."""
+        return self._carries.get(t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -126,7 +179,8 @@ class OpObserver(TorchDispatchMode):
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         emulated = self._emulated(ins)
         call = OpCall(func=func, name=name, phase=phase, module=module, node=node, args=args, kwargs=kwargs,
-                      out=out, in_tensors=ins, out_tensors=outs, emulated=emulated)
+                      out=out, in_tensors=ins, out_tensors=outs, emulated=emulated,
+                      in_autocast=self._probe.active)
         for sink in self.sinks:
             sink.on_op(call, self)
         self._mark(func, name, ins, outs, emulated)

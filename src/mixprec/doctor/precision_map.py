@@ -5,7 +5,7 @@ ran, whichever autocast produced it: an ``addmm`` listed as ``bf16`` ran a bf16 
 fp32->bf16`` rows are the casts autocast inserted (the weight-cast cache shows up as *fewer* of them); an
 ``fp16 (emulated)`` op computed in fp32 on operands rounded to fp16 (mixprec's emulation on CPUs without
 fast fp16). FLOPs come from PyTorch's own formulas (``torch.utils.flop_counter``: matmuls, convolutions,
-attention); everything else counts zero FLOPs, which is what matters for the summary "share of FLOPs in
+attention, plus the CPU flash-attention kernel it lacks); everything else counts zero FLOPs, which is what matters for the summary "share of FLOPs in
 low precision". "Kept in fp32" lists the forward ops that did arithmetic in fp32 although the recipe had
 a low dtype: the ops the cast policy protects (losses, softmax and norms where the policy says so) and
 the ones it merely lets through (residual adds that meet an fp32 operand).
@@ -18,7 +18,8 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .attribution import display_path
 from .observer import LOW_DTYPES, OpCall, OpObserver, dtype_name, is_data_movement
@@ -39,6 +40,8 @@ class MapRow:
     count: int = 0
     flops: int = 0
     cast_bytes: int = 0
+    in_autocast: bool = False
+    """Ran inside the recipe's autocast region."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -81,10 +84,11 @@ class PrecisionMap:
         return sum(r.count for r in rows), sum(r.cast_bytes for r in rows)
 
     def kept_fp32(self) -> dict[str, int]:
-        """Forward ops that did arithmetic in fp32 (not emulated), with how often they ran."""
+        """Forward ops inside the autocast region that did arithmetic in fp32, with how often they ran."""
         c: Counter[str] = Counter()
         for r in self.rows:
-            if r.phase == "forward" and r.compute == "fp32" and r.op not in _SKIP_KEPT:
+            if (r.phase == "forward" and r.in_autocast and r.compute == "fp32" and r.op not in _SKIP_KEPT
+                    and r.outputs not in ("-", "")):
                 c[r.op] += r.count
         return dict(c)
 
@@ -117,42 +121,102 @@ _SKIP_KEPT = frozenset({"detach", "ones_like", "zeros_like", "empty_like", "nll_
 
 
 class PrecisionMapSink:
-    """Aggregates :class:`OpCall` s into a :class:`PrecisionMap` (a sink of :class:`OpObserver`)."""
+    """Aggregates :class:`OpCall` s into a :class:`PrecisionMap` (a sink of :class:`OpObserver`).
+
+    Emulated low precision is recognised after the fact: an fp32 matmul, convolution or attention whose
+    floating inputs all hold fp16 values *and whose result is then rounded to fp16* computed what an fp16
+    op computes, so its row moves to ``fp16 (emulated)`` when that rounding cast is seen. Other fp32 ops on
+    low-precision values (relu between two emulated linears, a loss after autocast's upcast) really do
+    their arithmetic in fp32 and keep ``fp32``.
+    """
 
     def __init__(self, low_dtype: torch.dtype | None) -> None:
         self.low_dtype = low_dtype
         self._rows: dict[tuple, MapRow] = {}
+        self._pending: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fp32 result -> [row key, flops, dtype, done]
+
+    def _row(self, key: tuple, call: OpCall) -> MapRow:
+        row = self._rows.get(key)
+        if row is None:
+            phase, module, op, ins, outs, compute, in_autocast = key
+            row = self._rows[key] = MapRow(phase, module, op, ins, outs, compute, in_autocast=in_autocast)
+        return row
 
     def on_op(self, call: OpCall, observer: OpObserver) -> None:
+        pend = self._pending
         if is_data_movement(call.func) and call.name != "_to_copy":
+            if call.in_tensors and call.out_tensors and call.in_tensors[0] in pend:
+                pend[call.out_tensors[0]] = pend[call.in_tensors[0]]  # views keep the mark
             return
         ins = ",".join(dtype_name(d) for d in call.in_dtypes) or "-"
         outs = ",".join(dtype_name(d) for d in call.out_dtypes) or "-"
-        if call.name == "_to_copy":
-            compute = "cast"
-        elif call.emulated is not None:
-            compute = f"{dtype_name(call.emulated)} (emulated)"
-        else:
-            compute = dtype_name(call.compute_dtype)
-        key = (call.phase, call.module, call.name, ins, outs, compute)
-        row = self._rows.get(key)
-        if row is None:
-            row = self._rows[key] = MapRow(call.phase, call.module, call.name, ins, outs, compute)
+        compute = "cast" if call.name == "_to_copy" else dtype_name(call.compute_dtype)
+        key = (call.phase, call.module, call.name, ins, outs, compute, call.in_autocast)
+        row = self._row(key, call)
+        flops = _flops(call)
         row.count += 1
-        row.flops += _flops(call)
+        row.flops += flops
         if call.name == "_to_copy" and call.in_tensors and call.out_tensors:
             src, dst = call.in_tensors[0], call.out_tensors[0]
             if src.dtype != dst.dtype and src.is_floating_point() and dst.is_floating_point():
                 row.cast_bytes += dst.numel() * dst.element_size()
+            for entry in pend.get(src, ()):
+                if entry[2] == dst.dtype and not entry[3] and entry[0][0] == call.phase:
+                    entry[3] = True  # once per op, however many views of its result get rounded
+                    self._relabel(entry[0], entry[1], entry[2], call)
+            return
+        # a matmul/conv/attention in fp32 whose floating inputs all hold low-precision values is emulated if
+        # its result gets rounded to that dtype later, in the same phase; ops in between (the bias add of a
+        # decomposed linear) pass the pending mark on
+        floats = [t for t in call.in_tensors if t.is_floating_point()]
+        outs32 = [t for t in call.out_tensors if t.dtype == torch.float32]
+        if not floats or not outs32 or any(t.dtype != torch.float32 for t in floats):
+            return
+        lows, chain = set(), []
+        for t in floats:
+            low = observer.carries(t)
+            if low is None and t in pend:
+                chain += [e for e in pend[t] if not e[3]]
+                low = pend[t][0][2] if pend[t] else None
+            if low is None:
+                return
+            lows.add(low)
+        if len(lows) == 1 and (flops or chain):
+            entries = chain + ([[key, flops, lows.pop(), False]] if flops else [])
+            for o in outs32:
+                pend[o] = entries
+
+    def _relabel(self, key: tuple, flops: int, low: torch.dtype, call: OpCall) -> None:
+        old = self._rows.get(key)
+        if old is None:
+            return
+        old.count -= 1
+        old.flops -= flops
+        if old.count == 0:
+            del self._rows[key]
+        new = self._row(key[:5] + (f"{dtype_name(low)} (emulated)",) + key[6:], call)
+        new.count += 1
+        new.flops += flops
 
     def result(self) -> PrecisionMap:
         return PrecisionMap(low_dtype=dtype_name(self.low_dtype), rows=list(self._rows.values()))
 
 
+def _cpu_attention_flops(call: OpCall) -> int:
+    # torch.utils.flop_counter has formulas for the CUDA attention kernels but not the CPU flash kernel
+    if call.name == "_scaled_dot_product_flash_attention_for_cpu":
+        q, k, v = (t.shape for t in call.args[:3])
+        return int(sdpa_flop_count(q, k, v))
+    if call.name == "_scaled_dot_product_flash_attention_for_cpu_backward":
+        g, q, k, v = (t.shape for t in call.args[:4])
+        return int(sdpa_backward_flop_count(g, q, k, v))
+    return 0
+
+
 def _flops(call: OpCall) -> int:
     formula = flop_registry.get(call.func.overloadpacket)
     if formula is None:
-        return 0
+        return _cpu_attention_flops(call)
     try:
         return int(formula(*call.args, **call.kwargs, out_val=call.out))
     except Exception:  # a formula that does not know this overload: count nothing rather than fail

@@ -101,14 +101,26 @@ def replay_step(
     *,
     scale: float = 1.0,
     fp32: Iterable[str] = (),
+    rng: tuple | None = None,
 ) -> NonFiniteEvent | None:
-    """Forward + ``(loss * scale).backward()`` on a copy of ``model``; the first non-finite op, or None."""
+    """Forward + ``(loss * scale).backward()`` on a copy of ``model``; the first non-finite op, or None.
+
+    Args:
+        rng: ``(cpu_state, cuda_state_or_None)`` to replay with (the failed step's dropout masks); the
+            caller's RNG state is restored afterwards either way.
+    """
     replica = copy.deepcopy(model)
     replica.train(model.training)
     device_type = x.device.type
     tracker = ModuleTracker(replica)
     watch = NonFiniteWatch()
-    with tracker, Fp32Modules(replica, fp32, device_type), OpObserver(tracker, [watch]):
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), tracker, Fp32Modules(replica, fp32, device_type), \
+            OpObserver(tracker, [watch]):
+        if rng is not None:
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], x.device)
         with autocast():
             loss = loss_fn(replica(x), y)
         if watch.first is None:
@@ -118,18 +130,23 @@ def replay_step(
     return watch.first
 
 
-def max_finite_scale(model, autocast, loss_fn, x, y, *, scale: float, fp32: Iterable[str] = ()) -> float | None:
+def max_finite_scale(model, autocast, loss_fn, x, y, *, scale: float, fp32: Iterable[str] = (),
+                     rng: tuple | None = None) -> float | None:
     """Largest power of two ``<= scale`` at which the step is finite; None if not even at 1."""
     fp32 = list(fp32)
-    if replay_step(model, autocast, loss_fn, x, y, scale=1.0, fp32=fp32) is not None:
+
+    def finite(s: float) -> bool:
+        return replay_step(model, autocast, loss_fn, x, y, scale=s, fp32=fp32, rng=rng) is None
+
+    if not finite(1.0):
         return None
     lo, hi = 0, max(0, math.floor(math.log2(scale)))  # finite at 2**lo; test up to 2**hi
-    if hi > 0 and replay_step(model, autocast, loss_fn, x, y, scale=2.0**hi, fp32=fp32) is None:
+    if hi > 0 and finite(2.0**hi):
         return 2.0**hi
     hi -= 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if replay_step(model, autocast, loss_fn, x, y, scale=2.0**mid, fp32=fp32) is None:
+        if finite(2.0**mid):
             lo = mid
         else:
             hi = mid - 1
@@ -160,6 +177,7 @@ def minimal_fp32_set(
     scale: float = 1.0,
     base: Iterable[str] = (),
     max_trials: int = 32,
+    rng: tuple | None = None,
 ) -> ReplayResult:
     """Find a small set of modules whose fp32 execution makes the step finite (see the module docstring).
 
@@ -170,7 +188,7 @@ def minimal_fp32_set(
     trials: list[dict[str, Any]] = []
 
     def trial(mods: list[str]) -> NonFiniteEvent | None:
-        ev = replay_step(model, autocast, loss_fn, x, y, scale=scale, fp32=base + mods)
+        ev = replay_step(model, autocast, loss_fn, x, y, scale=scale, fp32=base + mods, rng=rng)
         trials.append({"fp32": [display_path(m) for m in mods],
                        "first_nonfinite": None if ev is None else ev.describe()})
         return ev
@@ -186,6 +204,11 @@ def minimal_fp32_set(
         if m is None:
             return ReplayResult(None, trials, f"the first non-finite op ran outside the model "
                                               f"({ev.phase}: aten.{ev.op}); keeping modules in fp32 cannot fix it")
+        if (m in chosen or m in base) and ev.phase == "backward" and ev.op == "_to_copy" \
+                and ev.upstream is not None and ev.upstream not in chosen:
+            # the gradient left the fp32 module finite and overflowed when cast to the dtype of the module
+            # that produced the input: that module has to join the fp32 set
+            m = ev.upstream
         if m in chosen or m in base:
             return ReplayResult(None, trials, f"{display_path(m)} still produces non-finite values in fp32 "
                                               f"({ev.describe()}): this is not a precision problem")

@@ -257,15 +257,16 @@ class DoctorReport:
             return lines
         first = self.faults[0]
         lines.append(f"  {first.describe()}")
-        for i in first.event.inputs:
+        for i in (first.event.inputs if first.event else []):
             lines.append(f"    input {i.short()}")
         fault = self.first_fault()
         if fault is None:
-            lines.append("  no other cause: every non-finite step was a loss-scale overflow that a smaller scale avoids")
+            lines.append("  no fault: every non-finite step was a loss-scale overflow that a smaller scale avoids "
+                         "(the dynamic scaler skips the step and backs off)")
             return lines
         if fault is not first:
             lines.append(f"  first fault: {fault.describe()}")
-            for i in fault.event.inputs:
+            for i in (fault.event.inputs if fault.event else []):
                 lines.append(f"    input {i.short()}")
         if fault.replay is not None:
             rr = fault.replay
