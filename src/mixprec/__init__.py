@@ -1,3 +1,62 @@
-"""mixprec: mixed-precision training for PyTorch, implemented from scratch and measured."""
+"""mixprec: mixed-precision training for PyTorch, implemented from scratch and measured.
+
+The engine is usable on its own, without the trainer::
+
+    from mixprec import autocast, DynamicLossScaler
+
+    scaler = DynamicLossScaler()                        # dynamic loss scaling, GradScaler semantics
+    with autocast(torch.float16, model=model):          # ops run in fp16 per the cast policy
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()                       # loss x S keeps small gradients above fp16's underflow
+    scaler.unscale_(opt)                                # grads / S in fp32 math, inf/nan check fused (foreach)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # clip the *true* gradients
+    scaler.step(opt)                                    # skipped when any gradient overflowed
+    scaler.update()                                     # back off x0.5 on overflow, grow x2 after N clean steps
+
+Pieces:
+
+- :mod:`mixprec.formats` — fp32, tf32, bf16, fp16, fp8 e4m3/e5m2: range, precision, and ``quantize`` with
+  round-to-nearest-even (bit-identical to PyTorch's casts) or unbiased stochastic rounding.
+- :mod:`mixprec.policy` / :mod:`mixprec.autocast` — which ops run low, which stay fp32, which promote; a
+  from-scratch autocast (a ``TorchFunctionMode``) whose per-op dtypes match ``torch.autocast``, with
+  per-module fp32 overrides and fp16 emulation for CPUs without fast fp16.
+- :mod:`mixprec.scaler` — :class:`DynamicLossScaler`: GradScaler-exact by default, plus hysteresis,
+  bounds, and a found_inf all-reduce across ranks.
+- :mod:`mixprec.master` — :class:`MasterWeights`: fp32 copies for the optimizer when the model's params are
+  fp16/bf16, so updates smaller than half an ulp of the weight are not rounded away.
+- :mod:`mixprec.memory` — exact bytes by category (params, grads, optimizer state, masters, activations).
+- :mod:`mixprec.precision` — the recipes (``fp32``, ``amp``, ``bf16-mixed``, ``bf16-master``...) built
+  from these pieces or from PyTorch's own, behind one interface the trainer uses.
+"""
+
+from .autocast import autocast
+from .formats import FORMATS, Format, get_format, quantize
+from .master import MasterWeights
+from .memory import MemoryReport, SavedTensorTracker, static_memory
+from .policy import CastPolicy, default_policy
+from .precision import RECIPES, Recipe, ScalerConfig, StepResult, build_recipe, resolve_recipe
+from .scaler import DynamicLossScaler
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "autocast",
+    "CastPolicy",
+    "default_policy",
+    "DynamicLossScaler",
+    "Format",
+    "FORMATS",
+    "get_format",
+    "quantize",
+    "MasterWeights",
+    "MemoryReport",
+    "SavedTensorTracker",
+    "static_memory",
+    "RECIPES",
+    "Recipe",
+    "ScalerConfig",
+    "StepResult",
+    "build_recipe",
+    "resolve_recipe",
+    "__version__",
+]
