@@ -1,9 +1,13 @@
 """Turn a doctor report into recommendations, each with a machine-readable ``kind`` and a sentence.
 
-Kinds: ``keep-fp32`` (named modules overflow the low format: run them in fp32), ``switch-bf16`` (fp16's
-range cannot hold the values at any scale), ``init-scale`` (a different loss scale loses fewer gradients or
-avoids skipped steps), ``master-weights`` (updates are rounded away in low-precision weights), ``not-precision``
-(non-finite even in fp32: learning rate, data, model), ``keep-recipe`` (nothing wrong found).
+Kinds, most urgent first:
+
+* ``keep-fp32`` -- named modules overflow the low format: the fp32 replay (or the range profile) names them;
+* ``not-precision`` -- non-finite even in fp32 (learning rate, data, model): precision is not the cause;
+* ``init-scale`` -- another loss scale loses fewer gradients to underflow, or avoids skipped steps;
+* ``switch-bf16`` -- fp16's range cannot hold these gradients at any loss scale;
+* ``master-weights`` -- updates are rounded away in low-precision weights;
+* ``keep-recipe`` -- nothing wrong found.
 """
 
 from __future__ import annotations
@@ -26,79 +30,106 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%" if x >= 0.001 else f"{100 * x:.3f}%"
 
 
-def recommend(report: Any) -> list[dict[str, str]]:
-    recs: list[dict[str, str]] = []
-    spec, low = report.recipe_spec, report.low_format
+def _names(mods: list[str]) -> tuple[str, str]:
+    """(for people, for --keep-fp32)."""
+    return ", ".join(display_path(m) for m in mods), ",".join(mods)
 
-    def add(kind: str, text: str) -> None:
-        recs.append({"kind": kind, "text": text})
 
-    # 3. non-finite values: the most urgent
+def _faults(report: Any, low: str | None) -> list[dict[str, str]]:
     fault = report.first_fault()
-    if fault is not None and fault.replay is not None:
-        mods = fault.replay.modules
-        if mods:
-            names = ",".join(mods)
-            shown = ", ".join(display_path(m) for m in mods)
-            add("keep-fp32", f"keep {shown} in fp32: the step is finite when only {'it runs' if len(mods) == 1 else 'they run'}"
-                             f" in fp32 (mixprec train --keep-fp32 {names} --amp-impl scratch, or "
-                             f"diagnose(..., keep_fp32=({', '.join(repr(m) for m in mods)},)))"
-                + ("; or switch to bf16-mixed, whose range is fp32's" if low == "fp16" else ""))
-        elif "not a precision problem" in fault.replay.note or "outside the model" in fault.replay.note:
-            add("not-precision", f"non-finite values that fp32 does not fix ({fault.replay.note}): lower --lr, add "
-                                 "--clip-grad-norm 1.0, or check the data and the loss")
-    elif fault is not None and fault.classification == "optimizer step":
-        add("not-precision", "the optimizer step produced non-finite weights: lower --lr or add --clip-grad-norm 1.0")
+    if fault is None:
+        return []
+    replay = fault.replay
+    if replay is not None and replay.modules:
+        shown, flag = _names(replay.modules)
+        verb = "it runs" if len(replay.modules) == 1 else "they run"
+        text = (f"keep {shown} in fp32: the step is finite when {verb} in fp32 (mixprec train --keep-fp32 {flag} "
+                f"--amp-impl scratch, or keep_fp32={tuple(replay.modules)!r} in the API)")
+        if low == "fp16":
+            text += "; or switch to bf16-mixed, whose range is fp32's"
+        return [{"kind": "keep-fp32", "text": text}]
+    if replay is not None:
+        return [{"kind": "not-precision", "text": f"non-finite values that fp32 does not fix ({replay.note}): lower "
+                                                  "--lr, add --clip-grad-norm 1.0, or check the data and the loss"}]
+    if fault.classification == "optimizer step":
+        return [{"kind": "not-precision",
+                 "text": "the optimizer step made the weights non-finite: lower --lr or add --clip-grad-norm 1.0"}]
+    return []
 
-    # 2. ranges
+
+def _fp16_ranges(report: Any, have_keep: bool) -> list[dict[str, str]]:
+    recs = []
+    over = [r["layer"] for r in report.ranges.layer_rows(0) if r["activations"]["fp16"]["overflow"] > 0]
+    if over and not have_keep:
+        shown, flag = _names(over)
+        recs.append({"kind": "keep-fp32", "text": f"activations of {shown} exceed fp16's 65504: keep them in fp32 "
+                                                  f"(--keep-fp32 {flag} --amp-impl scratch) or switch to bf16-mixed"})
     k_now, k_rec = report.log2_scale, report.recommended_log2_scale()
-    if low == "fp16":
-        over = [r["layer"] for r in report.ranges.layer_rows(0) if r["activations"]["fp16"]["overflow"] > 0]
-        if over and not any(r["kind"] == "keep-fp32" for r in recs):
-            add("keep-fp32", f"activations of {', '.join(display_path(n) for n in over)} exceed fp16's 65504: keep "
-                             f"{'it' if len(over) == 1 else 'them'} in fp32 (--keep-fp32 {','.join(over)} --amp-impl "
-                             "scratch) or switch to bf16-mixed")
-        if k_rec is not None:
-            now, rec = report.gradient_fractions("fp16"), report.gradient_fractions("fp16", k_rec)
-            lost_now, lost_rec = now["underflow"] + now["overflow"], rec["underflow"] + rec["overflow"]
-            skipped_by_scale = sum(1 for f in report.faults if f.classification == "scale overflow")
-            if spec["loss_scaling"] and ((now["underflow"] > THRESHOLDS["underflow"]
-                                          and lost_now - lost_rec > THRESHOLDS["underflow_gain"])
-                                         or (now["overflow"] > 0 and rec["overflow"] == 0) or skipped_by_scale):
-                add("init-scale", f"start the loss scale at 2^{k_rec} = {2.0**k_rec:g} (--init-scale {2.0**k_rec:g}) "
-                                  f"instead of 2^{k_now}: fp16 gradient underflow {_pct(now['underflow'])} -> "
-                                  f"{_pct(rec['underflow'])}, overflow {_pct(now['overflow'])} -> {_pct(rec['overflow'])}"
-                    + (f"; {skipped_by_scale} step(s) were skipped while the scaler backed off" if skipped_by_scale else ""))
-            elif not spec["loss_scaling"] and now["underflow"] > THRESHOLDS["underflow"]:
-                add("init-scale", f"{_pct(now['underflow'])} of gradients underflow fp16 without loss scaling: use a "
-                                  f"loss scale of 2^{k_rec} = {2.0**k_rec:g} (fp16-mixed's dynamic scaler)")
-            if lost_rec > THRESHOLDS["unfixable"]:
-                add("switch-bf16", f"even at the best loss scale {_pct(lost_rec)} of gradients over- or underflow fp16: "
-                                   "its range is too narrow for this model; switch to bf16-mixed")
-    elif low == "bf16":
-        bad = [r["layer"] for r in report.ranges.layer_rows(0)
-               if r["activations"]["bf16"]["overflow"] > 0 or r["gradients"]["bf16"]["overflow"] > 0]
-        if bad and not any(r["kind"] == "keep-fp32" for r in recs):
-            add("keep-fp32", f"values of {', '.join(display_path(n) for n in bad)} exceed even bf16's range: "
-                             "check these layers (this is not a precision problem)")
+    if k_rec is None:
+        return recs
+    now, rec = report.gradient_fractions("fp16"), report.gradient_fractions("fp16", k_rec)
+    lost_now, lost_rec = now["underflow"] + now["overflow"], rec["underflow"] + rec["overflow"]
+    skipped = sum(1 for f in report.faults if f.classification == "scale overflow")
+    change = (f"fp16 gradient underflow {_pct(now['underflow'])} -> {_pct(rec['underflow'])}, "
+              f"overflow {_pct(now['overflow'])} -> {_pct(rec['overflow'])}")
+    if report.recipe_spec["loss_scaling"]:
+        worth = (now["underflow"] > THRESHOLDS["underflow"] and lost_now - lost_rec > THRESHOLDS["underflow_gain"]) \
+            or (now["overflow"] > 0 and rec["overflow"] == 0) or skipped
+        if worth:
+            text = f"start the loss scale at 2^{k_rec} = {2.0**k_rec:g} (--init-scale {2.0**k_rec:g}) instead of " \
+                   f"2^{k_now}: {change}"
+            if skipped:
+                text += f"; {skipped} step(s) were skipped while the scaler backed off"
+            recs.append({"kind": "init-scale", "text": text})
+    elif now["underflow"] > THRESHOLDS["underflow"]:
+        recs.append({"kind": "init-scale", "text": f"{_pct(now['underflow'])} of gradients underflow fp16 without "
+                                                   f"loss scaling: use fp16-mixed's dynamic scaler (2^{k_rec} suits)"})
+    if lost_rec > THRESHOLDS["unfixable"]:
+        recs.append({"kind": "switch-bf16", "text": f"even at the best loss scale {_pct(lost_rec)} of gradients over- "
+                                                    "or underflow fp16, whose range is too narrow for this model: "
+                                                    "switch to bf16-mixed"})
+    return recs
 
-    # 4. lost updates
+
+def _bf16_ranges(report: Any, have_keep: bool) -> list[dict[str, str]]:
+    bad = [r["layer"] for r in report.ranges.layer_rows(0)
+           if r["activations"]["bf16"]["overflow"] > 0 or r["gradients"]["bf16"]["overflow"] > 0]
+    if not bad or have_keep:
+        return []
+    return [{"kind": "not-precision", "text": f"values of {_names(bad)[0]} exceed even bf16's (= fp32's) range: "
+                                              "check these layers, this is not a precision problem"}]
+
+
+def _lost_updates(report: Any) -> list[dict[str, str]]:
     lu = report.lost_updates
-    low_stored = [layer for layer in lu.layers if layer.dtype in ("bf16", "fp16")]
-    frac_low = (sum(x.lost for x in low_stored) / max(1, sum(x.updated for x in low_stored))) if low_stored else 0.0
-    if low_stored and frac_low > THRESHOLDS["lost_updates"]:
-        master = "bf16-master" if low_stored[0].dtype == "bf16" else "fp16-master"
-        add("master-weights", f"{_pct(frac_low)} of non-zero updates to {low_stored[0].dtype} weights are rounded away "
-                              f"(low(w + d) == w): use {master} (fp32 master weights) or --stochastic-rounding")
-    elif lu.lost_fraction > THRESHOLDS["lost_updates"]:
-        add("master-weights", f"{_pct(lu.lost_fraction)} of updates are below even fp32's resolution: the learning "
-                              "rate is too small to change the weights")
+    low = [layer for layer in lu.layers if layer.dtype in ("bf16", "fp16")]
+    frac = sum(x.lost for x in low) / max(1, sum(x.updated for x in low)) if low else 0.0
+    if low and frac > THRESHOLDS["lost_updates"]:
+        dt = low[0].dtype
+        return [{"kind": "master-weights", "text": f"{_pct(frac)} of non-zero updates to {dt} weights are rounded "
+                                                   f"away (low(w + d) == w): use {dt}-master (fp32 master weights) "
+                                                   "or --stochastic-rounding"}]
+    if lu.lost_fraction > THRESHOLDS["lost_updates"]:
+        return [{"kind": "master-weights", "text": f"{_pct(lu.lost_fraction)} of updates are below even fp32's "
+                                                   "resolution: the learning rate is too small to move the weights"}]
+    return []
 
+
+def recommend(report: Any) -> list[dict[str, str]]:
+    """Recommendations for a :class:`~mixprec.doctor.report.DoctorReport`, most urgent first."""
+    low = report.low_format
+    recs = _faults(report, low)
+    have_keep = any(r["kind"] == "keep-fp32" for r in recs)
+    if low == "fp16":
+        recs += _fp16_ranges(report, have_keep)
+    elif low == "bf16":
+        recs += _bf16_ranges(report, have_keep)
+    recs += _lost_updates(report)
     if not recs:
         sm = report.history.summary()
-        extra = ""
-        if low == "fp16" and k_rec is not None:
-            extra = f"; fp16 gradient underflow at the current scale {_pct(report.gradient_fractions('fp16')['underflow'])}"
-        add("keep-recipe", f"keep {report.title.get('recipe')}: no overflow, lost updates or non-finite values in "
-                           f"{sm['steps']} steps ({sm['skipped']} skipped){extra}")
+        text = (f"keep {report.title.get('recipe')}: no overflow, lost updates or non-finite values in "
+                f"{sm['steps']} steps ({sm['skipped']} skipped)")
+        if low == "fp16":
+            text += f"; fp16 gradient underflow at the current scale {_pct(report.gradient_fractions()['underflow'])}"
+        recs.append({"kind": "keep-recipe", "text": text})
     return recs

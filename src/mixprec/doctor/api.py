@@ -36,7 +36,7 @@ from ..precision import Recipe, ScalerConfig, build_recipe
 from ..train.config import TrainConfig
 from ..train.loop import Run, train_step
 from .attribution import ModuleTracker
-from .lost_updates import LostUpdateMonitor, LostUpdates, optimizer_param_names
+from .lost_updates import LostUpdateMonitor, optimizer_param_names, same_optimizer
 from .nonfinite import NonFiniteEvent
 from .observer import OpObserver
 from .precision_map import PrecisionMap, PrecisionMapSink
@@ -103,8 +103,8 @@ def _optimizer_factory(optimizer: Any, lr: float) -> Callable[[Iterable[torch.Te
     if optimizer is None:
         return lambda params: torch.optim.SGD(list(params), lr=lr)
     if isinstance(optimizer, torch.optim.Optimizer):
-        cls, defaults = type(optimizer), {k: v for k, v in optimizer.defaults.items() if k != "fused"}
-        return lambda params: cls(list(params), **defaults)
+        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        return lambda params: same_optimizer(cls, list(params), defaults)
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return lambda params: optimizer(list(params), lr=lr)
     if callable(optimizer):

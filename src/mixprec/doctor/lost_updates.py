@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,7 +31,18 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .observer import dtype_name
 
-__all__ = ["LayerUpdates", "LostUpdates", "LostUpdateMonitor", "optimizer_param_names"]
+__all__ = ["LayerUpdates", "LostUpdates", "LostUpdateMonitor", "optimizer_param_names", "same_optimizer"]
+
+
+def same_optimizer(opt_cls: type, params: Any, hyper: dict[str, Any]) -> torch.optim.Optimizer:
+    """``opt_cls(params, **hyper)`` with only the hyper-parameters its constructor accepts.
+
+    ``optimizer.defaults`` can hold keys the constructor does not take (AdamW's ``decoupled_weight_decay``).
+    """
+    accepted = inspect.signature(opt_cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        hyper = {k: v for k, v in hyper.items() if k in accepted}
+    return opt_cls(params, **{k: v for k, v in hyper.items() if k != "fused"})
 
 
 @dataclasses.dataclass
@@ -134,8 +146,7 @@ class LostUpdateMonitor:
                 shadow.append(s)
                 pairs.append((p, s))
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shadow})
-        defaults = {k: v for k, v in opt.defaults.items() if k not in ("fused",)}
-        sopt = type(opt)(groups, **defaults)
+        sopt = same_optimizer(type(opt), groups, dict(opt.defaults))
         sopt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict casts state to fp32
         with torch.no_grad():
             before = [s.clone() for _, s in pairs]

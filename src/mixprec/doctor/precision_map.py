@@ -5,10 +5,10 @@ ran, whichever autocast produced it: an ``addmm`` listed as ``bf16`` ran a bf16 
 fp32->bf16`` rows are the casts autocast inserted (the weight-cast cache shows up as *fewer* of them); an
 ``fp16 (emulated)`` op computed in fp32 on operands rounded to fp16 (mixprec's emulation on CPUs without
 fast fp16). FLOPs come from PyTorch's own formulas (``torch.utils.flop_counter``: matmuls, convolutions,
-attention, plus the CPU flash-attention kernel it lacks); everything else counts zero FLOPs, which is what matters for the summary "share of FLOPs in
-low precision". "Kept in fp32" lists the forward ops that did arithmetic in fp32 although the recipe had
-a low dtype: the ops the cast policy protects (losses, softmax and norms where the policy says so) and
-the ones it merely lets through (residual adds that meet an fp32 operand).
+attention, plus the CPU flash-attention kernel it lacks); everything else counts zero FLOPs, which is what
+the summary "share of FLOPs in low precision" needs. "Kept in fp32" lists the forward ops inside the
+autocast region that did arithmetic in fp32: the ops the cast policy protects (losses, and softmax and
+norms where the policy says so) and the ones it merely lets through (residual adds meeting an fp32 operand).
 """
 
 from __future__ import annotations

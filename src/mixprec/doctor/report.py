@@ -218,6 +218,10 @@ class DoctorReport:
         lines.append(f"  ({len(pm.rows)} distinct (phase, module, op, dtypes) rows in doctor.json)")
         return lines
 
+    @staticmethod
+    def _fractions_text(f: dict[str, float]) -> str:
+        return f"underflow {_pct(f['underflow'])}, subnormal {_pct(f['subnormal'])}, overflow {_pct(f['overflow'])}"
+
     def _render_ranges(self) -> list[str]:
         rp = self.ranges
         k = self.log2_scale
@@ -236,13 +240,14 @@ class DoctorReport:
         lines += _table(["layer", "type", "act binades", "act>fp16", "act>e4m3", "grad binades",
                          f"fp16 zero@2^{k}", "subnormal", "overflow", f"e5m2 zero@2^{k}"], rows)
         now = self.gradient_fractions("fp16")
-        lines.append(f"  all gradients at the current loss scale 2^{k} = {self.loss_scale:g}: fp16 underflow "
-                     f"{_pct(now['underflow'])}, subnormal {_pct(now['subnormal'])}, overflow {_pct(now['overflow'])}")
+        lines.append(f"  all gradients at the current loss scale 2^{k} = {self.loss_scale:g}: fp16 "
+                     + self._fractions_text(now))
         k_rec = self.recommended_log2_scale()
         if k_rec is not None:
             rec = self.gradient_fractions("fp16", k_rec)
-            lines.append(f"  recommended loss scale for fp16: 2^{k_rec} = {2.0**k_rec:g}: underflow "
-                         f"{_pct(rec['underflow'])}, subnormal {_pct(rec['subnormal'])}, overflow {_pct(rec['overflow'])}")
+            what = ("recommended loss scale for fp16" if self.low_format == "fp16"
+                    else "if it ran in fp16, the loss scale to use")
+            lines.append(f"  {what}: 2^{k_rec} = {2.0**k_rec:g}: " + self._fractions_text(rec))
         gl = self.gradient_loss
         if gl.steps:
             lines.append(f"  observed: {_pct(gl.fraction)} of gradient elements that are non-zero in fp32 were zero "

@@ -1,0 +1,314 @@
+"""mixprec doctor: planted faults it must find, its range arithmetic against real casts, the precision map
+against torch's own autocast, and the command line."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec import hardware
+from mixprec.doctor import DoctorError, diagnose, find_first_nonfinite, precision_map
+from mixprec.doctor.ranges import Log2Histogram
+from mixprec.formats import get_format, quantize
+from mixprec.train.models import build_model
+
+
+def _batch(n=32, d=16, classes=4, gain=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g) * gain, torch.randint(0, classes, (n,), generator=g)
+
+
+def _kinds(report):
+    return [r["kind"] for r in report.recommendations()]
+
+
+def _no_global_state_left():
+    from mixprec.autocast import is_autocast_active
+
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._len_torch_function_stack() == 0
+    assert not torch.is_autocast_enabled("cpu") and not is_autocast_active()
+    assert not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
+
+
+# ---------------------------------------------------------------------------------------------------
+# planted faults
+# ---------------------------------------------------------------------------------------------------
+
+class Overflowing(nn.Module):
+    """`big` multiplies inputs of ~5 by weights of 1000..3000 over 64 inputs: activations ~3e5 > 65504.
+
+    Its weights (< 65504) and everything else fit fp16; a LayerNorm right after brings values back to ~1.
+    """
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(16, 64)
+        self.act = nn.ReLU()
+        self.big = nn.Linear(64, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.big.weight.uniform_(1000, 3000)
+
+    def forward(self, x):
+        return self.head(F.relu(self.norm(self.big(self.act(self.fc1(x))))))
+
+
+@pytest.mark.parametrize("impl", ["auto", "native"])  # auto = emulated fp16 on CPUs without fast fp16
+def test_forward_overflow_is_located_and_replay_keeps_exactly_that_layer_in_fp32(impl):
+    report = diagnose(Overflowing(), _batch(gain=10.0), F.cross_entropy, precision="fp16-mixed", steps=1,
+                      amp_impl=impl)
+    fault = report.first_fault()
+    assert fault is report.faults[0] and fault.step == 0
+    assert fault.classification == "forward overflow"
+    ev = fault.event
+    assert (ev.phase, ev.module) == ("forward", "big") and ev.inputs_finite and ev.output.n_inf > 0
+    # native fp16 overflows in the matmul itself; emulated fp16 in the rounding of its fp32 result
+    assert ev.op == ("addmm" if impl == "native" else "_to_copy")
+    assert fault.replay.modules == ["big"]
+    assert "keep-fp32" in _kinds(report) and "--keep-fp32 big" in report.recommendations()[0]["text"]
+    rows = {r["layer"]: r for r in report.ranges.layer_rows(0)}
+    assert rows["big"]["activations"]["fp16"]["overflow"] > 0.5
+    assert rows["big"]["activations"]["bf16"]["overflow"] == 0
+    assert all(r["activations"]["fp16"]["overflow"] == 0 for n, r in rows.items() if n != "big")
+    assert report.history.records[0].skipped and report.history.records[0].cause.startswith("forward overflow")
+    _no_global_state_left()
+
+
+def _tiny_head_mlp():
+    """Gradients reaching the hidden layers are scaled by a 1e-5 head: many fall below fp16's 6e-8."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    with torch.no_grad():
+        m[4].weight.mul_(1e-5)
+    return m
+
+
+def test_gradient_underflow_is_measured_and_the_recommended_scale_removes_it():
+    model, batch = _tiny_head_mlp(), _batch(n=64)
+    unscaled = diagnose(model, batch, F.cross_entropy, precision="fp16-mixed", steps=2, init_scale=1.0,
+                        growth_interval=10**6)
+    now = unscaled.gradient_fractions("fp16")
+    assert unscaled.loss_scale == 1.0 and now["underflow"] > 0.1
+    assert unscaled.gradient_loss.fraction > 0.05  # really lost in the recipe's backward, not just projected
+    k = unscaled.recommended_log2_scale()
+    assert k is not None and k > 10
+    rec = unscaled.gradient_fractions("fp16", k)
+    assert rec["underflow"] == 0 and rec["overflow"] == 0
+    init = [r for r in unscaled.recommendations() if r["kind"] == "init-scale"]
+    assert init and f"--init-scale {2.0**k:g}" in init[0]["text"]
+
+    scaled = diagnose(model, batch, F.cross_entropy, precision="fp16-mixed", steps=2, init_scale=2.0**k,
+                      growth_interval=10**6)
+    assert scaled.loss_scale == 2.0**k and scaled.history.skipped == 0
+    # what remains is not underflow but the rare element where rounded operands cancel to an exact zero
+    assert scaled.gradient_loss.nonzero > 0 and scaled.gradient_loss.fraction < 1e-3
+    assert scaled.gradient_fractions("fp16")["underflow"] == 0
+    assert "init-scale" not in _kinds(scaled)
+
+
+class _Explode(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by 1e7 (overflows fp16, not fp32)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1e7
+
+
+class Spike(nn.Module):
+    def forward(self, x):
+        return _Explode.apply(x)
+
+
+class BackwardOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.ReLU()
+        self.spike = Spike()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.spike(self.act(self.fc1(x))))
+
+
+@pytest.mark.parametrize("impl", ["native", "auto"])
+def test_backward_only_overflow_is_located_in_backward(impl):
+    report = diagnose(BackwardOnly(), _batch(), F.cross_entropy, precision="fp16-mixed", steps=1,
+                      amp_impl=impl, init_scale=1.0)
+    fault = report.first_fault()
+    assert fault.classification == "backward overflow"  # the forward replayed finite; scale 1 cannot help
+    assert fault.event.phase == "backward" and fault.event.inputs_finite
+    rec = report.history.records[0]
+    assert rec.skipped and rec.loss == rec.loss  # finite loss, skipped step
+    if impl == "native":  # fp16 arithmetic in the custom backward itself
+        assert (fault.event.module, fault.event.op, fault.event.node) == ("spike", "mul", "_ExplodeBackward")
+    else:  # emulated: fp32 arithmetic, the overflow happens where the gradient is rounded to fp16
+        assert fault.event.op == "_to_copy" and fault.event.module in ("fc1", "act")
+    assert fault.replay.modules  # some fp32 set makes the step finite
+    _no_global_state_left()
+
+
+def test_lost_updates_in_bf16_weights_and_none_with_master_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    true = diagnose(model, _batch(n=64), F.cross_entropy, precision="bf16-true", steps=2, lr=1e-3)
+    lu = true.lost_updates
+    assert lu.steps == 2 and lu.lost_fraction > 0.9
+    for layer in lu.layers:
+        assert layer.dtype == "bf16" and layer.updated > 0
+        assert layer.lost == layer.unchanged  # the formula low(w + d) == w matches what the real step did
+    master = [r for r in true.recommendations() if r["kind"] == "master-weights"]
+    assert master and "bf16-master" in master[0]["text"]
+
+    with_master = diagnose(model, _batch(n=64), F.cross_entropy, precision="bf16-master", steps=2, lr=1e-3)
+    assert with_master.lost_updates.lost_fraction == 0.0
+    assert all(layer.dtype == "fp32" and layer.updated > 0 for layer in with_master.lost_updates.layers)
+    assert "master-weights" not in _kinds(with_master)
+
+
+class NanModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(x) * torch.sqrt(-1.0 - x.abs().sum())  # NaN in every precision
+
+
+def test_nan_in_fp32_too_is_reported_as_not_a_precision_problem():
+    report = diagnose(NanModel(), _batch(), F.cross_entropy, precision="bf16-mixed", steps=3)
+    assert len(report.history.records) == 1 and report.history.records[0].stopped  # training would stop
+    fault = report.first_fault()
+    assert fault.classification == "forward nan" and fault.event.op == "sqrt"
+    assert fault.event.module == "" and fault.replay.modules is None
+    assert "not-precision" in _kinds(report)
+
+
+def test_find_first_nonfinite_on_a_healthy_and_a_faulty_model():
+    assert find_first_nonfinite(nn.Linear(16, 4), _batch(), F.cross_entropy) is None
+    fa = find_first_nonfinite(Overflowing(), _batch(gain=10.0), F.cross_entropy, amp_impl="native")
+    assert fa.event.module == "big" and fa.replay.modules == ["big"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# range arithmetic: exact against the casts
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("k", [0, 5])
+def test_binade_projection_matches_rounding_into_the_format(fmt, k):
+    # 1.5 * 2**e sits inside its binade, away from the ties at the edges, so one-binade resolution is exact
+    f = get_format(fmt)
+    for e in range(-160, 128):
+        x = torch.tensor([1.5 * 2.0**e], dtype=torch.float64).float()
+        if x.item() == 0 or not torch.isfinite(x):
+            continue
+        h = Log2Histogram()
+        h.add(-x)
+        got = h.fractions(fmt, k)
+        scaled = x.double() * 2.0**k
+        q = quantize(scaled, fmt).double()
+        assert got["overflow"] == float(scaled.abs().item() > f.max), (e, got)
+        assert got["underflow"] == float(q.item() == 0), (e, got)
+        assert got["subnormal"] == float(0 < abs(q.item()) < f.smallest_normal), (e, got)
+
+
+def test_histogram_counts_zeros_nonfinite_and_fp32_subnormals():
+    h = Log2Histogram()
+    h.add(torch.tensor([0.0, -0.0, 1.0, 1.5, -3.0, float("inf"), float("nan"), 2.0**-149, 1.5 * 2.0**-127, 3e38]))
+    assert (h.zeros, h.nonfinite, h.nonzero) == (2, 2, 6)
+    assert h.binade_range() == (-149, 127)
+
+
+# ---------------------------------------------------------------------------------------------------
+# precision map: the scratch autocast and torch.autocast run the same ops in the same dtypes
+# ---------------------------------------------------------------------------------------------------
+
+def _compute_rows(pm):
+    """(phase, module, op, dtype) of every op that does FLOPs, counted; emulated fp16 counts as fp16."""
+    return Counter((r.phase, r.module, r.op, r.compute.split(" ")[0]) for r in pm.rows if r.flops
+                   for _ in range(r.count))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("model", ["simplenet", "mlp", "cnn", "transformer"])
+def test_precision_map_scratch_autocast_agrees_with_native(model, precision):
+    torch.manual_seed(0)
+    m = build_model(model, input_shape=(1, 12, 12), num_classes=10, width=32, depth=2, channels=4, d_model=16,
+                    n_heads=2, n_layers=1, patch_size=4)
+    batch = (torch.randn(4, 1, 12, 12), torch.randint(0, 10, (4,)))
+    native = precision_map(m, batch, F.cross_entropy, precision=precision, amp_impl="native")
+    scratch = precision_map(m, batch, F.cross_entropy, precision=precision, amp_impl="scratch")
+    assert _compute_rows(native) == _compute_rows(scratch)
+    assert native.low_flop_share == scratch.low_flop_share == 1.0
+    assert native.total_flops == scratch.total_flops > 0
+    if precision == "bf16-mixed":  # real bf16 on both sides: also the same ops kept in fp32
+        assert native.kept_fp32() == scratch.kept_fp32()
+        assert {"_log_softmax", "nll_loss_forward"} <= set(native.kept_fp32())
+    else:  # fp16: scratch emulates it on CPUs without fast fp16 kernels, and the map says so
+        assert not native.emulated
+        assert scratch.emulated == (not hardware.has_fast_fp16(torch.device("cpu")))
+    _no_global_state_left()
+
+
+# ---------------------------------------------------------------------------------------------------
+# API and CLI
+# ---------------------------------------------------------------------------------------------------
+
+def test_diagnose_a_user_module_leaves_it_untouched_and_writes_the_report(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [_batch(seed=s) for s in range(2)]
+    report = diagnose(model, batches, F.cross_entropy, precision="bf16-mixed", steps=3,
+                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), out=str(tmp_path))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not model._forward_hooks and not model[0]._forward_pre_hooks
+    _no_global_state_left()
+    assert len(report.history.records) == 3 and report.lost_updates.steps == 3
+    for name in ("doctor.json", "report.txt", "ranges_activations.png", "ranges_gradients.png", "loss_scale.png",
+                 "lost_updates.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    d = json.loads((tmp_path / "doctor.json").read_text())
+    assert {"precision_map", "ranges", "nonfinite", "lost_updates", "loss_scale_history", "recommendations"} <= set(d)
+    assert d["title"]["recipe"] == "bf16-mixed" and d["precision_map"]["summary"]["low_flop_share"] == 1.0
+    assert d["nonfinite"]["first"] is None and d["recommendations"][0]["kind"] == "keep-recipe"
+    assert (tmp_path / "report.txt").read_text().startswith("mixprec doctor: bf16-mixed")
+
+
+def test_diagnose_rejects_a_malformed_batch():
+    with pytest.raises(DoctorError, match="batch must be an"):
+        diagnose(nn.Linear(4, 2), torch.randn(3, 4), F.cross_entropy)
+
+
+def test_cli_doctor_on_digits(cli, tmp_path):
+    code, out, err = cli("doctor", "--dataset", "digits", "--model", "mlp", "--width", "32", "--depth", "1",
+                         "--batch-size", "32", "--steps", "3", "--out", tmp_path)
+    assert code == 0, err
+    for section in ("1. Precision map", "2. Range profile", "3. First non-finite", "4. Lost updates",
+                    "5. Loss-scale history", "Recommendations"):
+        assert section in out
+    assert "fp16-mixed" in out and "digits" in out
+    d = json.loads((tmp_path / "doctor.json").read_text())
+    assert d["title"]["model"] == "mlp" and len(d["loss_scale_history"]["steps"]) == 3
+    assert (tmp_path / "ranges_gradients.png").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--precision", "fp12"], "unknown precision 'fp12'"),
+])
+def test_cli_doctor_usage_errors_exit_2(cli, tmp_path, args, needle):
+    code, _, err = cli("doctor", "--dataset", "digits", "--out", tmp_path, *args)
+    assert code == 2 and needle in err and "Traceback" not in err
