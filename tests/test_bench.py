@@ -320,3 +320,14 @@ def test_matmul_peak_micro_benchmark():
     p = measure.measure_matmul_peak(torch.float32, "cpu", budget_s=0.2, sizes=(64, 128))
     assert p["flops_per_s"] > 0 and p["n"] in (64, 128) and p["dtype"] == "float32"
     assert torch.get_float32_matmul_precision() == "highest"  # restored
+
+
+def test_runner_reports_a_hung_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(worker.TEST_CRASH_ENV, "bf16-mixed:hang")
+    spec = runner.RunSpec(recipe="bf16-mixed", repeat=0, seed=3, config={}, warmup_steps=0)
+    seen = []
+    rows = runner.run_matrix([spec], str(tmp_path), timeout=2, on_done=lambda i, n, r: seen.append((i, n, r)))
+    assert [(i, n) for i, n, _ in seen] == [(1, 1)] and seen[0][2] is rows[0]
+    assert rows[0]["status"] == "failed" and rows[0]["reason"].startswith("timed out after 2 s")
+    assert rows[0]["returncode"] is None and rows[0]["seed"] == 3
+    assert (tmp_path / "runs" / "bf16-mixed-r0.spec.json").exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from ..precision import resolve_recipe
 from ..train.report import format_bytes
 from .measure import spread
 from .parity import convergence_parity
@@ -77,6 +78,7 @@ def aggregate(
             "memory": mem,
             "memory_total_bytes": mem["total"] if mem else None,
             "cuda_peak_allocated_bytes": _median(s.get("cuda_peak_allocated_bytes") for s in summaries),
+            "cuda_peak_reserved_bytes": _median(p.get("cuda_peak_reserved_bytes") for p in probes),
             "measured_step_peak_bytes": _median(p.get("step_peak_bytes") for p in probes),
             "measured_step_peak_method": next((p.get("method") or p.get("reason") for p in probes), None),
             "exact_activations_plus_gradients_bytes": _median(
@@ -134,7 +136,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
     et, sps, acc = row["epoch_time_s"], row["samples_per_s"], row["test_accuracy"]
     mem = format_bytes(row["memory_total_bytes"]) if row["memory_total_bytes"] else dash
     measured = row["cuda_peak_allocated_bytes"] or row["measured_step_peak_bytes"]
-    label = row["recipe"] + (" (scratch)" if row["impl"] == "scratch" else "")
+    scratch = row["impl"] == "scratch" and resolve_recipe(row["recipe"]).autocast  # fp32 has no mechanism
+    label = row["recipe"] + (" (scratch)" if scratch else "")
     parity = row["parity"] or {}
     return [
         label,

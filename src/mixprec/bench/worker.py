@@ -14,8 +14,8 @@ with the reason and exits 1; a run that dies outright (signal, hard OOM kill) wr
 parent reports the exit status instead. Either way the rest of the matrix goes on.
 
 Test hook: when the environment variable ``MIXPREC_BENCH_TEST_CRASH`` names this run's recipe
-(``fp16-mixed``, or ``fp16-mixed:raise``), the worker aborts the process (SIGABRT, no output file) or
-raises, before training. Only ``tests/test_bench.py`` sets it, to prove that one crashing run leaves the
+(``fp16-mixed``, ``fp16-mixed:raise`` or ``fp16-mixed:hang``), the worker aborts the process (SIGABRT, no
+output file), raises, or sleeps for an hour, before training. Only ``tests/test_bench.py`` sets it, to prove that one crashing run leaves the
 other rows intact.
 """
 
@@ -37,6 +37,9 @@ def _test_hook(recipe: str) -> None:
     if name and name == recipe:
         if mode == "raise":
             raise RuntimeError(f"deliberate failure ({TEST_CRASH_ENV}={want})")
+        if mode == "hang":
+            print(f"hanging on purpose ({TEST_CRASH_ENV}={want})", flush=True)
+            time.sleep(3600)
         sys.stdout.flush()
         os.abort()
 
