@@ -196,7 +196,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
         *[f"- {k}: {_fmt_rate(v.get('flops_per_s'))} (n={v.get('n')})" for k, v in doc["peaks"].items()],
         "",
         f"Model FLOPs per step (FlopCounterMode, batch {doc['config']['batch_size']}): forward "
-        f"{fl.get('forward', 0):,}, backward {fl.get('backward', 0):,}, total {fl.get('total', 0):,}.",
+        f"{fl.get('forward', 0):,}, backward {fl.get('backward', 0):,}, total {fl.get('total', 0):,}"
+        + (f"; x{fl['micro_batches_per_step']} micro-batches = {fl['per_step']:,} per optimizer step"
+           if fl.get("micro_batches_per_step", 1) > 1 else "") + ".",
         "",
         "## Method",
         "",
