@@ -240,8 +240,11 @@ class Recipe:
         """Set process-wide matmul precision for the run (TF32 on or off) and restore it on exit."""
         prev = torch.get_float32_matmul_precision()
         prev_cudnn = torch.backends.cudnn.allow_tf32
-        torch.set_float32_matmul_precision("high" if self.spec.tf32 else "highest")
-        torch.backends.cudnn.allow_tf32 = self.spec.tf32
+        # TF32 exists only on CUDA tensor cores. On CPU, "high" would switch oneDNN's fp32 GEMMs to a
+        # reduced-precision (bf16x3/tf32) mode that is slower on CPUs without AMX, so tf32 runs as fp32 there.
+        tf32 = self.spec.tf32 and hardware.has_tf32(self.device)
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
         try:
             yield
         finally:
