@@ -78,7 +78,8 @@ class Runner:
         return (time.perf_counter() - t0) / n
 
 
-def bench_model(name: str, args: argparse.Namespace) -> dict[str, float]:
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per-round seconds per step for each configuration."""
     torch.manual_seed(0)
     base = make_model(name)
     x = torch.randn(args.batch_size, *INPUT_SHAPE)
@@ -90,12 +91,17 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, float]:
             r.step()
     samples: dict[str, list[float]] = {c: [] for c in configs}
     for i in range(args.rounds):
-        order = configs if i % 2 == 0 else configs[::-1]  # alternate order within rounds
+        order = configs if i % 2 == 0 else configs[::-1]  # ABBA: no config always runs first
         for c in order:
             if c == "native fp16" and i >= args.fp16_rounds:
                 continue
             samples[c].append(runners[c].time_steps(args.steps if c != "native fp16" else 1))
-    return {c: statistics.median(s) for c, s in samples.items()}
+    return samples
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """Median over rounds of num/den measured in the same round (robust to load drift)."""
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def main() -> None:
@@ -112,26 +118,26 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, batch {args.batch_size}, input {INPUT_SHAPE}, "
-          f"median of {args.rounds} rounds x {args.steps} steps (native fp16: {args.fp16_rounds} x 1)\n")
-    rows = []
-    for name in args.models:
-        t = bench_model(name, args)
-        rows.append((name, t))
-
-    ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
-    print("| model | fp32 ms | native bf16 ms | scratch bf16 ms | scratch / native (bf16) "
+          f"{torch.get_num_threads()} threads, batch {args.batch_size}, input {INPUT_SHAPE}; "
+          f"median of {args.rounds} rounds x {args.steps} steps (native fp16: {args.fp16_rounds} x 1); "
+          f"ratios are medians of per-round ratios\n")
+    print("| model | fp32 ms | native bf16 ms | scratch bf16 ms | scratch / native bf16 "
           "| native fp16 ms | emulated fp16 ms | emulated / native fp16 | emulated fp16 / fp32 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, t in rows:
-        nf16, emu = t.get("native fp16"), t["emulated fp16"]
+    for name in args.models:
+        s = bench_model(name, args)
+        med = {c: statistics.median(v) for c, v in s.items()}
+        nf16 = s.get("native fp16")
         cells = [
-            name, ms(t["fp32"]), ms(t["native bf16"]), ms(t["scratch bf16"]),
-            f"{t['scratch bf16'] / t['native bf16']:.3f}",
-            ms(nf16) if nf16 else "skipped", ms(emu),
-            f"{emu / nf16:.4f}" if nf16 else "-", f"{emu / t['fp32']:.3f}",
+            name, f"{med['fp32'] * 1e3:.2f}", f"{med['native bf16'] * 1e3:.2f}",
+            f"{med['scratch bf16'] * 1e3:.2f}",
+            f"{paired_ratio(s['scratch bf16'], s['native bf16']):.3f}",
+            f"{med['native fp16'] * 1e3:.1f}" if nf16 else "skipped",
+            f"{med['emulated fp16'] * 1e3:.2f}",
+            f"{paired_ratio(s['emulated fp16'], nf16):.3f}" if nf16 else "-",
+            f"{paired_ratio(s['emulated fp16'], s['fp32']):.3f}",
         ]
-        print("| " + " | ".join(cells) + " |")
+        print("| " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -151,40 +151,31 @@ _RENAME: dict[str, str | Callable[[tuple, Mapping], str]] = {
 # Per-thread state
 # ---------------------------------------------------------------------------------------------
 
-class _Frame:
-    """What the mode does while this frame is on top of the thread's frame stack."""
-
-    __slots__ = ("enabled", "kinds", "dtype", "device_type", "emulate", "cache_enabled", "policy")
-
-    def __init__(self, enabled: bool, policy: CastPolicy, kinds: Mapping[str, CastKind],
-                 dtype: torch.dtype, emulate: bool, cache_enabled: bool) -> None:
-        self.enabled = enabled
-        self.policy = policy
-        self.kinds = kinds
-        self.dtype = dtype
-        self.device_type = policy.device_type
-        self.emulate = emulate
-        self.cache_enabled = cache_enabled
-
-    def forced_fp32(self) -> _Frame:
-        """This frame with every listed op run in fp32 (for keep_fp32 modules)."""
-        if not self.enabled:
-            return self
-        return _Frame(True, self.policy, _fp32_table(self.policy), self.dtype, False,
-                      self.cache_enabled)
-
-
-@functools.lru_cache(maxsize=16)
-def _fp32_table(policy: CastPolicy) -> Mapping[str, CastKind]:
-    keep = (_FP32_OUT, _COMPOSITE)
-    return {op: (kind if kind in keep else _FP32) for op, kind in policy.table.items()}
-
-
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.frames: list[_Frame] = []
-        self.cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.mode: _PolicyMode | None = None
+        # weight-cast cache: {(low dtype, emulate, grad enabled): {id(param): (param, cast)}};
+        # the inner dicts are emptied when the outermost context exits
+        self.cache: dict[tuple, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.mode: _PolicyMode | None = None  # the mode, while it is on the torch-function stack
+        self.frame_cache: dict[tuple, _Frame] = {}  # frames are reused across context entries
+
+
+def _frame(enabled: bool, policy: CastPolicy, kinds: Mapping[str, CastKind], dtype: torch.dtype,
+           emulate: bool, cache_enabled: bool) -> _Frame:
+    """The thread's frame for this configuration (built once: its closures are the hot path)."""
+    key = (enabled, id(policy), id(kinds), dtype, emulate, cache_enabled)
+    frame = _state.frame_cache.get(key)
+    if frame is None or frame.kinds is not kinds or frame.policy is not policy:
+        frame = _state.frame_cache[key] = _Frame(enabled, policy, kinds, dtype, emulate,
+                                                 cache_enabled)
+    return frame
+
+
+def _clear_cache() -> None:
+    for entries in _state.cache.values():
+        if entries:
+            entries.clear()
 
 
 _state = _ThreadState()
@@ -205,54 +196,176 @@ def autocast_dtype() -> torch.dtype | None:
 # Casting
 # ---------------------------------------------------------------------------------------------
 
-def _eligible(t: torch.Tensor, device_type: str) -> bool:
-    # like at::autocast::is_eligible: floating, not fp64, on the autocast's device
-    return t.is_floating_point() and t.dtype is not _F64 and t.device.type == device_type
+# like at::autocast::is_eligible: floating but not fp64 (and on the autocast's device type)
+_ELIGIBLE_DTYPES = frozenset(
+    d for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and d.is_floating_point and d is not _F64
+)
+
+
+def _to(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+    # .bfloat16()/.half()/.float() run the same aten::_to_copy as .to(dtype) but skip the
+    # overload resolution of Tensor.to in the Python binding (about 3 us less per cast)
+    return t.bfloat16() if low is torch.bfloat16 else t.half()
 
 
 def _round(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
     """Round to the nearest value of the ``low`` format (RNE), returned as float32."""
     if t.dtype is low:
-        return t.to(_F32)
-    return t.to(low).to(_F32)
+        return t.float()
+    return _to(t, low).float()
 
 
-def _cast_low(t: torch.Tensor, frame: _Frame) -> torch.Tensor:
-    """``t`` in the frame's low dtype (emulating: rounded to it, kept fp32), via the weight cache."""
-    low = frame.dtype
-    emulate = frame.emulate
-    if t.dtype is low and not emulate:
-        return t
-    # like torch.autocast, cache casts of fp32 leaves that require grad (parameters)
-    if (frame.cache_enabled and t.dtype is _F32 and t.requires_grad and t.is_leaf
-            and not t._is_view()):
-        key = (id(t), low, emulate, torch.is_grad_enabled())
-        cache = _state.cache
-        hit = cache.get(key)
-        if hit is not None and hit[0] is t:
-            return hit[1]
-        out = _round(t, low) if emulate else t.to(low)
-        cache[key] = (t, out)  # holding t keeps id(t) unique while cached
-        return out
-    return _round(t, low) if emulate else t.to(low)
+def _round_result(out: Any, low: torch.dtype) -> Any:
+    if isinstance(out, torch.Tensor):
+        return _round(out, low) if out.dtype is _F32 else out
+    if type(out) in (list, tuple):
+        return type(out)(_round_result(o, low) for o in out)
+    return out
+
+
+class _Frame:
+    """What the mode does while this frame is on top of the thread's frame stack.
+
+    A frame is immutable and built once per configuration and thread (see ``_frame``): the
+    per-tensor casts are closures over its settings, and ``by_func`` memoizes the cast kind of
+    each torch function seen, because they run for every call inside the context.
+    """
+
+    __slots__ = ("enabled", "kinds", "dtype", "device_type", "emulate", "cache_enabled", "policy",
+                 "eligible", "to_low", "to_fp32", "by_func", "_forced")
+
+    def __init__(self, enabled: bool, policy: CastPolicy, kinds: Mapping[str, CastKind],
+                 dtype: torch.dtype, emulate: bool, cache_enabled: bool) -> None:
+        self.enabled = enabled
+        self.policy = policy
+        self.kinds = kinds
+        self.dtype = dtype
+        self.device_type = dev = policy.device_type
+        self.emulate = emulate
+        self.cache_enabled = cache_enabled
+        self.by_func: dict[Any, Any] = {}
+        self._forced: _Frame | None = None
+        eligible_dtypes = _ELIGIBLE_DTYPES
+        on_cpu = dev == "cpu"
+
+        def eligible(t: torch.Tensor) -> bool:
+            return t.dtype in eligible_dtypes and (t.is_cpu if on_cpu else t.device.type == dev)
+
+        def to_fp32(t: torch.Tensor) -> torch.Tensor:
+            dt = t.dtype
+            if dt is _F32 or dt not in eligible_dtypes or not (
+                    t.is_cpu if on_cpu else t.device.type == dev):
+                return t
+            return t.float()
+
+        low = dtype
+        bf16 = low is torch.bfloat16
+        if cache_enabled:
+            cache = _state.cache
+            with_grad = cache.setdefault((low, emulate, True), {})
+            without_grad = cache.setdefault((low, emulate, False), {})
+        is_grad_enabled = torch.is_grad_enabled
+
+        def to_low(t: torch.Tensor) -> torch.Tensor:
+            """``t`` in the low dtype (emulating: rounded to it, kept fp32), via the weight cache."""
+            dt = t.dtype
+            if (dt is low and not emulate) or dt not in eligible_dtypes or not (
+                    t.is_cpu if on_cpu else t.device.type == dev):
+                return t
+            # like torch.autocast, cache the casts of fp32 leaves that require grad (parameters)
+            if cache_enabled and dt is _F32 and t.requires_grad and t.is_leaf and not t._is_view():
+                entries = with_grad if is_grad_enabled() else without_grad
+                hit = entries.get(id(t))
+                if hit is not None and hit[0] is t:
+                    return hit[1]
+                out = t.bfloat16() if bf16 else t.half()
+                if emulate:
+                    out = out.float()
+                entries[id(t)] = (t, out)  # holding t keeps id(t) unique while cached
+                return out
+            if emulate:
+                return t.float() if dt is low else (t.bfloat16() if bf16 else t.half()).float()
+            return t.bfloat16() if bf16 else t.half()
+
+        self.eligible = eligible
+        self.to_fp32 = to_fp32
+        self.to_low = to_low
+
+    def forced_fp32(self) -> _Frame:
+        """This frame with every listed op run in fp32 (for keep_fp32 modules)."""
+        if not self.enabled:
+            return self
+        if self._forced is None:
+            self._forced = _Frame(True, self.policy, _fp32_table(self.policy), self.dtype, False,
+                                  False)
+        return self._forced
+
+    def kind_of(self, func: Any) -> Any:
+        """func's CastKind, None (leave alone), or _RESOLVE (depends on the call's arguments)."""
+        name = getattr(func, "__name__", None)
+        rename = _RENAME.get(name)
+        if rename is None:
+            kind = self.kinds.get(name)
+        elif isinstance(rename, str):
+            kind = self.kinds.get(rename)
+        else:
+            kind = _RESOLVE
+        if type(func) in _STABLE_FUNCTION_TYPES:  # not e.g. the fresh method-wrapper of a getter
+            self.by_func[func] = kind
+        return kind
+
+
+_RESOLVE = object()  # sentinel: the op name depends on the arguments (see _RENAME)
+_UNSEEN = object()
+_STABLE_FUNCTION_TYPES = (
+    types.BuiltinFunctionType, types.FunctionType, types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+)
+
+
+@functools.lru_cache(maxsize=16)
+def _fp32_table(policy: CastPolicy) -> Mapping[str, CastKind]:
+    keep = (_FP32_OUT, _COMPOSITE)
+    return {op: (kind if kind in keep else _FP32) for op, kind in policy.table.items()}
+
+
+def _map_seq(seq: list | tuple, fn: Callable[[torch.Tensor], torch.Tensor]) -> list | tuple:
+    return type(seq)([fn(x) if isinstance(x, torch.Tensor) else x for x in seq])
 
 
 def _map_tensors(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]
                  ) -> tuple[tuple, dict]:
-    """Apply ``fn`` to every tensor in args/kwargs, looking one level into lists and tuples."""
-    def one(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return fn(a)
-        if type(a) in (list, tuple) and a and any(isinstance(x, torch.Tensor) for x in a):
-            return type(a)(fn(x) if isinstance(x, torch.Tensor) else x for x in a)
-        return a
+    """Apply ``fn`` to every tensor in args/kwargs, looking one level into lists and tuples.
 
-    # Last argument first: torch's autocast kernels cast their arguments in a C++ parameter-pack
-    # expansion, which GCC evaluates right to left. Matching that order makes the cast ops (and
-    # so the autograd graph's node order and the backward op sequence) identical to torch's.
-    new_kwargs = dict(reversed([(k, one(v)) for k, v in reversed(kwargs.items())])) if kwargs else kwargs
-    new_args = tuple(reversed([one(a) for a in reversed(args)]))
-    return new_args, new_kwargs
+    Last argument first: torch's autocast kernels cast their arguments in a C++ parameter-pack
+    expansion, which GCC evaluates right to left. Matching that order makes the cast ops (and so
+    the autograd graph's node order and the backward op sequence) identical to torch's.
+    """
+    if kwargs:
+        new_kwargs = {}
+        for k in reversed(list(kwargs)):
+            v = kwargs[k]
+            if isinstance(v, torch.Tensor):
+                v = fn(v)
+            elif type(v) in (list, tuple) and v:
+                v = _map_seq(v, fn)
+            new_kwargs[k] = v
+        kwargs = dict(reversed(new_kwargs.items()))
+    new_args = None
+    for i in range(len(args) - 1, -1, -1):
+        a = args[i]
+        if isinstance(a, torch.Tensor):
+            b = fn(a)
+        elif type(a) in (list, tuple) and a:
+            b = _map_seq(a, fn)
+        else:
+            continue
+        if b is not a:
+            if new_args is None:
+                new_args = list(args)
+            new_args[i] = b
+    return (args if new_args is None else tuple(new_args)), kwargs
 
 
 def _iter_tensors(args: tuple, kwargs: dict) -> Iterable[torch.Tensor]:
@@ -263,14 +376,6 @@ def _iter_tensors(args: tuple, kwargs: dict) -> Iterable[torch.Tensor]:
             for x in a:
                 if isinstance(x, torch.Tensor):
                     yield x
-
-
-def _round_result(out: Any, low: torch.dtype) -> Any:
-    if isinstance(out, torch.Tensor):
-        return _round(out, low) if out.dtype is _F32 else out
-    if type(out) in (list, tuple):
-        return type(out)(_round_result(o, low) for o in out)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,35 +418,33 @@ class _PolicyMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         frames = _state.frames
-        if not frames or not frames[-1].enabled:
+        frame = frames[-1] if frames else None
+        if frame is None or not frame.enabled:
             return func(*args, **kwargs)
-        frame = frames[-1]
-        name = getattr(func, "__name__", None)
-        rename = _RENAME.get(name)
-        if rename is not None:
-            name = rename if isinstance(rename, str) else rename(args, kwargs)
-        kind = frame.kinds.get(name)
+        kind = frame.by_func.get(func, _UNSEEN)
+        if kind is _UNSEEN:
+            kind = frame.kind_of(func)
         if kind is None or kwargs.get("out") is not None:  # out= overloads: not autocast, as in torch
             return func(*args, **kwargs)
-        dev = frame.device_type
+        if kind is _RESOLVE:
+            kind = frame.kinds.get(_RENAME[func.__name__](args, kwargs))
+            if kind is None:
+                return func(*args, **kwargs)
 
         if kind is _LOW:
-            args, kwargs = _map_tensors(
-                args, kwargs, lambda t: _cast_low(t, frame) if _eligible(t, dev) else t)
+            args, kwargs = _map_tensors(args, kwargs, frame.to_low)
             if frame.emulate:
                 return _round_result(func(*args, **kwargs), frame.dtype)
             return func(*args, **kwargs)
 
         if kind is _FP32:
-            args, kwargs = _map_tensors(
-                args, kwargs,
-                lambda t: t.to(_F32) if t.dtype is not _F32 and _eligible(t, dev) else t)
+            args, kwargs = _map_tensors(args, kwargs, frame.to_fp32)
             return func(*args, **kwargs)
 
         if kind is _FP32_OUT:
             first = args[0] if args else kwargs.get("input")
             if (isinstance(first, torch.Tensor) and first.dtype is not _F32
-                    and _eligible(first, dev) and kwargs.get("dtype") is None
+                    and frame.eligible(first) and kwargs.get("dtype") is None
                     and not any(isinstance(a, torch.dtype) for a in args)):
                 kwargs = {**kwargs, "dtype": _F32}
             return func(*args, **kwargs)
@@ -349,15 +452,16 @@ class _PolicyMode(TorchFunctionMode):
         if kind is _PROMOTE:
             widest = None
             for t in _iter_tensors(args, kwargs):
-                if _eligible(t, dev):
+                if frame.eligible(t):
                     if widest is None:
                         widest = t.dtype
                     elif t.dtype is not widest:
                         widest = _F32  # fp32 wins; fp16 mixed with bf16 also goes to fp32
             if widest is not None:
+                eligible = frame.eligible
                 args, kwargs = _map_tensors(
                     args, kwargs,
-                    lambda t: t.to(widest) if t.dtype is not widest and _eligible(t, dev) else t)
+                    lambda t: t.to(widest) if t.dtype is not widest and eligible(t) else t)
             return func(*args, **kwargs)
 
         if kind is _COMPOSITE:
@@ -367,10 +471,11 @@ class _PolicyMode(TorchFunctionMode):
             with self:  # re-enter: the body's inner calls come back through this mode
                 return body(*args, **kwargs)
 
-        if kind is _BANNED and any(_eligible(t, dev) for t in _iter_tensors(args, kwargs)):
+        if kind is _BANNED and any(frame.eligible(t) for t in _iter_tensors(args, kwargs)):
             raise RuntimeError(
-                f"{name} is banned inside mixprec autocast({frame.dtype}, device_type="
-                f"{dev!r}): " + _BANNED_MESSAGE.get(name, "the policy lists it as unsafe.")
+                f"{func.__name__} is banned inside mixprec autocast({frame.dtype}, device_type="
+                f"{frame.device_type!r}): "
+                + _BANNED_MESSAGE.get(func.__name__, "the policy lists it as unsafe.")
             )
         return func(*args, **kwargs)
 
@@ -378,12 +483,6 @@ class _PolicyMode(TorchFunctionMode):
 # ---------------------------------------------------------------------------------------------
 # keep_fp32 hooks
 # ---------------------------------------------------------------------------------------------
-
-def _to_fp32_inputs(args: tuple, kwargs: dict, device_type: str) -> tuple[tuple, dict]:
-    return _map_tensors(
-        args, kwargs,
-        lambda t: t.to(_F32) if t.dtype is not _F32 and _eligible(t, device_type) else t)
-
 
 class _KeepFp32Hooks:
     """Forward pre/post hooks that run the hooked modules' ops in fp32 while ``owner`` is active."""
@@ -404,7 +503,7 @@ class _KeepFp32Hooks:
         _state.frames.append(top.forced_fp32())
         if not top.enabled:
             return None
-        new_args, new_kwargs = _to_fp32_inputs(args, kwargs or {}, top.device_type)
+        new_args, new_kwargs = _map_tensors(args, kwargs or {}, top.to_fp32)
         return new_args if kwargs is None else (new_args, new_kwargs)
 
     def pre_with_kwargs(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -424,9 +523,17 @@ class _Config:
     __slots__ = ("dtype", "policy", "emulate", "enabled", "cache_enabled", "keep_modules",
                  "keep_types", "kinds")
 
-    def __init__(self, **kw: Any) -> None:
-        for k, v in kw.items():
-            setattr(self, k, v)
+    def __init__(self, dtype: torch.dtype, policy: CastPolicy, emulate: bool, enabled: bool,
+                 cache_enabled: bool, keep_modules: tuple[nn.Module, ...],
+                 keep_types: tuple[type, ...]) -> None:
+        self.dtype = dtype
+        self.policy = policy
+        self.emulate = emulate
+        self.enabled = enabled
+        self.cache_enabled = cache_enabled
+        self.keep_modules = keep_modules
+        self.keep_types = keep_types
+        self.kinds = policy.table
 
 
 class _Record:
@@ -568,12 +675,10 @@ class autocast:  # noqa: N801 -- named like torch.autocast, which it replaces
         else:
             device_type = device_type or _infer_device_type(model)
             policy = default_policy(device_type, dtype)
-        keep_modules, keep_types = _resolve_keep_fp32(keep_fp32, model) if enabled else ((), ())
-        self._config = _Config(
-            dtype=dtype, policy=policy, emulate=bool(emulate), enabled=bool(enabled),
-            cache_enabled=bool(cache_enabled), keep_modules=keep_modules, keep_types=keep_types,
-            kinds=policy.table,
-        )
+        keep_modules, keep_types = (
+            _resolve_keep_fp32(keep_fp32, model) if enabled and keep_fp32 else ((), ()))
+        self._config = _Config(dtype, policy, bool(emulate), bool(enabled), bool(cache_enabled),
+                               keep_modules, keep_types)
         self._records: list[_Record] = []
 
     # read-only views of the configuration
@@ -601,7 +706,7 @@ class autocast:  # noqa: N801 -- named like torch.autocast, which it replaces
         if not c.enabled and not frames:
             self._records.append(_Record(noop=True))  # outermost disabled: nothing to do
             return self
-        frame = _Frame(c.enabled, c.policy, c.kinds, c.dtype, c.emulate, c.cache_enabled)
+        frame = _frame(c.enabled, c.policy, c.kinds, c.dtype, c.emulate, c.cache_enabled)
         record = _Record(noop=False, saved_len=len(frames), frame=frame)
         frames.append(frame)
         self._records.append(record)
@@ -640,7 +745,7 @@ class autocast:  # noqa: N801 -- named like torch.autocast, which it replaces
             handle.remove()
         del _state.frames[record.saved_len:]
         if record.saved_len == 0:
-            _state.cache.clear()
+            _clear_cache()
         if record.pushed_mode:
             mode, _state.mode = _state.mode, None
             top = torch.overrides._get_current_function_mode()

@@ -109,7 +109,7 @@ class CastPolicy:
                 f"CastPolicy(device_type={self.device_type!r}): device_type must be a device "
                 f"type string such as 'cpu' or 'cuda'"
             )
-        for kind, name in _FIELD.items():
+        for name in _FIELD.values():
             object.__setattr__(self, name, _names(getattr(self, name)))
         seen: dict[str, str] = {}
         for name in _FIELD.values():
