@@ -80,6 +80,14 @@ def test_forward_overflow_is_located_and_replay_keeps_exactly_that_layer_in_fp32
     _no_global_state_left()
 
 
+def test_the_proposed_fp32_set_fixes_training_with_the_scratch_autocasts_keep_fp32():
+    kept = diagnose(Overflowing(), _batch(gain=10.0), F.cross_entropy, precision="fp16-mixed", steps=2,
+                    amp_impl="scratch", keep_fp32=("big",))
+    assert not kept.faults and kept.history.skipped == 0
+    rows = {(r.module, r.op): r.compute for r in kept.precision_map.rows if r.phase == "forward" and r.flops}
+    assert rows[("big", "addmm")] == "fp32" and rows[("head", "addmm")].startswith("fp16")
+
+
 def _tiny_head_mlp():
     """Gradients reaching the hidden layers are scaled by a 1e-5 head: many fall below fp16's 6e-8."""
     torch.manual_seed(0)
@@ -308,6 +316,7 @@ def test_cli_doctor_on_digits(cli, tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--steps", "0"], "--steps must be >= 1"),
     (["--precision", "fp12"], "unknown precision 'fp12'"),
+    (["--grad-accum", "2"], "drop --grad-accum 2"),
 ])
 def test_cli_doctor_usage_errors_exit_2(cli, tmp_path, args, needle):
     code, _, err = cli("doctor", "--dataset", "digits", "--out", tmp_path, *args)

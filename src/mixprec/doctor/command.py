@@ -43,6 +43,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if getattr(args, "grad_accum", 1) != 1:
+        raise ConfigError("mixprec doctor observes one batch per optimizer step; drop --grad-accum "
+                          f"{args.grad_accum} (a smaller --batch-size shows the same numerics)")
+    if getattr(args, "strategy", "none") != "none":
+        raise ConfigError(f"mixprec doctor runs in one process; drop --strategy {args.strategy} (the numerics of "
+                          "one rank are what it diagnoses)")
     # --out is the doctor's folder here, not the trainer's checkpoint folder
     config = config_from_args(args, out=None, checkpoint_every=None, resume=None, metrics_json=None)
     r = build_run(config)

@@ -20,12 +20,13 @@ from .ranges import BIN_MIN, Log2Histogram
 
 __all__ = ["write_plots"]
 
-_LIMITS = {  # format: (color, [(log2 value, label)])
-    "fp16": ("tab:red", [(math.log2(65504), "fp16 max"), (-14, "fp16 min normal"), (-24, "fp16 min subnormal")]),
-    "bf16": ("tab:blue", [(math.log2(3.39e38), "bf16 max"), (-126, "bf16 min normal"), (-133, "bf16 min subn.")]),
-    "fp8_e4m3": ("tab:green", [(math.log2(448), "e4m3 max"), (-6, "e4m3 min normal"), (-9, "e4m3 min subn.")]),
-    "fp8_e5m2": ("tab:purple", [(math.log2(57344), "e5m2 max"), (-14, None), (-16, "e5m2 min subn.")]),
+_LIMITS = {  # format: (color, log2 max, log2 smallest normal, log2 smallest subnormal)
+    "fp16": ("tab:red", math.log2(65504), -14, -24),
+    "bf16": ("tab:blue", math.log2(3.39e38), -126, -133),
+    "fp8 e4m3": ("tab:green", math.log2(448), -6, -9),
+    "fp8 e5m2": ("tab:purple", math.log2(57344), -14, -16),
 }
+_STYLES = (("-", "max"), ("-.", "smallest normal"), (":", "smallest subnormal"))
 
 
 def _figure(w: float, h: float):
@@ -56,7 +57,7 @@ def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int
             idx = e - shift - BIN_MIN
             if 0 <= idx < len(c):
                 grid[i, j] = c[idx] / tot
-    fig = _figure(max(8.0, 0.11 * len(cols) + 3), max(2.5, 0.32 * len(hists) + 1.6))
+    fig = _figure(max(8.0, 0.11 * len(cols) + 3), max(3.2, 0.32 * len(hists) + 2.4))
     ax = fig.add_subplot(1, 1, 1)
     masked = np.ma.masked_where(grid == 0, grid)
     from matplotlib.colors import LogNorm
@@ -66,13 +67,20 @@ def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names, fontsize=7)
     ax.set_xlabel("binade e: |x| in [2^e, 2^(e+1))")
-    for fmt, (color, lines) in _LIMITS.items():
-        for x, label in lines:
-            if lo <= x <= hi + 1:
-                ax.axvline(x, color=color, lw=1, ls="--" if "subn" in (label or "") else "-", alpha=0.8)
-                if label:
-                    ax.text(x, -0.6, label, rotation=90, fontsize=6, color=color, va="bottom", ha="right")
-    ax.set_title(title, fontsize=9, pad=42)
+    from matplotlib.lines import Line2D
+
+    handles = []
+    for fmt, (color, *edges) in _LIMITS.items():
+        shown = False
+        for x, (style, _) in zip(edges, _STYLES):
+            if lo - 0.5 <= x <= hi + 0.5:
+                ax.axvline(x, color=color, lw=1.2, ls=style, alpha=0.9)
+                shown = True
+        if shown:
+            handles.append(Line2D([], [], color=color, lw=2, label=fmt))
+    handles += [Line2D([], [], color="black", lw=1.2, ls=style, label=what) for style, what in _STYLES]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=4, fontsize=7, frameon=False)
+    ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="share of the layer's non-zero values")
     fig.tight_layout()
     fig.savefig(path)

@@ -206,16 +206,24 @@ class DoctorReport:
                      f"{sm['cast_bytes'] / 2**20:.2f} MiB")
         kept = ", ".join(f"{k} x{v}" for k, v in sorted(sm["kept_fp32"].items()))
         lines.append(f"  kept in fp32 (forward arithmetic): {kept or 'nothing'}")
-        rows = [r for r in pm.rows if r.phase != "step" and (r.flops or r.cast_bytes)]
+        casts: dict[str, list[int]] = {}
+        for r in pm.rows:
+            if r.cast_bytes and r.phase != "step":
+                c = casts.setdefault(f"{r.inputs}->{r.outputs}", [0, 0])
+                c[0] += r.count
+                c[1] += r.cast_bytes
+        if casts:
+            lines.append("  casts: " + ", ".join(f"{k} x{n} ({b / 2**20:.2f} MiB)" for k, (n, b) in casts.items()))
+        rows = [r for r in pm.rows if r.phase != "step" and r.flops]
         shown = rows[:40]
         lines += _table(
-            ["phase", "module", "op", "inputs -> outputs", "compute", "count", "MFLOP", "cast KiB"],
+            ["phase", "module", "op", "inputs -> outputs", "compute", "count", "MFLOP"],
             [[r.phase, display_path(r.module), r.op, f"{r.inputs} -> {r.outputs}", r.compute, str(r.count),
-              f"{r.flops / 1e6:.2f}" if r.flops else "", f"{r.cast_bytes / 1024:.1f}" if r.cast_bytes else ""]
-             for r in shown])
+              f"{r.flops / 1e6:.2f}"] for r in shown])
         if len(rows) > len(shown):
-            lines.append(f"  ... {len(rows) - len(shown)} more rows with FLOPs or casts in doctor.json")
-        lines.append(f"  ({len(pm.rows)} distinct (phase, module, op, dtypes) rows in doctor.json)")
+            lines.append(f"  ... {len(rows) - len(shown)} more rows with FLOPs in doctor.json")
+        lines.append(f"  (all {len(pm.rows)} (phase, module, op, dtypes) rows, casts and optimizer ops included, "
+                     "in doctor.json)")
         return lines
 
     @staticmethod
@@ -303,6 +311,8 @@ class DoctorReport:
         lines = [f"5. Loss-scale history: {sm['first_scale']:g} -> {sm['final_scale']:g} over {sm['steps']} steps; "
                  f"{sm['skipped']} skipped; non-finite causes: {causes}"]
         recs = h.records
+        if recs:
+            lines.append(f"  loss {recs[0].loss:.4f} at step 0 -> {recs[-1].loss:.4f} at step {recs[-1].step}")
         interesting = [r for r in recs if r.skipped or r.cause or r.next_scale != r.scale]
         shown = recs if len(recs) <= 12 else interesting[:20]
         rows = [[str(r.step), f"{r.loss:.4f}", f"{r.scale:g}", "yes" if r.skipped else "",
