@@ -49,8 +49,11 @@ def _faults(report: Any, low: str | None) -> list[dict[str, str]]:
             text += "; or switch to bf16-mixed, whose range is fp32's"
         return [{"kind": "keep-fp32", "text": text}]
     if replay is not None:
-        return [{"kind": "not-precision", "text": f"non-finite values that fp32 does not fix ({replay.note}): lower "
-                                                  "--lr, add --clip-grad-norm 1.0, or check the data and the loss"}]
+        ev = fault.event
+        what = replay.note if "outside the model" in replay.note else \
+            f"{ev.phase} aten.{ev.op} in {display_path(ev.module)} is non-finite even in fp32"
+        return [{"kind": "not-precision", "text": f"{what}: not a precision problem; lower --lr, add "
+                                                  "--clip-grad-norm 1.0, or check the data and the loss"}]
     if fault.classification == "optimizer step":
         return [{"kind": "not-precision",
                  "text": "the optimizer step made the weights non-finite: lower --lr or add --clip-grad-norm 1.0"}]

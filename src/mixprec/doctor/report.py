@@ -139,6 +139,7 @@ class DoctorReport:
                 "loss_scale": self.loss_scale,
                 "recommended_loss_scale": None if k_rec is None else 2.0**k_rec,
                 "gradients_at_current_scale": {f: self.gradient_fractions(f) for f in self.ranges.formats},
+                "gradients_without_loss_scaling": {f: self.gradient_fractions(f, 0) for f in self.ranges.formats},
                 "gradients_at_recommended_scale": None if k_rec is None else {
                     f: self.gradient_fractions(f, k_rec) for f in self.ranges.formats},
                 "observed_gradient_underflow": self.gradient_loss.to_dict(),
@@ -154,13 +155,16 @@ class DoctorReport:
         }
 
     def write(self, out_dir: str, *, plots: bool = True) -> list[str]:
-        """Write doctor.json, report.txt and (with matplotlib) the PNG plots; returns the paths."""
+        """Write doctor.json, report.txt and (with matplotlib) the PNG plots; returns the paths.
+
+        doctor.json is strict JSON: non-finite numbers (the loss of a failed step) are written as null.
+        """
         os.makedirs(out_dir, exist_ok=True)
         paths = []
         p = os.path.join(out_dir, "doctor.json")
         tmp = p + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1, default=_json_default, allow_nan=True)
+            json.dump(_strict(self.to_dict()), f, indent=1, default=_json_default, allow_nan=False)
         os.replace(tmp, p)
         paths.append(p)
         p = os.path.join(out_dir, "report.txt")
@@ -250,6 +254,8 @@ class DoctorReport:
         now = self.gradient_fractions("fp16")
         lines.append(f"  all gradients at the current loss scale 2^{k} = {self.loss_scale:g}: fp16 "
                      + self._fractions_text(now))
+        if k != 0:
+            lines.append("  without loss scaling (2^0): fp16 " + self._fractions_text(self.gradient_fractions("fp16", 0)))
         k_rec = self.recommended_log2_scale()
         if k_rec is not None:
             rec = self.gradient_fractions("fp16", k_rec)
@@ -258,8 +264,9 @@ class DoctorReport:
             lines.append(f"  {what}: 2^{k_rec} = {2.0**k_rec:g}: " + self._fractions_text(rec))
         gl = self.gradient_loss
         if gl.steps:
-            lines.append(f"  observed: {_pct(gl.fraction)} of gradient elements that are non-zero in fp32 were zero "
-                         f"after the recipe's backward ({gl.lost:,} of {gl.nonzero:,} over {gl.steps} steps)")
+            lines.append(f"  observed: {_pct(gl.fraction)} of parameter-gradient elements that are non-zero in fp32 were "
+                         f"exactly zero after the recipe's backward ({gl.lost:,} of {gl.nonzero:,} over {gl.steps} "
+                         "steps; underflow, or rounding that flips a ReLU or cancels a sum)")
         return lines
 
     def _render_nonfinite(self) -> list[str]:
@@ -322,6 +329,16 @@ class DoctorReport:
         if len(recs) > 12:
             lines.append(f"  (steps without events omitted; all {len(recs)} in doctor.json)")
         return lines
+
+
+def _strict(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _strict(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_strict(v) for v in o]
+    return o
 
 
 def _json_default(o: Any) -> Any:
