@@ -120,6 +120,21 @@ def test_gradient_underflow_is_measured_and_the_recommended_scale_removes_it():
     assert "init-scale" not in _kinds(scaled)
 
 
+def test_a_too_large_loss_scale_is_classified_as_scale_overflow_not_as_a_fault():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    report = diagnose(model, _batch(), lambda out, y: 1000.0 * F.cross_entropy(out, y), precision="fp16-mixed",
+                      steps=2)
+    assert [r.skipped for r in report.history.records] == [True, True]
+    assert [r.scale for r in report.history.records] == [65536.0, 32768.0]  # the scaler backs off
+    fa = report.faults[0]
+    assert fa.classification == "scale overflow" and fa.event.phase == "backward" and not fa.is_fault
+    assert 1 <= fa.max_finite_scale < 32768 and fa.replay is None and report.first_fault() is None
+    init = [r for r in report.recommendations() if r["kind"] == "init-scale"]
+    assert init and "skipped while the scaler backed off" in init[0]["text"]
+    assert 2.0 ** report.recommended_log2_scale() <= fa.max_finite_scale  # the advice agrees with the replay
+
+
 class _Explode(torch.autograd.Function):
     """Identity forward; the backward multiplies the gradient by 1e7 (overflows fp16, not fp32)."""
 

@@ -7,14 +7,16 @@ backward, unscale/step), and watches each step:
 1. step 0 runs under the dispatcher-level observer with the precision-map sink (every op, dtype, module);
 2. before every step, an fp32 pass records per-layer ranges (:mod:`.ranges`) and the true gradients,
    which the real step's gradients are compared with (gradient elements lost to underflow);
-3. every step runs under the non-finite watch (:mod:`.nonfinite`); the first non-finite op of a step is
-   classified by replays on a copy of the pre-step weights (:mod:`.replay`): scale overflow, or a fault,
-   for which the smallest set of modules to keep in fp32 is searched;
+3. a step whose loss, gradients or weights come out non-finite is replayed on a copy of the pre-step
+   weights under the non-finite watch (:mod:`.nonfinite`, :mod:`.replay`), which names the first op that
+   produced inf/nan; more replays classify it (a loss-scale overflow that a smaller scale avoids, or a
+   fault) and, for the first fault, search the smallest set of modules to keep in fp32;
 4. ``optimizer.step`` is hooked to count lost updates (:mod:`.lost_updates`);
 5. the loss scale, skips and their causes are recorded (:mod:`.scale_history`).
 
-The observation costs a lot more than training (a Python call per op, an extra fp32 pass per step), which
-is why it lives here and never in ``mixprec train``. :func:`diagnose_run` does the same for a
+The observation costs a lot more than training (an extra fp32 pass and a weight snapshot per step, a shadow
+optimizer step, replays of failed steps, a Python call per op on step 0), which is why it lives here and
+never in ``mixprec train``. :func:`diagnose_run` does the same for a
 :class:`~mixprec.train.loop.Run` (what ``mixprec doctor`` builds from its flags).
 """
 
@@ -194,11 +196,12 @@ def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
 
 
 def _locate(run: Run, pre_step: nn.Module, xb, yb, rng: tuple, step: int, scale: float, bad_params: bool,
-            replay: bool) -> FaultAnalysis:
+            *, bisect: bool, search: bool) -> FaultAnalysis:
     """Find and classify the first non-finite op of a failed step by replaying it on ``pre_step``.
 
     The replay runs the step's forward and scaled backward on a copy of the weights before the step, with
-    the step's RNG state (same dropout masks) and loss scale, under the non-finite watch.
+    the step's RNG state (same dropout masks) and loss scale, under the non-finite watch. ``bisect``: find
+    the largest finite loss scale for backward overflows; ``search``: the minimal fp32 module set for faults.
     """
     autocast, loss_fn = run.recipe.autocast, run.loss_fn
     base = list(run.recipe.keep_fp32)
@@ -209,13 +212,13 @@ def _locate(run: Run, pre_step: nn.Module, xb, yb, rng: tuple, step: int, scale:
     ev.step = step
     if not ev.inputs_finite:
         return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
-    if ev.phase == "backward" and scale > 1 and replay:
+    if ev.phase == "backward" and scale > 1 and bisect:
         mfs = max_finite_scale(pre_step, autocast, loss_fn, xb, yb, scale=scale, fp32=base, rng=rng)
         if mfs is not None:
             return FaultAnalysis(step, ev, "scale overflow", loss_scale=scale, max_finite_scale=mfs)
     kind = "overflow" if ev.output.n_nan == 0 else "nan"
     analysis = FaultAnalysis(step, ev, f"{ev.phase} {kind}", loss_scale=scale)
-    if replay:
+    if search:
         analysis.replay = minimal_fp32_set(pre_step, autocast, loss_fn, xb, yb, scale=1.0, base=base, rng=rng)
     return analysis
 
@@ -246,7 +249,7 @@ def diagnose_run(
     tracker = ModuleTracker(model)
     map_sink = PrecisionMapSink(_low_dtype(recipe))
     profiler = RangeProfiler(model, formats)
-    monitor = LostUpdateMonitor(run.optimizer, optimizer_param_names(run.optimizer, model, recipe.master))
+    monitor = LostUpdateMonitor(run.optimizer, optimizer_param_names(run.optimizer, model))
     history = ScaleHistory()
     faults: list[FaultAnalysis] = []
     grad_loss = GradientLoss()
@@ -276,8 +279,8 @@ def diagnose_run(
             if skipped or stopped or bad_params or not math.isfinite(loss_value):
                 cause = "non-finite loss or gradients (not analysed: --steps past the first faults)"
                 if pre_step is not None:
-                    fa = _locate(run, pre_step, xb, yb, rng, step, scale, bad_params,
-                                 replay=replay and not any(f.is_fault for f in faults))
+                    fa = _locate(run, pre_step, xb, yb, rng, step, scale, bad_params, bisect=replay,
+                                 search=replay and not any(f.is_fault for f in faults))
                     faults.append(fa)
                     cause = fa.describe(short=True)
             if not skipped and not stopped:
@@ -398,5 +401,5 @@ def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable, *, pre
     run = doctor_run(model, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
     x, y = (t.to(run.device) for t in _batches(batch)[0])
     with run.recipe.run_context():
-        fa = _locate(run, run.model, x, y, _rng_state(x.device), 0, loss_scale, False, replay)
+        fa = _locate(run, run.model, x, y, _rng_state(x.device), 0, loss_scale, False, bisect=replay, search=replay)
     return None if fa.event is None else fa

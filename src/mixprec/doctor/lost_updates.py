@@ -88,8 +88,7 @@ class LostUpdates:
                 "layers": [layer.to_dict() for layer in self.layers]}
 
 
-def optimizer_param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                          master: Any = None) -> dict[int, str]:
+def optimizer_param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[int, str]:
     """Name each tensor the optimizer steps after the model parameter it stands for.
 
     The optimizer holds either the model's parameters or master copies of them, in the model's

@@ -309,6 +309,13 @@ class DoctorReport:
                           "-" if layer.median_ratio is None else f"{layer.median_ratio:.2e}"]
                          for layer in lu.layers])
         lines.append(f"  overall: {_pct(lu.lost_fraction)} of non-zero updates rounded away")
+        spec = self.recipe_spec
+        if spec.get("stochastic_rounding") and spec.get("params") != "fp32":
+            lines.append(f"  (the optimizer steps fp32 copies; updates reach the {spec['params']} weights by stochastic "
+                         "rounding, which keeps small updates in expectation rather than every step)")
+        elif spec.get("master_weights"):
+            lines.append(f"  (the optimizer steps the fp32 master weights; the {spec['params']} model weights are "
+                         "rounded copies of them)")
         return lines
 
     def _render_history(self) -> list[str]:
