@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import statistics
 import time
@@ -120,7 +121,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, batch {args.batch_size}, input {INPUT_SHAPE}; "
           f"median of {args.rounds} rounds x {args.steps} steps (native fp16: {args.fp16_rounds} x 1); "
-          f"ratios are medians of per-round ratios\n")
+          f"ratios are medians of per-round ratios; load average {os.getloadavg()[0]:.1f}\n")
     print("| model | fp32 ms | native bf16 ms | scratch bf16 ms | scratch / native bf16 "
           "| native fp16 ms | emulated fp16 ms | emulated / native fp16 | emulated fp16 / fp32 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -138,6 +139,8 @@ def main() -> None:
             f"{paired_ratio(s['emulated fp16'], s['fp32']):.3f}",
         ]
         print("| " + " | ".join(cells) + " |", flush=True)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (other processes on the machine "
+          f"inflate and scatter the times; the paired ratios are the robust figure)")
 
 
 if __name__ == "__main__":

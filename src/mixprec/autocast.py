@@ -5,7 +5,7 @@ Numerics
 Inside ``with autocast(torch.bfloat16):`` every op on the policy's *low* list (matmul, linear,
 conv, bmm, attention) gets its floating inputs cast to bf16/fp16 and returns a low-precision
 result; the kernels still accumulate in fp32, so the error is one rounding of each operand and
-one of the result (unit roundoff 2^-9 for bf16, 2^-11 for fp16). Ops on the *fp32* list (losses,
+one of the result (unit roundoff 2^-8 for bf16, 2^-11 for fp16). Ops on the *fp32* list (losses,
 and on CUDA also softmax, norms, exp/log/pow, reductions) get their inputs cast up and return
 fp32, because their range (exp overflows fp16 above ~11) or accumulated error (a sum of 10^4
 bf16 terms) needs it. *Promote* ops (cat, stack, ...) take the widest input dtype. Every other op
@@ -48,6 +48,26 @@ differentiable and lets autograd save the low-precision copies for backward.
   or by type) push a frame in which every listed op runs in fp32 and cast the module's floating
   inputs up; the post hook is ``always_call`` so an exception inside the module pops it too.
 * ``__exit__`` restores everything -- frames, hooks, cache, the mode stack -- exceptions included.
+* Arguments are cast last-first, the order in which torch's C++ autocast kernels cast them, so
+  the ATen ops run forward and backward (casts included) are the same, in the same order, as
+  under ``torch.autocast`` -- the tests compare whole training steps op by op.
+* Cost: every torch call inside the context makes a Python round trip through the mode (a few
+  microseconds; more when a large matmul has just evicted the interpreter from cache). That is
+  noticeable only for models of a few large ops, e.g. an MLP step on CPU.
+
+Differences from ``torch.autocast`` (deliberate or inherent to a function-level hook)
+------------------------------------------------------------------------------------
+* C++ composites are seen as one call. On CPU torch lowers the gate matmuls inside ``aten::gru``
+  / ``rnn_tanh`` and returns fp32; here GRU/vanilla RNNs run in fp32. ``einsum`` is lowered as a
+  whole (torch lowers it only when the equation contracts through ``bmm``).
+* Inference fast paths (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` in eval under
+  ``no_grad``) are never taken, so they follow the policy op by op as in training; torch.autocast
+  on CPU takes them and casts their fused kernels differently (other dtypes/values than in
+  training).
+* fp16 LSTM on CPU runs (torch's oneDNN LSTM raises for fp16); mixed fp16/bf16 inputs of a
+  promote op go to fp32 (torch raises); a cast made under ``no_grad`` is never reused with grad
+  enabled, and the cache is keyed by dtype, so nested contexts of different dtypes do not share
+  casts.
 """
 
 from __future__ import annotations
@@ -161,14 +181,19 @@ class _ThreadState(threading.local):
         self.frame_cache: dict[tuple, _Frame] = {}  # frames are reused across context entries
 
 
+_state = _ThreadState()
+
+
 def _frame(enabled: bool, policy: CastPolicy, kinds: Mapping[str, CastKind], dtype: torch.dtype,
            emulate: bool, cache_enabled: bool) -> _Frame:
     """The thread's frame for this configuration (built once: its closures are the hot path)."""
     key = (enabled, id(policy), id(kinds), dtype, emulate, cache_enabled)
-    frame = _state.frame_cache.get(key)
+    frames = _state.frame_cache
+    frame = frames.get(key)
     if frame is None or frame.kinds is not kinds or frame.policy is not policy:
-        frame = _state.frame_cache[key] = _Frame(enabled, policy, kinds, dtype, emulate,
-                                                 cache_enabled)
+        if len(frames) >= _MAX_MEMO:  # e.g. a new policy object per step: do not grow forever
+            frames.clear()
+        frame = frames[key] = _Frame(enabled, policy, kinds, dtype, emulate, cache_enabled)
     return frame
 
 
@@ -176,9 +201,6 @@ def _clear_cache() -> None:
     for entries in _state.cache.values():
         if entries:
             entries.clear()
-
-
-_state = _ThreadState()
 
 
 def is_autocast_active() -> bool:
@@ -227,9 +249,9 @@ def _round_result(out: Any, low: torch.dtype) -> Any:
 class _Frame:
     """What the mode does while this frame is on top of the thread's frame stack.
 
-    A frame is immutable and built once per configuration and thread (see ``_frame``): the
-    per-tensor casts are closures over its settings, and ``by_func`` memoizes the cast kind of
-    each torch function seen, because they run for every call inside the context.
+    A frame's settings never change, so it is built once per configuration and thread (see
+    ``_frame``): the per-tensor casts are closures over its settings, and ``by_func`` memoizes
+    the cast kind of each torch function seen, because they run for every call in the context.
     """
 
     __slots__ = ("enabled", "kinds", "dtype", "device_type", "emulate", "cache_enabled", "policy",
@@ -312,10 +334,13 @@ class _Frame:
         else:
             kind = _RESOLVE
         if type(func) in _STABLE_FUNCTION_TYPES:  # not e.g. the fresh method-wrapper of a getter
+            if len(self.by_func) >= _MAX_MEMO:
+                self.by_func.clear()
             self.by_func[func] = kind
         return kind
 
 
+_MAX_MEMO = 4096
 _RESOLVE = object()  # sentinel: the op name depends on the arguments (see _RENAME)
 _UNSEEN = object()
 _STABLE_FUNCTION_TYPES = (
@@ -330,8 +355,12 @@ def _fp32_table(policy: CastPolicy) -> Mapping[str, CastKind]:
     return {op: (kind if kind in keep else _FP32) for op, kind in policy.table.items()}
 
 
+_Tensor = torch.Tensor
+_SEQUENCES = (list, tuple)
+
+
 def _map_seq(seq: list | tuple, fn: Callable[[torch.Tensor], torch.Tensor]) -> list | tuple:
-    return type(seq)([fn(x) if isinstance(x, torch.Tensor) else x for x in seq])
+    return type(seq)([fn(x) if isinstance(x, _Tensor) else x for x in seq])
 
 
 def _map_tensors(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]
@@ -346,18 +375,20 @@ def _map_tensors(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.T
         new_kwargs = {}
         for k in reversed(list(kwargs)):
             v = kwargs[k]
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, _Tensor):
                 v = fn(v)
-            elif type(v) in (list, tuple) and v:
+            elif type(v) in _SEQUENCES and v:
                 v = _map_seq(v, fn)
             new_kwargs[k] = v
         kwargs = dict(reversed(new_kwargs.items()))
     new_args = None
-    for i in range(len(args) - 1, -1, -1):
+    i = len(args)
+    while i:
+        i -= 1
         a = args[i]
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, _Tensor):
             b = fn(a)
-        elif type(a) in (list, tuple) and a:
+        elif type(a) in _SEQUENCES and a:
             b = _map_seq(a, fn)
         else:
             continue
