@@ -19,6 +19,7 @@ What is proven here:
   optimizer step, not per micro-batch.
 """
 
+import gc
 import json
 import math
 import os
@@ -107,12 +108,12 @@ def test_bad_accumulation_and_check_flags_exit_2(cli, flag, value):
 
 def test_grad_accum_k2_equals_one_batch_of_2b(tmp_path):
     """digits has 1438 training samples: the last step is 30 samples in both runs (one short micro-batch)."""
-    base = dict(dataset="digits", model="mlp", width=32, depth=1, epochs=2, momentum=0.9, lr=0.05, log_every=0,
+    base = dict(dataset="digits", model="mlp", width=32, depth=1, epochs=1, momentum=0.9, lr=0.05, log_every=0,
                 progress="off")
     big, acc = tmp_path / "big", tmp_path / "acc"
     r1 = train(TrainConfig(**base, batch_size=64, out=str(big)))
     r2 = train(TrainConfig(**base, batch_size=32, grad_accum=2, out=str(acc)))
-    assert [h["steps"] for h in r1.history] == [h["steps"] for h in r2.history] == [23, 23]
+    assert [h["steps"] for h in r1.history] == [h["steps"] for h in r2.history] == [23]
     a, b = _model(big), _model(acc)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
@@ -132,11 +133,13 @@ def test_grad_accum_updates_the_loss_scale_once_per_optimizer_step():
 # ---------------------------------------------------------------------------------------------- DDP parity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,accum,script,tol", [
     # fp32: only the summation order differs (fp32 unit roundoff 6e-8).
     ("fp32", 1, ("-m", "mixprec", "train"), 1e-5),
-    # bf16-mixed: each rank's weight-gradient GEMM rounds its half-batch sum to bf16 (unit roundoff 2**-9);
-    # one process rounds the whole-batch sum once. Measured: 0.1-0.4% of the distance the params moved.
+    # bf16-mixed: each rank's weight-gradient GEMM rounds its half-batch sum to bf16 (unit roundoff 2**-8);
+    # one process rounds the whole-batch sum once. Measured: 0.1-0.4% of the distance the params moved;
+    # the bound is bf16 epsilon (2**-7); a wrong data split or a summed (not averaged) gradient gives O(1).
     ("bf16-mixed", 2, ("train.py",), 2.0**-7),
 ])
 def test_ddp_2_ranks_x_b_equals_1_process_x_2b(tmp_path, precision, accum, script, tol):
@@ -166,6 +169,7 @@ def fsdp_digits(tmp_path_factory):
     return d, r
 
 
+@pytest.mark.slow
 def test_fsdp_trains_on_digits_and_matches_ddp_accuracy(tmp_path, fsdp_digits):
     d, r = fsdp_digits
     _torchrun(*DIGITS, "--strategy", "ddp", "--metrics-json", tmp_path / "ddp.json")
@@ -178,6 +182,7 @@ def test_fsdp_trains_on_digits_and_matches_ddp_accuracy(tmp_path, fsdp_digits):
     assert r.stdout.count("| recipe | peak memory") == 1
 
 
+@pytest.mark.slow
 def test_fsdp_stopped_and_resumed_ends_bit_identical(tmp_path, fsdp_digits):
     d, _ = fsdp_digits
     part = tmp_path / "part"
@@ -191,6 +196,7 @@ def test_fsdp_stopped_and_resumed_ends_bit_identical(tmp_path, fsdp_digits):
 # ------------------------------------------------------------------------------------ DDP kill and resume
 
 
+@pytest.mark.slow
 def test_killed_ddp_run_resumes_to_the_uninterrupted_parameters(tmp_path):
     args = ["--dataset", "synthetic", "--synthetic-train", "8192", "--synthetic-test", "64", "--synthetic-shape",
             "64", "--model", "mlp", "--width", "64", "--depth", "1", "--batch-size", "16", "--epochs", "2",
@@ -287,11 +293,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             errors.append(str(e))
         out["errors"] = errors
     finally:
+        gc.collect()  # FSDP modules hold the group through reference cycles; free them first
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 
 
+@pytest.mark.slow
 def test_inf_on_one_rank_skips_on_every_rank_and_checks_catch_divergence(tmp_path):
     import torch.multiprocessing as mp
 

@@ -11,8 +11,9 @@ Strategies
 - ``ddp``: :class:`~torch.nn.parallel.DistributedDataParallel`. Every rank holds the whole model; the
   backward all-reduces (averages) the gradients, so every rank applies the same update and the
   parameters stay bit-identical. The recipe is unchanged (autocast, master weights, loss scaling).
-- ``fsdp``: FSDP2 :func:`~torch.distributed.fsdp.fully_shard`, one unit per element of every
-  ``nn.ModuleList`` (the transformer's blocks) plus the root. Each rank stores 1/N of every parameter in
+- ``fsdp``: FSDP2 :func:`~torch.distributed.fsdp.fully_shard`, one unit per normalization layer (kept
+  in fp32, as autocast keeps norms), per element of every ``nn.ModuleList`` (the transformer's blocks),
+  plus the root. Each rank stores 1/N of every parameter in
   fp32; the recipe maps to :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (:func:`fsdp_mp_policy`):
   autocast recipes with fp32 params all-gather the params in the compute dtype (``param_dtype``: bf16 or
   fp16), reduce-scatter gradients in fp32 (``reduce_dtype``) and leave the output dtype to autocast
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -96,6 +98,7 @@ __all__ = [
 STRATEGIES = ("none", "ddp", "fsdp")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _owns_process_group = False  # True when setup() created the group (teardown() then destroys it)
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 
 
 class RankDivergenceError(RuntimeError):
@@ -174,6 +177,7 @@ def teardown() -> None:
     """Destroy the process group if :func:`setup` created it (no-op otherwise)."""
     global _owns_process_group
     if _owns_process_group and dist.is_initialized():
+        gc.collect()  # free FSDP modules (reference cycles) that hold the group before it goes
         dist.destroy_process_group()
     _owns_process_group = False
 
@@ -226,9 +230,14 @@ def wrap_model(model: nn.Module, recipe, strategy: str, device: torch.device) ->
             f"{'fp16' if spec.compute_dtype == torch.float16 else 'bf16'}-mixed (params all-gathered in the low "
             "dtype), or --strategy ddp to keep this recipe"
         )
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = fsdp_mp_policy(recipe)
+    # Normalization layers are units of their own with fp32 params, as autocast keeps norms in fp32 (and
+    # CPU batch_norm rejects bf16 weights next to its fp32 running statistics). Inner units first.
+    fp32_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    for norm in [m for m in model.modules() if isinstance(m, _NORMS) and any(True for _ in m.parameters())]:
+        fully_shard(norm, mp_policy=fp32_policy)
     for module_list in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
         for block in module_list:
             fully_shard(block, mp_policy=policy)
