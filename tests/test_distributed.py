@@ -11,7 +11,8 @@ What is proven here:
   (ShardedGradScaler) and scratch (DynamicLossScaler). The injection is a test-only wrapper around
   ``recipe.backward`` inside this file's worker; product code has no hook for it.
 - check_consistency stops both ranks when parameters or skip counts differ; evaluation sharded over ranks
-  (odd test-set size, so one rank pads) gives the whole test set's accuracy.
+  (odd test-set size, so one rank pads) gives the whole test set's accuracy; a non-finite loss on one rank
+  (fp32, no loss scaler) stops both ranks at the same step instead of leaving one waiting in backward.
 - FSDP2 (bf16-mixed: MixedPrecisionPolicy param bf16, reduce fp32) trains on digits to DDP's accuracy within
   1 point, and a stopped-then-resumed FSDP run (full state dicts in last.pt) ends bit-identical.
 - A DDP run SIGKILLed mid-training and resumed ends with parameters equal to an uninterrupted run.
@@ -228,6 +229,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     reduction, and record what each step did; then exercise check_consistency and sharded evaluation."""
     import torch.distributed as dist
 
+    from mixprec.errors import NonFiniteError
     from mixprec.train import distributed
     from mixprec.train.loop import accumulate_step, evaluate, train_step
 
@@ -260,6 +262,25 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 checksum = distributed._checksum(run.model.parameters())
                 out[f"{strategy}-{impl}"] = {"trace": trace, "checksum": checksum,
                                              "scaler": type(run.recipe.scaler).__name__}
+
+        # fp32 (no loss scaler): a non-finite loss on rank 1 alone stops both ranks at the same step
+        run = build_run(TrainConfig(**{**base, "precision": "fp32"}, strategy="ddp"))
+        loss_fn, calls = run.loss_fn, []
+
+        def bad_loss(logits, y):
+            calls.append(1)
+            loss = loss_fn(logits, y)
+            return loss * float("inf") if rank == 1 and len(calls) == 2 else loss
+
+        run.loss_fn = bad_loss
+        stopped_at = None
+        for step, (xb, yb) in zip(range(4), run.train_loader):
+            try:
+                train_step(run, xb, yb, step=step)
+            except NonFiniteError as e:
+                stopped_at = e.step
+                break
+        out["nonfinite_stop"] = stopped_at
 
         # accumulation under DDP with loss scaling: the scale grows once per optimizer step
         run = build_run(TrainConfig(**{**base, "init_scale": 1.0, "growth_interval": 1}, amp_impl="scratch",
@@ -320,6 +341,7 @@ def test_inf_on_one_rank_skips_on_every_rank_and_checks_catch_divergence(tmp_pat
         if key.startswith("ddp"):
             assert r0[key]["checksum"] == r1[key]["checksum"], key  # replicas bit-identical
     assert r0["ddp-native"]["scaler"] == "ShardedGradScaler" and r0["ddp-scratch"]["scaler"] == "DynamicLossScaler"
+    assert r0["nonfinite_stop"] == r1["nonfinite_stop"] == 1  # both ranks raise, neither hangs in backward
     assert r0["accum_scale"] == r1["accum_scale"] == 4.0  # 2 optimizer steps of 2 micro-batches
     acc, loss, full_acc, full_loss = r0["eval"]
     assert r1["eval"][:2] == [acc, loss]

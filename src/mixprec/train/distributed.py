@@ -54,9 +54,14 @@ on every rank, so rank 0's are saved. On resume every rank reads the file (so ``
 filesystem all ranks see) and :func:`load_state_dicts` applies it; FSDP re-shards the full tensors.
 Resuming needs the same world size and strategy: the data order and the steps per epoch depend on them.
 
-Known limitation: recipes without loss scaling raise on a non-finite loss before backward. The loss is
-per rank, so if only one rank's loss is non-finite that rank stops and torchrun then stops the others
-(exit code non-zero), without the collective "last good state" checkpoint a one-process run writes.
+Non-finite losses: recipes without loss scaling raise NonFiniteError before backward, on the loss of
+*this* rank. If one rank raised while the others entered backward, their collectives would pair up wrongly
+or wait forever, so :func:`agree_on_finite_loss` all-reduces a non-finite flag first (no host sync) and
+poisons every rank's loss when any rank's is bad: all ranks stop at the same step and save the same
+last good state.
+
+Not covered: BatchNorm running statistics under FSDP stay per rank (each rank normalizes its own batches;
+rank 0's are saved). DDP broadcasts rank 0's buffers before every forward, so they agree there.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ __all__ = [
     "fsdp_mp_policy",
     "unwrap",
     "no_sync",
+    "agree_on_finite_loss",
     "all_reduce_sum",
     "mean_over_ranks",
     "max_over_ranks",
@@ -298,11 +304,27 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def agree_on_finite_loss(loss: torch.Tensor, recipe) -> torch.Tensor:
+    """``loss``, or NaN on every rank when any rank's loss is non-finite (recipes without loss scaling).
+
+    Such recipes raise before backward on a non-finite loss; this makes all ranks raise at the same step.
+    One scalar all-reduce, no host sync. Loss-scaled recipes skip bad steps via the all-reduced found_inf
+    instead, so their loss passes through untouched (as it does on one process).
+    """
+    if not _active() or recipe.spec.loss_scaling:
+        return loss
+    bad = (~torch.isfinite(loss.detach())).to(torch.float32)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return torch.where(bad > 0, torch.full_like(loss, float("nan")), loss)
+
+
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Mean of ``t`` over ranks (a new tensor; ``t`` itself on one process)."""
+    """Mean of ``t`` over ranks (a new tensor, fp32 or wider; ``t`` itself on one process)."""
     if not _active():
         return t
     out = t.detach().clone()
+    if out.dtype in (torch.float16, torch.bfloat16):
+        out = out.float()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out / dist.get_world_size()
 

@@ -164,6 +164,7 @@ def accumulate_step(
                 loss = run.loss_fn(model(xb), yb)
             if len(micro_batches) > 1:
                 loss = loss * (len(yb) / n_samples)
+            loss = distributed.agree_on_finite_loss(loss, recipe)  # a bad loss on one rank stops all ranks
             recipe.backward(loss, step=step)
         step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
     result = recipe.step(optimizer, run.config.clip_grad_norm)
@@ -251,8 +252,10 @@ def _checkpoint_payload(run: Run, *, epoch: int, batch: int, global_step: int, h
     }
 
 
-def _params_finite(model: nn.Module) -> bool:
-    return all(bool(torch.isfinite(distributed.local_tensor(p)).all()) for p in model.parameters())
+def _params_finite(model: nn.Module, device: torch.device) -> bool:
+    """All parameters finite, on every rank (one all-reduce under torchrun)."""
+    bad = sum((~torch.isfinite(distributed.local_tensor(p))).sum() for p in model.parameters())
+    return distributed.all_reduce_sum(torch.as_tensor(bad, dtype=torch.float64, device=device)).item() == 0
 
 
 def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | None = None) -> TrainResult:
@@ -426,7 +429,7 @@ def _stop_nonfinite(run: Run, e: NonFiniteError, epoch: int, batch_idx: int, sav
     """Save the last good state (if the params are still finite) and explain what to do."""
     where = ""
     if run.config.out:
-        if _params_finite(run.model):
+        if _params_finite(run.model, run.device):
             save(epoch, batch_idx)
             where = f"; the last good state (before step {e.step}) is saved in {run.config.out}/last.pt"
         else:
