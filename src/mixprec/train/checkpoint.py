@@ -8,6 +8,10 @@ atomic, so a crash at any moment leaves either the old checkpoint or the new one
 Loading uses ``torch.load(weights_only=True)`` (no pickled code runs) and validates everything before
 touching the model, so a checkpoint that is not ours, corrupt, or from a different run raises
 :class:`~mixprec.errors.CheckpointError` and leaves the model and optimizer as they were.
+
+Under torchrun the file is the same: rank 0 writes it, with full (unsharded) model and optimizer state
+from :func:`mixprec.train.distributed.state_dicts`, and records ``world_size``; a resume must use the same
+number of processes.
 """
 
 from __future__ import annotations

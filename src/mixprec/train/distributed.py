@@ -13,9 +13,8 @@ Strategies
   parameters stay bit-identical. The recipe is unchanged (autocast, master weights, loss scaling).
 - ``fsdp``: FSDP2 :func:`~torch.distributed.fsdp.fully_shard`, one unit per normalization layer (kept
   in fp32, as autocast keeps norms), per element of every ``nn.ModuleList`` (the transformer's blocks),
-  plus the root. Each rank stores 1/N of every parameter in
-  fp32; the recipe maps to :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (:func:`fsdp_mp_policy`):
-  autocast recipes with fp32 params all-gather the params in the compute dtype (``param_dtype``: bf16 or
+  plus the root. Each rank stores 1/N of every parameter in fp32; the recipe maps to
+  :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (:func:`fsdp_mp_policy`): autocast recipes with fp32 params all-gather the params in the compute dtype (``param_dtype``: bf16 or
   fp16), reduce-scatter gradients in fp32 (``reduce_dtype``) and leave the output dtype to autocast
   (``output_dtype=None``; the loss runs in fp32 under autocast anyway). The sharded fp32 params are
   the master copy, so the master-weight recipes (fp16-master, bf16-master, stochastic rounding) are
@@ -30,7 +29,16 @@ the union over ranks is exactly positions ``[jNB, (j+1)NB)``: the ``j``-th batch
 batch ``N*B`` and the same seed. DDP averages the per-rank mean losses' gradients, which equals the
 gradient of the mean over the union when ranks have equal batches (they do: shards are padded by
 wrapping to equal length). So ``N`` ranks x batch ``B`` train the same model as 1 process x batch
-``N*B``, up to fp32 summation order (tests/test_distributed.py checks it).
+``N*B``, up to fp32 summation order; under bf16-mixed also up to bf16 rounding, because each rank's
+weight-gradient GEMM rounds its partial sum to bf16 (tests/test_distributed.py checks both).
+
+Every rank seeds the same RNG (weights, data order, stochastic rounding): DDP replicas must round the
+same way to stay identical, and one saved RNG state resumes them all.
+
+Gradient accumulation (``--grad-accum K``): the loop runs K micro-batches per optimizer step, each
+backward but the last inside :func:`no_sync` (DDP ``no_sync()``, FSDP2
+``set_requires_gradient_sync(False)``), so gradients are reduced once per step; the recipe then unscales,
+checks, clips, steps and updates the scale once.
 
 Loss scaling
 ------------
