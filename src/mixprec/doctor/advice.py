@@ -27,6 +27,8 @@ THRESHOLDS = {
 
 
 def _pct(x: float) -> str:
+    if x == 0:
+        return "0%"
     return f"{100 * x:.1f}%" if x >= 0.001 else f"{100 * x:.3f}%"
 
 
@@ -47,6 +49,10 @@ def _faults(report: Any, low: str | None) -> list[dict[str, str]]:
                 f"--amp-impl scratch, or keep_fp32={tuple(replay.modules)!r} in the API)")
         if low == "fp16":
             text += "; or switch to bf16-mixed, whose range is fp32's"
+        h = report.history.summary()
+        if fault.event is not None and fault.event.phase == "forward" and report.recipe_spec["loss_scaling"]:
+            text += (f". The loss scaler cannot fix a forward overflow (it only scales gradients): it skipped "
+                     f"{h['skipped']} of {h['steps']} steps")
         return [{"kind": "keep-fp32", "text": text}]
     if replay is not None:
         ev = fault.event

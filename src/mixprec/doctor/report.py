@@ -298,11 +298,12 @@ class DoctorReport:
 
     def _render_lost(self) -> list[str]:
         lu = self.lost_updates
+        if not lu.layers:
+            return ["4. Lost updates (non-zero updates with low(w + d) == w)",
+                    "  nothing to measure: no optimizer step was applied (every step was skipped or stopped)"]
         dtypes = sorted({layer.dtype for layer in lu.layers})
         lines = [f"4. Lost updates (non-zero updates with low(w + d) == w; the optimizer steps "
-                 f"{'/'.join(dtypes) or '-'} tensors; {lu.steps} steps applied)"]
-        if not lu.layers:
-            return lines + ["  no optimizer step was applied"]
+                 f"{'/'.join(dtypes)} tensors; {lu.steps} steps applied)"]
         lines += _table(["layer", "dtype", "updated", "lost", "lost %", "median |d/w|"],
                         [[display_path(layer.name), layer.dtype, f"{layer.updated:,}", f"{layer.lost:,}",
                           _pct(layer.lost_fraction),
