@@ -31,9 +31,10 @@ Choosing a loss scale
 ---------------------
 :meth:`Log2Histogram.best_scale` tries every power of two ``2**k``. Among the scales without overflow (an
 overflow makes the scaler skip the whole step; if every scale overflows, among all) it keeps those that lose
-the fewest values to underflow + overflow, an interval ``[k_lo, k_hi]``. Within it, larger is better (fewer
-subnormals, more precision for small gradients) up to a headroom of ``HEADROOM`` binades (8x) below the
-overflow edge, for gradients that grow between steps: ``k = max(k_lo, k_hi - HEADROOM)``.
+the fewest values to underflow + overflow, give or take ``TOLERANCE`` (one value in a million): an interval
+``[k_lo, k_hi]``. Within it, larger is better (fewer subnormals, more precision for small gradients) up to a
+headroom of ``HEADROOM`` binades (8x) below the overflow edge, for gradients that grow between steps:
+``k = max(k_lo, k_hi - HEADROOM)``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ __all__ = ["Log2Histogram", "LayerRanges", "RangeProfile", "RangeProfiler", "DEF
 DEFAULT_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 HEADROOM = 3
 """Binades kept free below the overflow edge by the recommended loss scale."""
+TOLERANCE = 1e-6
+"""Losses (underflow + overflow fractions) closer than this count as equal when choosing a loss scale."""
 BIN_MIN, BIN_MAX = -160, 140
 """Binade range kept (fp32 spans -149..127; float64 extremes are clamped into the end bins)."""
 _NBINS = BIN_MAX - BIN_MIN + 1
@@ -141,7 +144,7 @@ class Log2Histogram:
         clean = [k for k, f in fr.items() if f["overflow"] == 0]
         pool = clean or list(fr)
         least = min(fr[k]["overflow"] + fr[k]["underflow"] for k in pool)
-        good = [k for k in pool if fr[k]["overflow"] + fr[k]["underflow"] == least]
+        good = [k for k in pool if fr[k]["overflow"] + fr[k]["underflow"] <= least + TOLERANCE]
         return max(min(good), max(good) - headroom)
 
     def to_dict(self) -> dict[str, Any]:
