@@ -3,7 +3,8 @@
 Kinds, most urgent first:
 
 * ``keep-fp32`` -- named modules overflow the low format: the fp32 replay (or the range profile) names them;
-* ``not-precision`` -- non-finite even in fp32 (learning rate, data, model): precision is not the cause;
+* ``not-precision`` -- non-finite even in fp32, or updates larger than the weights (learning rate, data,
+  model): precision is not the cause;
 * ``init-scale`` -- another loss scale loses fewer gradients to underflow, or avoids skipped steps;
 * ``switch-bf16`` -- fp16's range cannot hold these gradients at any loss scale;
 * ``master-weights`` -- updates are rounded away in low-precision weights;
@@ -111,6 +112,12 @@ def _bf16_ranges(report: Any, have_keep: bool) -> list[dict[str, str]]:
 
 def _lost_updates(report: Any) -> list[dict[str, str]]:
     lu = report.lost_updates
+    huge = [x for x in lu.layers if x.median_ratio is not None and x.median_ratio > 1.0]
+    if huge:
+        worst = max(huge, key=lambda x: x.median_ratio)
+        return [{"kind": "not-precision", "text": f"a typical update is {worst.median_ratio:.3g} times the weight it "
+                                                  f"changes (median |d/w| in {display_path(worst.name)}): the "
+                                                  "learning rate is far too large; lower --lr"}]
     low = [layer for layer in lu.layers if layer.dtype in ("bf16", "fp16")]
     frac = sum(x.lost for x in low) / max(1, sum(x.updated for x in low)) if low else 0.0
     if low and frac > THRESHOLDS["lost_updates"]:
