@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import os
 import platform
 import statistics
@@ -105,6 +106,24 @@ def paired_ratio(num: list[float], den: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
 
+def steady_malloc() -> str:
+    """Stop glibc from returning freed memory to the OS and re-faulting it on the next step.
+
+    With the default dynamic thresholds, whether a step's large buffers (weight gradients,
+    activations) come from the heap or from fresh zeroed pages depends on the allocation history,
+    which differs between configurations and runs; the page faults then dominate the noise
+    (checked: the same configuration varied by 2x in backward). Applied to the whole process, so
+    every configuration is timed under the same allocator settings.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
+    except (OSError, AttributeError):
+        ok = False
+    return "glibc malloc: no trimming, mmap above 32 MiB" if ok else "default malloc"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer"])
@@ -114,14 +133,18 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--fp16-rounds", type=int, default=3, help="rounds for native fp16 (0 skips it)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--default-malloc", action="store_true",
+                   help="keep glibc's dynamic trim/mmap thresholds (noisier)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    allocator = "default malloc" if args.default_malloc else steady_malloc()
 
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, batch {args.batch_size}, input {INPUT_SHAPE}; "
           f"median of {args.rounds} rounds x {args.steps} steps (native fp16: {args.fp16_rounds} x 1); "
-          f"ratios are medians of per-round ratios; load average {os.getloadavg()[0]:.1f}\n")
+          f"ratios are medians of per-round ratios; {allocator}; "
+          f"load average {os.getloadavg()[0]:.1f}\n")
     print("| model | fp32 ms | native bf16 ms | scratch bf16 ms | scratch / native bf16 "
           "| native fp16 ms | emulated fp16 ms | emulated / native fp16 | emulated fp16 / fp32 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
