@@ -79,10 +79,10 @@ def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int
         if shown:
             handles.append(Line2D([], [], color=color, lw=2, label=fmt))
     handles += [Line2D([], [], color="black", lw=1.2, ls=style, label=what) for style, what in _STYLES]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=4, fontsize=7, frameon=False)
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="share of the layer's non-zero values")
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # leave the bottom 0.45 in for the legend
     fig.savefig(path)
     return path
 
@@ -113,17 +113,20 @@ def write_plots(report: Any, out_dir: str) -> list[str]:
         fig = _figure(7, 3.2)
         ax = fig.add_subplot(1, 1, 1)
         steps = [r.step for r in recs]
+        scaled = report.recipe_spec.get("loss_scaling", False)
         ax.step(steps, [math.log2(max(r.scale, 1e-30)) for r in recs], where="post", label="log2 loss scale")
         sk = [r for r in recs if r.skipped]
         if sk:
             ax.scatter([r.step for r in sk], [math.log2(max(r.scale, 1e-30)) for r in sk], color="tab:red",
                        marker="x", zorder=3, label="skipped step")
         ax.set_xlabel("step")
-        ax.set_ylabel("log2 loss scale")
+        ax.set_ylabel("log2 loss scale" + ("" if scaled else " (no loss scaling: 0)"))
         ax2 = ax.twinx()
         ax2.plot(steps, [r.loss for r in recs], color="tab:gray", alpha=0.7, label="loss")
         ax2.set_ylabel("loss")
-        ax.legend(loc="upper right", fontsize=7)
+        lines = ax.get_legend_handles_labels()
+        lines2 = ax2.get_legend_handles_labels()
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
         ax.set_title(f"{head}: loss scale and loss", fontsize=9)
         fig.tight_layout()
         p = os.path.join(out_dir, "loss_scale.png")
