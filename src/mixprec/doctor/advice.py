@@ -30,6 +30,8 @@ THRESHOLDS = {
 def _pct(x: float) -> str:
     if x == 0:
         return "0%"
+    if x < 1e-5:
+        return "<0.001%"
     return f"{100 * x:.1f}%" if x >= 0.001 else f"{100 * x:.3f}%"
 
 
