@@ -300,7 +300,8 @@ def diagnose_run(
                "params": sum(p.numel() for p in model.parameters())},
         recipe_spec={"compute": _dtype(recipe.spec.compute_dtype), "params": _dtype(recipe.spec.param_dtype),
                      "loss_scaling": recipe.spec.loss_scaling, "master_weights": recipe.spec.master_weights,
-                     "emulated": bool(getattr(recipe, "emulate", False)),
+                     # only the scratch autocast emulates; native fp16 runs real (slow on CPU) fp16 kernels
+                     "emulated": bool(getattr(recipe, "emulate", False)) and recipe.impl == "scratch",
                      "stochastic_rounding": recipe.stochastic_rounding},
         precision_map=pmap,
         ranges=profiler.result(),
