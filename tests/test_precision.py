@@ -51,6 +51,8 @@ def test_auto_impl_picks_emulated_scratch_for_fp16_on_cpu_without_fast_fp16():
         assert r.impl == "scratch" and r.emulate
         assert "EMULATED" in r.describe()
     assert build_recipe("bf16-mixed", device="cpu").impl == "native"
+    native = build_recipe("amp", device="cpu", amp_impl="native")
+    assert not native.emulate and "EMULATED" not in native.describe()
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

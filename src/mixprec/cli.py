@@ -128,12 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(t)
     add_output_arguments(t)
     t.set_defaults(func=_run_train)
-    for name in ("bench", "doctor"):
-        try:
-            mod = __import__(f"mixprec.{name}.command", fromlist=["add_parser"])
-        except ImportError:
-            continue
-        mod.add_parser(sub)
+    from .bench import command as bench_command
+    from .doctor import command as doctor_command
+
+    bench_command.add_parser(sub)
+    doctor_command.add_parser(sub)
     return parser
 
 

@@ -195,7 +195,8 @@ class Recipe:
         self.device = device
         self.impl = impl
         self.scaler_config = scaler_config
-        self.emulate = emulate_fp16 and spec.compute_dtype == torch.float16
+        # emulation is a feature of the scratch autocast; native fp16 runs PyTorch's real (slow) fp16 kernels
+        self.emulate = emulate_fp16 and spec.compute_dtype == torch.float16 and impl == "scratch"
         self.stochastic_rounding = stochastic_rounding
         self.keep_fp32 = keep_fp32
         self._seed = seed
