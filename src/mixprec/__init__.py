@@ -29,11 +29,11 @@ Pieces:
   from these pieces or from PyTorch's own, behind one interface the trainer uses.
 """
 
-from .autocast import autocast
+from .autocast import autocast, autocast_dtype, is_autocast_active
 from .formats import FORMATS, Format, get_format, quantize
 from .master import MasterWeights
 from .memory import MemoryReport, SavedTensorTracker, static_memory
-from .policy import CastPolicy, default_policy
+from .policy import CastKind, CastPolicy, default_policy
 from .precision import RECIPES, Recipe, ScalerConfig, StepResult, build_recipe, resolve_recipe
 from .scaler import DynamicLossScaler
 
@@ -41,6 +41,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "autocast",
+    "autocast_dtype",
+    "is_autocast_active",
+    "CastKind",
     "CastPolicy",
     "default_policy",
     "DynamicLossScaler",
