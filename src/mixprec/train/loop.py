@@ -366,8 +366,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
                     stopped = (
                         f"stopped at step {global_step}: {counters['consecutive_skips']} optimizer steps in a row were "
                         f"skipped for inf/nan gradients (loss scale now {recipe.loss_scale():g}); the loss itself is "
-                        "likely "
-                        "non-finite — lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer"
+                        "likely non-finite — lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer"
                     )
                     reporter.error(stopped)
                     break
