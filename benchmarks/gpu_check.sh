@@ -29,6 +29,9 @@ echo "gpu_check.sh: $GPU, torch $("$PY" -c 'import torch; print(torch.__version_
 RECIPES="fp32,tf32,fp16-mixed,bf16-mixed,fp16-master,bf16-master"
 COMMON=(--device cuda --amp-impl native --precisions "$RECIPES" --repeats 2 --epochs 1 --warmup-steps 5
         --timeout 60 --peak-seconds 1)
+# A lent GPU machine gets a copy of the working tree only (no apt, no network): copy the four Fashion-MNIST
+# .gz files into an ignored folder of the repo (e.g. runs/fashion-mnist), carry it, and set DATA_DIR to it.
+if [ -n "${DATA_DIR:-}" ]; then COMMON+=(--data-dir "$DATA_DIR"); fi
 
 # transformer: 4x4 patches -> 49 tokens of width 512, 6 blocks; batch 512 -> 59 steps on 30k samples
 timeout 230 "$PY" -m mixprec bench "${COMMON[@]}" --model transformer --d-model 512 --n-heads 8 --n-layers 6 \
