@@ -292,20 +292,25 @@ class _Frame:
         def to_low(t: torch.Tensor) -> torch.Tensor:
             """``t`` in the low dtype (emulating: rounded to it, kept fp32), via the weight cache."""
             dt = t.dtype
+            if dt is _F32:  # the common case first: fp32 is always eligible
+                if not (t.is_cpu if on_cpu else t.device.type == dev):
+                    return t
+                # like torch.autocast, cache the casts of fp32 leaves that require grad (parameters)
+                if cache_enabled and t.requires_grad and t.is_leaf and not t._is_view():
+                    entries = with_grad if is_grad_enabled() else without_grad
+                    hit = entries.get(id(t))
+                    if hit is not None and hit[0] is t:
+                        return hit[1]
+                    out = t.bfloat16() if bf16 else t.half()
+                    if emulate:
+                        out = out.float()
+                    entries[id(t)] = (t, out)  # holding t keeps id(t) unique while cached
+                    return out
+                out = t.bfloat16() if bf16 else t.half()
+                return out.float() if emulate else out
             if (dt is low and not emulate) or dt not in eligible_dtypes or not (
                     t.is_cpu if on_cpu else t.device.type == dev):
                 return t
-            # like torch.autocast, cache the casts of fp32 leaves that require grad (parameters)
-            if cache_enabled and dt is _F32 and t.requires_grad and t.is_leaf and not t._is_view():
-                entries = with_grad if is_grad_enabled() else without_grad
-                hit = entries.get(id(t))
-                if hit is not None and hit[0] is t:
-                    return hit[1]
-                out = t.bfloat16() if bf16 else t.half()
-                if emulate:
-                    out = out.float()
-                entries[id(t)] = (t, out)  # holding t keeps id(t) unique while cached
-                return out
             if emulate:
                 return t.float() if dt is low else (t.bfloat16() if bf16 else t.half()).float()
             return t.bfloat16() if bf16 else t.half()
@@ -327,7 +332,9 @@ class _Frame:
         """func's CastKind, None (leave alone), or _RESOLVE (depends on the call's arguments)."""
         name = getattr(func, "__name__", None)
         rename = _RENAME.get(name)
-        if rename is None:
+        if not self.enabled:  # a disabled frame leaves every function alone
+            kind = None
+        elif rename is None:
             kind = self.kinds.get(name)
         elif isinstance(rename, str):
             kind = self.kinds.get(rename)
@@ -363,24 +370,8 @@ def _map_seq(seq: list | tuple, fn: Callable[[torch.Tensor], torch.Tensor]) -> l
     return type(seq)([fn(x) if isinstance(x, _Tensor) else x for x in seq])
 
 
-def _map_tensors(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]
-                 ) -> tuple[tuple, dict]:
-    """Apply ``fn`` to every tensor in args/kwargs, looking one level into lists and tuples.
-
-    Last argument first: torch's autocast kernels cast their arguments in a C++ parameter-pack
-    expansion, which GCC evaluates right to left. Matching that order makes the cast ops (and so
-    the autograd graph's node order and the backward op sequence) identical to torch's.
-    """
-    if kwargs:
-        new_kwargs = {}
-        for k in reversed(list(kwargs)):
-            v = kwargs[k]
-            if isinstance(v, _Tensor):
-                v = fn(v)
-            elif type(v) in _SEQUENCES and v:
-                v = _map_seq(v, fn)
-            new_kwargs[k] = v
-        kwargs = dict(reversed(new_kwargs.items()))
+def _map_args(args: tuple, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple:
+    """``args`` with ``fn`` applied to every tensor, last first (see ``_map_tensors``)."""
     new_args = None
     i = len(args)
     while i:
@@ -396,7 +387,35 @@ def _map_tensors(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.T
             if new_args is None:
                 new_args = list(args)
             new_args[i] = b
-    return (args if new_args is None else tuple(new_args)), kwargs
+    return args if new_args is None else tuple(new_args)
+
+
+def _map_tensors(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> tuple[tuple, dict]:
+    """Apply ``fn`` to every tensor in args/kwargs, looking one level into lists and tuples.
+
+    Last argument first: torch's autocast kernels cast their arguments in a C++ parameter-pack
+    expansion, which GCC evaluates right to left. Matching that order makes the cast ops (and so
+    the autograd graph's node order and the backward op sequence) identical to torch's. The
+    inputs are never modified; a new dict is made only when a keyword argument changed.
+    """
+    if kwargs:
+        new_kwargs = None
+        for k in reversed(kwargs):
+            v = kwargs[k]
+            if isinstance(v, _Tensor):
+                w = fn(v)
+            elif type(v) in _SEQUENCES and v:
+                w = _map_seq(v, fn)
+            else:
+                continue
+            if w is not v:
+                if new_kwargs is None:
+                    new_kwargs = dict(kwargs)  # same keys, same order
+                new_kwargs[k] = w
+        if new_kwargs is not None:
+            kwargs = new_kwargs
+    return _map_args(args, fn), kwargs
 
 
 def _iter_tensors(args: tuple, kwargs: dict) -> Iterable[torch.Tensor]:
@@ -446,16 +465,26 @@ class _PolicyMode(TorchFunctionMode):
     """Applies the top frame of the thread's frame stack to every torch-API call."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
+        # The hot path: every torch call in the context comes through here, so the common cases
+        # (an op left alone; a low-list op called without keywords, e.g. F.linear) come first
+        # and build no dicts.
         frames = _state.frames
-        frame = frames[-1] if frames else None
-        if frame is None or not frame.enabled:
-            return func(*args, **kwargs)
+        if not frames:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        frame = frames[-1]
         kind = frame.by_func.get(func, _UNSEEN)
         if kind is _UNSEEN:
-            kind = frame.kind_of(func)
-        if kind is None or kwargs.get("out") is not None:  # out= overloads: not autocast, as in torch
+            kind = frame.kind_of(func)  # None for every function while the frame is disabled
+        if kind is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if not kwargs:
+            if kind is _LOW:
+                args = _map_args(args, frame.to_low)
+                if frame.emulate:
+                    return _round_result(func(*args), frame.dtype)
+                return func(*args)
+            kwargs = {}
+        elif kwargs.get("out") is not None:  # out= overloads: not autocast, as in torch
             return func(*args, **kwargs)
         if kind is _RESOLVE:
             kind = frame.kinds.get(_RENAME[func.__name__](args, kwargs))
