@@ -19,6 +19,7 @@ __all__ = [
     "device_name",
     "has_fast_bf16",
     "has_fast_fp16",
+    "has_fp8_matmul",
     "has_tf32",
     "resolve_device",
 ]
@@ -74,6 +75,13 @@ def has_tf32(device: torch.device) -> bool:
         return False
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    """True where ``torch._scaled_mm`` runs real FP8 GEMMs: CUDA compute capability 8.9+ (Ada, Hopper)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -20,6 +20,7 @@ branches (the nanoGPT habit: a disabled scaler is a no-op, not an ``if``)::
 | fp16-master   | fp16             | fp16   | dynamic      | fp32 copy the optimizer steps |
 | bf16-master   | bf16             | bf16   | no           | fp32 copy the optimizer steps |
 | bf16-true     | bf16             | bf16   | no           | none (optional stochastic rounding) |
+| fp8-mixed     | FP8 linear GEMMs (e4m3 fwd, e5m2 grads), rest autocast bf16 | fp32 | no (per-tensor FP8 scales) | params are the master |
 
 Two interchangeable mechanisms sit behind the autocast and scaler hooks (``impl``): ``native`` is
 PyTorch's ``torch.autocast`` + ``torch.amp.GradScaler``; ``scratch`` is mixprec's own engine
@@ -77,6 +78,8 @@ class RecipeSpec:
     """Keep an fp32 copy of low-precision params for the optimizer to step."""
     tf32: bool = False
     """Allow TF32 tensor-core matmuls for fp32 tensors (GPUs of compute capability 8.0+)."""
+    fp8: bool = False
+    """Run eligible linear layers' three GEMMs in FP8 with per-tensor scaling (:mod:`mixprec.fp8`)."""
     summary: str
     """One line saying what the recipe does and why."""
 
@@ -106,6 +109,10 @@ RECIPES: dict[str, RecipeSpec] = {
         RecipeSpec(name="bf16-true", compute_dtype=_BF16, param_dtype=_BF16, autocast=True, loss_scaling=False,
                    master_weights=False,
                    summary="bf16 params, compute and optimizer state; no fp32 copy (small updates can round away)"),
+        RecipeSpec(name="fp8-mixed", compute_dtype=_BF16, param_dtype=_F32, autocast=True, loss_scaling=False,
+                   master_weights=False, fp8=True,
+                   summary="FP8 GEMMs in linear layers (e4m3 activations/weights, e5m2 gradients, per-tensor "
+                           "power-of-two scales, so no loss scaling), other ops autocast bfloat16"),
     ]
 }
 
@@ -202,6 +209,7 @@ class Recipe:
         self.keep_fp32 = keep_fp32
         self._seed = seed
         self._model: nn.Module | None = None
+        self.fp8_conversion = None  # mixprec.fp8.Fp8Conversion once convert_module has run (fp8 recipes)
         self.master = None  # mixprec.master.MasterWeights when spec.master_weights (or bf16-true + SR)
         self.scaler = self._make_scaler()
 
@@ -258,6 +266,11 @@ class Recipe:
         model = model.to(self.device)
         if self.spec.param_dtype != torch.float32:
             model = model.to(self.spec.param_dtype)
+        if self.spec.fp8:
+            from .fp8 import convert_to_fp8, plan_fp8_conversion
+
+            self.fp8_conversion = plan_fp8_conversion(model)
+            model = convert_to_fp8(model)
         self._model = model
         return model
 
@@ -414,6 +427,16 @@ class Recipe:
                 if hardware.has_fast_bf16(dev)
                 else "this CPU has no native bf16 matmul instructions; bf16 may be slower than fp32"
             )
+        if s.fp8:
+            parts.append(
+                "FP8 GEMMs are REAL here (torch._scaled_mm)" if hardware.has_fp8_matmul(dev)
+                else f"{dev.type} has no FP8 matmuls (CUDA compute capability 8.9+), so FP8 is EMULATED: operands "
+                     "rounded to e4m3/e5m2, GEMMs in fp32 (FP8 numerics, not FP8 speed)"
+            )
+            if self.fp8_conversion is not None:
+                c = self.fp8_conversion
+                parts.append(f"{len(c.converted)} linear layer(s) in FP8"
+                             + (f", kept out: {', '.join(n for n, _ in c.skipped)}" if c.skipped else ""))
         if s.tf32 and not hardware.has_tf32(dev):
             parts.append(f"{dev.type} has no TF32 tensor cores: this runs exactly as fp32")
         return "; ".join(parts)

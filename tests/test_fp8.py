@@ -1,0 +1,282 @@
+"""FP8 linear layers, in tiers: exact where lossless (round trips of representable values, power-of-two
+scales), a tight match against a reference built from ``formats.quantize``, SQNR floors against fp32
+for the forward output and each gradient (checked to catch a broken scale or format), the module swap,
+state_dicts, and training on digits. The real ``torch._scaled_mm`` path runs only on CUDA 8.9+."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mixprec import fp8, hardware
+from mixprec.autocast import autocast
+from mixprec.formats import quantize
+from mixprec.fp8 import E4M3, E5M2, Fp8Linear, convert_to_fp8, fp8_linear, fp8_scale, plan_fp8_conversion, to_fp8
+
+# SQNR floors (dB) against fp32, with ~2.5 dB margin under what Gaussian data measures (seeds 0-2):
+# one operand rounded to e4m3 (3 mantissa bits) 31.5, to e5m2 (2 bits) 25.5; the forward GEMM has two
+# e4m3 operands, so their noise adds (-3 dB): 28.5; the gradient GEMMs are dominated by dy's e5m2: 24.5.
+FLOOR = {"e4m3": 29.0, "e5m2": 23.0, "y": 26.0, "dx": 22.0, "dw": 22.0}
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
+
+
+def _all_finite_fp8(dtype: torch.dtype) -> torch.Tensor:
+    v = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    return v[torch.isfinite(v)]
+
+
+def _data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 256, generator=g)
+    w = torch.randn(128, 256, generator=g) / 16
+    b = torch.randn(128, generator=g) / 10
+    dy = torch.randn(512, 128, generator=g) * 1e-3  # gradients are small: scaling must lift them
+    return x, w, b, dy
+
+
+def _three_gemms(x, w, b, dy, **kw):
+    """(y, dx, dW, db) of fp8_linear and of F.linear in fp32."""
+    out = []
+    for fn in (lambda *a: fp8_linear(*a, **kw), F.linear):
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+        y = fn(xr, wr, br)
+        y.backward(dy)
+        out.append((y.detach(), xr.grad, wr.grad, br.grad))
+    return out
+
+
+# -- exact tier ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("shift", [0, -20, 30])
+def test_representable_values_round_trip_exactly_under_power_of_two_scaling(dtype, shift):
+    v = _all_finite_fp8(dtype) * 2.0**shift
+    q, inv = to_fp8(v, dtype)
+    assert q.dtype == dtype
+    torch.testing.assert_close(q.float() * inv, v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_scale_is_the_largest_power_of_two_that_keeps_amax_in_range(dtype):
+    fmax = torch.finfo(dtype).max
+    amax = torch.cat([torch.rand(1000) * 10.0 ** torch.randint(-30, 30, (1000,)).float(),
+                      torch.tensor([fmax, fmax / 2, fmax * 2, 1.0, 1e-30])])
+    for a in amax:
+        s = fp8_scale(a, dtype)
+        m, _ = torch.frexp(s)
+        assert m.item() == 0.5  # a power of two
+        assert a * s <= fmax < a * s * 2  # largest such: amax lands in (fmax/2, fmax]
+        assert s.reciprocal() * s == 1  # the inverse scale is exact
+
+
+def test_scale_edge_cases():
+    assert fp8_scale(torch.tensor(0.0), E4M3).item() == 2.0**126  # all zeros: any scale is exact
+    assert fp8_scale(torch.tensor(1e-38), E4M3).item() == 2.0**126  # clamped: 1/scale stays a normal fp32
+    assert torch.isnan(fp8_scale(torch.tensor(float("inf")), E4M3))
+    assert torch.isnan(fp8_scale(torch.tensor(float("nan")), E5M2))
+
+
+@pytest.mark.parametrize("dtype,fmt", [(E4M3, "fp8_e4m3"), (E5M2, "fp8_e5m2")])
+def test_quantization_is_formats_quantize_of_the_scaled_tensor(dtype, fmt):
+    x = torch.randn(64, 64) * 1e-3
+    q, inv = to_fp8(x, dtype)
+    scale = inv.reciprocal()
+    torch.testing.assert_close(q.float(), quantize(x * scale, fmt), rtol=0, atol=0)
+
+
+def test_emulated_gemms_match_a_quantize_dequantize_reference():
+    """Forward and both gradients equal float64 GEMMs of formats.quantize'd operands (fp32 accumulation)."""
+    x, w, b, dy = _data()
+    (y, dx, dw, db), _ = _three_gemms(x, w, b, dy)
+
+    def qdq(t, fmt, dtype):
+        s = fp8_scale(t.abs().amax(), dtype)
+        return quantize(t * s, fmt).double() / s.double()
+
+    xq, wq, dyq = qdq(x, "fp8_e4m3", E4M3), qdq(w, "fp8_e4m3", E4M3), qdq(dy, "fp8_e5m2", E5M2)
+    for got, ref in ((y, xq @ wq.T + b.double()), (dx, dyq @ wq), (dw, dyq.T @ xq)):
+        # fp32 accumulation: the error scales with the largest entry (cancellation makes small ones relatively worse)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+    torch.testing.assert_close(db, dy.sum(0), rtol=1e-6, atol=0)  # the bias gradient is not quantized
+
+
+def test_zeros_give_zeros_and_non_finite_inputs_give_nan_not_saturation():
+    w = torch.randn(16, 32, requires_grad=True)
+    x = torch.zeros(16, 32, requires_grad=True)
+    y = fp8_linear(x, w)
+    y.sum().backward()
+    assert torch.equal(y, torch.zeros_like(y)) and torch.equal(w.grad, torch.zeros_like(w))
+    bad = torch.randn(16, 32)
+    bad[3, 4] = float("inf")
+    assert torch.isnan(fp8_linear(bad, w)).all()  # e4m3 would saturate inf to 448; NaN reaches the loss check
+
+
+# -- SQNR tier ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sqnr_floors_of_the_operands_the_output_and_each_gradient(seed):
+    x, w, b, dy = _data(seed)
+    for dtype, name in ((E4M3, "e4m3"), (E5M2, "e5m2")):
+        q, inv = to_fp8(x, dtype)
+        assert sqnr(x, q.float() * inv) >= FLOOR[name], name
+    (y, dx, dw, db), (y_ref, dx_ref, dw_ref, db_ref) = _three_gemms(x, w, b, dy)
+    got = {"y": sqnr(y_ref, y), "dx": sqnr(dx_ref, dx), "dw": sqnr(dw_ref, dw)}
+    assert all(got[k] >= FLOOR[k] for k in got), got
+    torch.testing.assert_close(db, db_ref, rtol=1e-5, atol=0)
+
+
+_REAL_SCALE = fp8.fp8_scale
+
+
+def _inverted_scale(monkeypatch):
+    monkeypatch.setattr(fp8, "fp8_scale", lambda amax, dtype: 1.0 / _REAL_SCALE(amax, dtype))
+
+
+def _unscaled_e4m3_everywhere(monkeypatch):
+    monkeypatch.setattr(fp8, "fp8_scale", lambda amax, dtype: torch.ones((), device=amax.device))
+    monkeypatch.setattr(fp8, "E5M2", E4M3)
+
+
+@pytest.mark.parametrize("mutant,dy_scale,broken", [
+    (_inverted_scale, 1.0, {"y", "dx", "dw"}),
+    # no scaling, gradients in e4m3: typical 1e-3 gradients fall below e4m3's smallest subnormal (2**-9)
+    (_unscaled_e4m3_everywhere, 1.0, {"dx", "dw"}),
+    # the same with ~1e4-sized gradients: they saturate at e4m3's 448 (e5m2 would hold them up to 57344)
+    (_unscaled_e4m3_everywhere, 1e7, {"dx", "dw"}),
+], ids=["inverted-scale", "unscaled-e4m3-grads-underflow", "unscaled-e4m3-grads-overflow"])
+def test_the_floors_catch_broken_implementations(monkeypatch, mutant, dy_scale, broken):
+    x, w, b, dy = _data()
+    mutant(monkeypatch)
+    (y, dx, dw, _), (y_ref, dx_ref, dw_ref, _) = _three_gemms(x, w, b, dy * dy_scale)
+    got = {"y": sqnr(y_ref, y), "dx": sqnr(dx_ref, dx), "dw": sqnr(dw_ref, dw)}
+    assert {k for k in got if not got[k] >= FLOOR[k]} >= broken, got
+
+
+# -- dtypes under autocast --------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["native", "scratch"])
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_autocast_sets_the_output_dtype_but_never_recasts_the_fp8_gemm(impl, low):
+    """The scaled FP8 GEMM's fp32 result reaches |y| > 65504 here, so if autocast re-cast the GEMM to fp16 the
+    output would be inf. Exact: the GEMM ran in fp32 and only its result was rounded to the autocast dtype."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(16, 64, requires_grad=True)
+    ref = fp8_linear(x, w)
+    ctx = torch.autocast("cpu", dtype=low) if impl == "native" else autocast(low, device_type="cpu")
+    with ctx:
+        y = fp8_linear(x, w)
+    assert y.dtype == low
+    torch.testing.assert_close(y, ref.detach().to(low), rtol=0, atol=0)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+# -- the module swap -----------------------------------------------------------------------------------------
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 30))
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)  # .out_proj: a Linear subclass
+        self.proj = nn.Linear(30, 32)
+        self.head = nn.Linear(32, 16)  # eligible by shape, kept out by name
+
+    def forward(self, x):
+        h = self.proj(self.body(x))
+        return self.head(h + self.attn(h[:, None], h[:, None], h[:, None], need_weights=False)[0][:, 0])
+
+
+def test_convert_swaps_exactly_the_eligible_layers_and_reports_the_rest(caplog):
+    torch.manual_seed(0)
+    model = _Net()
+    params = {n: p for n, p in model.named_parameters()}
+    with caplog.at_level(logging.INFO, logger="mixprec.fp8"):
+        plan = plan_fp8_conversion(model)
+        out = convert_to_fp8(model)
+    assert out is model
+    assert plan.converted == ("body.0", "body.2")
+    reasons = dict(plan.skipped)
+    assert set(reasons) == {"body.4", "attn.out_proj", "proj", "head"}
+    assert "multiples of 16" in reasons["body.4"] and "multiples of 16" in reasons["proj"]
+    assert "subclass" in reasons["attn.out_proj"] and "final classifier" in reasons["head"]
+    fp8_names = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert fp8_names == {"body.0", "body.2"}
+    assert all(type(model.get_submodule(n)) is not Fp8Linear for n in reasons)
+    assert {n: p for n, p in model.named_parameters()} == params  # the same Parameter objects
+    assert all(n in caplog.text for n in reasons)
+    assert model(torch.randn(4, 32)).shape == (4, 16)
+
+
+def test_module_filter_fn_replaces_the_name_rule_but_not_the_shape_rule():
+    model = convert_to_fp8(_Net(), module_filter_fn=lambda m, fqn: fqn != "body.2")
+    assert {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)} == {"body.0", "head"}
+    assert isinstance(convert_to_fp8(nn.Linear(16, 32)), Fp8Linear)  # a bare linear layer is the root
+
+
+def test_state_dict_of_a_converted_model_loads_into_a_plain_one_and_back():
+    torch.manual_seed(0)
+    plain, converted = _Net(), convert_to_fp8(_Net())
+    sd = converted.state_dict()
+    assert list(sd) == list(plain.state_dict())
+    plain.load_state_dict(sd, strict=True)
+    converted.load_state_dict(plain.state_dict(), strict=True)
+    x = torch.randn(64, 32)
+    assert sqnr(plain(x).detach(), converted(x).detach()) >= FLOOR["y"] - 6  # two FP8 layers in a row
+
+
+def test_emulate_false_without_fp8_hardware_says_what_to_do():
+    if hardware.has_fp8_matmul(torch.device("cpu")):
+        pytest.skip("unreachable: CPUs have no FP8 matmuls")
+    with pytest.raises(RuntimeError, match="emulate=None"):
+        fp8_linear(torch.randn(16, 16), torch.randn(16, 16), emulate=False)
+
+
+# -- the recipe ------------------------------------------------------------------------------------------------
+def test_recipe_converts_the_model_and_says_emulated_on_cpu():
+    from mixprec.precision import build_recipe
+
+    r = build_recipe("fp8-mixed", device="cpu")
+    model = r.convert_module(_Net())
+    assert isinstance(model.body[0], Fp8Linear) and type(model.head) is nn.Linear
+    d = r.describe()
+    assert "EMULATED" in d and "2 linear layer(s) in FP8" in d and "head" in d
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+DIGITS = dict(dataset="digits", model="mlp", width=64, depth=1, batch_size=32, log_every=0, progress="off",
+              epochs=4, lr=0.05, momentum=0.9)
+
+
+def test_fp8_training_on_digits_is_within_2_points_of_fp32_and_native_equals_scratch():
+    from mixprec.train.config import TrainConfig
+    from mixprec.train.loop import train
+
+    fp32 = train(TrainConfig(**DIGITS, precision="fp32")).summary["test_accuracy"]
+    runs = {impl: train(TrainConfig(**DIGITS, precision="fp8-mixed", amp_impl=impl)) for impl in ("native", "scratch")}
+    for r in runs.values():
+        assert abs(r.summary["test_accuracy"] - fp32) <= 0.02, (r.summary["test_accuracy"], fp32)
+    # the FP8 GEMMs run outside either autocast, and both autocasts run the rest identically in bf16
+    curves = [torch.tensor([v for ep in r.history for v in ep["loss_curve"]]) for r in runs.values()]
+    torch.testing.assert_close(curves[0], curves[1], rtol=0, atol=0)
+
+
+# -- the real FP8 path ---------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="real FP8 GEMMs (torch._scaled_mm) need a CUDA GPU of compute capability 8.9+")
+def test_real_fp8_gemms_match_the_emulation_on_the_gpu():
+    x, w, b, dy = (t.cuda() for t in _data())
+    (y_real, dx_real, dw_real, db_real), (y_ref, dx_ref, dw_ref, _) = _three_gemms(x, w, b, dy)
+    (y_emu, dx_emu, dw_emu, db_emu), _ = _three_gemms(x, w, b, dy, emulate=True)
+    # same FP8 operands, fp32 accumulation in both: they differ by accumulation order only
+    for real, emu in ((y_real, y_emu), (dx_real, dx_emu), (dw_real, dw_emu), (db_real, db_emu)):
+        torch.testing.assert_close(real, emu, rtol=1e-4, atol=1e-6)
+    assert sqnr(y_ref, y_real) >= FLOOR["y"] and sqnr(dx_ref, dx_real) >= FLOOR["dx"]
+    assert sqnr(dw_ref, dw_real) >= FLOOR["dw"]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = fp8_linear(x, w, b)
+        y_odd = fp8_linear(x[:500], w, b)  # 500 tokens: not a multiple of 16, that GEMM falls back to emulation
+    assert y.dtype == torch.bfloat16 and y_odd.dtype == torch.bfloat16
+    assert sqnr(y_ref, y.float()) >= FLOOR["y"] and sqnr(y_ref[:500], y_odd.float()) >= FLOOR["y"]
