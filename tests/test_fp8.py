@@ -264,15 +264,18 @@ def test_fp8_training_on_digits_is_within_2_points_of_fp32_and_native_equals_scr
 
 
 # -- the real FP8 path ---------------------------------------------------------------------------------------------
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="real FP8 GEMMs (torch._scaled_mm) need a CUDA GPU of compute capability 8.9+")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None
+                    or torch.cuda.get_device_capability() < (8, 9),
+                    reason="real FP8 GEMMs (torch._scaled_mm) need an NVIDIA GPU of compute capability 8.9+")
 def test_real_fp8_gemms_match_the_emulation_on_the_gpu():
     x, w, b, dy = (t.cuda() for t in _data())
     (y_real, dx_real, dw_real, db_real), (y_ref, dx_ref, dw_ref, _) = _three_gemms(x, w, b, dy)
     (y_emu, dx_emu, dw_emu, db_emu), _ = _three_gemms(x, w, b, dy, emulate=True)
-    # same FP8 operands, fp32 accumulation in both: they differ by accumulation order only
-    for real, emu in ((y_real, y_emu), (dx_real, dx_emu), (dw_real, dw_emu), (db_real, db_emu)):
-        torch.testing.assert_close(real, emu, rtol=1e-4, atol=1e-6)
+    # same FP8 operands, fp32 accumulation in both: they differ by accumulation order only, which is
+    # ~1000x (60 dB) below the FP8 rounding noise (~25-30 dB) that a different quantization would show
+    for real, emu in ((y_real, y_emu), (dx_real, dx_emu), (dw_real, dw_emu)):
+        assert sqnr(emu, real) >= 60.0
+    torch.testing.assert_close(db_real, db_emu)
     assert sqnr(y_ref, y_real) >= FLOOR["y"] and sqnr(dx_ref, dx_real) >= FLOOR["dx"]
     assert sqnr(dw_ref, dw_real) >= FLOOR["dw"]
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -82,6 +82,7 @@ import torch
 from torch import nn
 
 from . import hardware
+from .autocast import autocast, autocast_dtype, is_autocast_active
 
 __all__ = [
     "E4M3",
@@ -139,8 +140,6 @@ def _gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Te
 @contextlib.contextmanager
 def _no_autocast(device_type: str):
     """Turn off torch.autocast and mixprec's autocast, so the FP8 GEMMs' operands are not re-cast."""
-    from .autocast import autocast, is_autocast_active
-
     with contextlib.ExitStack() as stack:
         if torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
@@ -182,8 +181,6 @@ class _Fp8Matmul(torch.autograd.Function):
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    from .autocast import autocast_dtype
-
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)

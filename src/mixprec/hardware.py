@@ -78,8 +78,10 @@ def has_tf32(device: torch.device) -> bool:
 
 
 def has_fp8_matmul(device: torch.device) -> bool:
-    """True where ``torch._scaled_mm`` runs real FP8 GEMMs: CUDA compute capability 8.9+ (Ada, Hopper)."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+    """True where ``torch._scaled_mm`` runs real FP8 GEMMs: NVIDIA compute capability 8.9+ (Ada, Hopper).
+
+    ROCm builds answer False: their FP8 GEMMs take the ``*_fnuz`` dtypes, which mixprec.fp8 does not use."""
+    if device.type != "cuda" or torch.version.hip is not None or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 

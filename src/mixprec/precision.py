@@ -20,7 +20,7 @@ branches (the nanoGPT habit: a disabled scaler is a no-op, not an ``if``)::
 | fp16-master   | fp16             | fp16   | dynamic      | fp32 copy the optimizer steps |
 | bf16-master   | bf16             | bf16   | no           | fp32 copy the optimizer steps |
 | bf16-true     | bf16             | bf16   | no           | none (optional stochastic rounding) |
-| fp8-mixed     | FP8 linear GEMMs (e4m3 fwd, e5m2 grads), rest autocast bf16 | fp32 | no (per-tensor FP8 scales) | params are the master |
+| fp8-mixed     | FP8 GEMMs + bf16 | fp32   | no           | params are the master   |
 
 Two interchangeable mechanisms sit behind the autocast and scaler hooks (``impl``): ``native`` is
 PyTorch's ``torch.autocast`` + ``torch.amp.GradScaler``; ``scratch`` is mixprec's own engine
