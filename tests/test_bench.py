@@ -331,3 +331,16 @@ def test_runner_reports_a_hung_run(tmp_path, monkeypatch):
     assert rows[0]["status"] == "failed" and rows[0]["reason"].startswith("timed out after 2 s")
     assert rows[0]["returncode"] is None and rows[0]["seed"] == 3
     assert (tmp_path / "runs" / "bf16-mixed-r0.spec.json").exists()
+
+
+def test_preflight_says_fp8_is_emulated_without_fp8_matmuls():
+    import torch as _torch
+
+    from mixprec import hardware as _hw
+    from mixprec.bench.preflight import preflight as _preflight
+    from mixprec.precision import build_recipe as _build
+
+    p = _preflight(_build("fp8-mixed", device="cpu"))
+    if _hw.has_fp8_matmul(_torch.device("cpu")):  # pragma: no cover - no CPU has torch._scaled_mm FP8 today
+        pytest.skip("this device has FP8 matmuls")
+    assert "EMULATED" in p.line and p.matmul_dtype == "fp32" and not p.fast

@@ -46,6 +46,17 @@ def preflight(recipe: Recipe) -> Preflight:
     """What ``recipe`` will run as on its device, in one line."""
     s, dev = recipe.spec, recipe.device
     label = f"{s.name} [{recipe.impl}]" if s.autocast else s.name
+    if getattr(s, "fp8", False):
+        if hardware.has_fp8_matmul(dev):
+            return Preflight(s.name, recipe.impl, "bf16", True,
+                             f"{label}: real FP8 GEMMs (torch._scaled_mm) on {hardware.device_name(dev)}; other ops "
+                             "bf16; MFU is measured against the bf16 peak (no FP8 peak is measured)")
+        return Preflight(
+            s.name, recipe.impl, "fp32", False,
+            f"{label}: no FP8 matmuls on this device ({_flags_text(dev)}), so FP8 is EMULATED: operands scaled and "
+            "rounded to e4m3/e5m2, GEMMs in fp32, other ops bf16 — fp8 numerics, SLOWER than fp32 (amax, casts); "
+            "MFU is measured against the fp32 peak",
+        )
     if s.compute_dtype == torch.float32:
         if s.tf32 and hardware.has_tf32(dev):
             return Preflight(s.name, recipe.impl, "tf32", True, f"{label}: fp32 tensors, TF32 tensor-core matmuls")
