@@ -34,3 +34,12 @@ def cli(capsys):
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests on tiny tensors: faster, and immune to a busy shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -24,13 +24,7 @@ from mixprec.scaler import DynamicLossScaler
 # ---------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to a busy shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed: int = 0) -> nn.Module:
