@@ -137,17 +137,23 @@ def test_lost_update_without_master_weights() -> None:
     assert torch.equal(w.detach(), torch.ones(N, dtype=torch.bfloat16))  # 50 updates, all lost
 
 
-def test_master_weights_keep_the_updates() -> None:
-    w = nn.Parameter(torch.ones(N, dtype=torch.bfloat16))
-    mw = MasterWeights([w])
-    opt = torch.optim.SGD(mw.master_params, lr=LR)
+def _master_step(mw: MasterWeights, opt: torch.optim.Optimizer):
+    """The optimizer-side step of a master-weight recipe: fp32 grads in, step the masters, round back."""
 
     def step() -> None:
         mw.copy_grads_to_master()
         opt.step()
         mw.write_back()
 
-    _train_unit_grads([w], step)
+    return step
+
+
+def test_master_weights_keep_the_updates() -> None:
+    w = nn.Parameter(torch.ones(N, dtype=torch.bfloat16))
+    mw = MasterWeights([w])
+    opt = torch.optim.SGD(mw.master_params, lr=LR)
+
+    _train_unit_grads([w], _master_step(mw, opt))
     master = mw.master_params[0]
     assert abs(master[0].item() - (1 - STEPS * LR)) < STEPS * 2.0**-24
     assert torch.equal(w.detach(), master.detach().to(torch.bfloat16))
@@ -163,12 +169,7 @@ def test_bf16_true_resync_only_stochastic_rounding_moves_the_mean(rounding: str)
     mw = MasterWeights([w], rounding=rounding, generator=torch.Generator().manual_seed(0), resync=True)
     opt = torch.optim.SGD(mw.master_params, lr=LR)
 
-    def step() -> None:
-        mw.copy_grads_to_master()
-        opt.step()
-        mw.write_back()
-
-    _train_unit_grads([w], step)
+    _train_unit_grads([w], _master_step(mw, opt))
     mean = w.detach().double().mean().item()
     if rounding == "nearest":
         assert mean == 1.0

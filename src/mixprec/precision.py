@@ -54,7 +54,6 @@ __all__ = [
     "Recipe",
     "resolve_recipe",
     "build_recipe",
-    "recipe_names",
 ]
 
 AMP_IMPLS = ("auto", "native", "scratch")
@@ -121,10 +120,6 @@ ALIASES: dict[str, str] = {
     "amp": "fp16-mixed", "16-mixed": "fp16-mixed", "fp16": "fp16-mixed",
     "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
 }
-
-
-def recipe_names() -> list[str]:
-    return list(RECIPES)
 
 
 def resolve_recipe(name: str) -> RecipeSpec:

@@ -16,6 +16,7 @@ number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -60,24 +61,16 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with _suppress():
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with _suppress():  # make the rename itself durable
+    with contextlib.suppress(OSError):  # make the rename itself durable
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
     return path
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 def resolve_checkpoint_path(path: str | os.PathLike) -> Path:

@@ -225,10 +225,10 @@ def _environment(device: torch.device) -> dict[str, Any]:
     }
 
 
-def _memory_sample(run: Run, tracker: SavedTensorTracker, t0_cuda: bool) -> MemoryReport:
+def _memory_sample(run: Run, tracker: SavedTensorTracker, on_cuda: bool) -> MemoryReport:
     rep = static_memory(run.model, run.optimizer, run.recipe.master)
     rep.activations = tracker.nbytes
-    if t0_cuda:
+    if on_cuda:
         rep.cuda_peak_allocated = torch.cuda.max_memory_allocated(run.device)
         rep.cuda_peak_reserved = torch.cuda.max_memory_reserved(run.device)
     return rep

@@ -109,12 +109,16 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         lines.append("| " + " | ".join([
             str(r["recipe"]),
             mem,
-            f"{r['avg_epoch_time_s']:.2f} s" if r.get("avg_epoch_time_s") == r.get("avg_epoch_time_s") else "—",
-            f"{100 * acc:.2f}%" if acc == acc else "—",
+            f"{r['avg_epoch_time_s']:.2f} s" if _finite(r.get("avg_epoch_time_s")) else "—",
+            f"{100 * acc:.2f}%" if _finite(acc) else "—",
             str(r.get("skipped_steps", 0)),
             f"{r.get('final_loss_scale', 1.0):g}",
         ]) + " |")
     return "\n".join(lines)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
