@@ -78,7 +78,7 @@ def test_crashing_recipe_leaves_the_other_rows(bench):
 
 def test_results_json_schema(bench):
     _, _, _, doc = bench
-    assert doc["schema"] == "mixprec.bench/1"
+    assert doc["schema"] == "mixprec.bench/2"
     assert {"created", "command", "flags", "config", "recipes", "repeats", "seeds", "warmup_steps",
             "environment", "preflight", "peaks", "flops_per_step", "columns", "summary", "runs",
             "plots"} <= set(doc)
@@ -222,7 +222,7 @@ def test_usage_errors_exit_2_before_any_run(cli, tmp_path, args, needle):
 
 def test_worker_turns_an_exception_into_a_failed_row(monkeypatch):
     monkeypatch.setenv(worker.TEST_CRASH_ENV, "bf16-mixed:raise")
-    r = worker.run_one({"recipe": "bf16-mixed", "repeat": 0, "seed": 0, "warmup_steps": 0, "config": {}})
+    r = worker.train_and_measure({"recipe": "bf16-mixed", "repeat": 0, "seed": 0, "warmup_steps": 0, "config": {}})
     assert r["status"] == "failed" and "deliberate failure" in r["reason"] and r["history"] == []
 
 
@@ -326,7 +326,7 @@ def test_runner_reports_a_hung_run(tmp_path, monkeypatch):
     monkeypatch.setenv(worker.TEST_CRASH_ENV, "bf16-mixed:hang")
     spec = runner.RunSpec(recipe="bf16-mixed", repeat=0, seed=3, config={}, warmup_steps=0)
     seen = []
-    rows = runner.run_matrix([spec], str(tmp_path), timeout=2, on_done=lambda i, n, r: seen.append((i, n, r)))
+    rows = runner.execute_matrix([spec], str(tmp_path), timeout=2, on_done=lambda i, n, r: seen.append((i, n, r)))
     assert [(i, n) for i, n, _ in seen] == [(1, 1)] and seen[0][2] is rows[0]
     assert rows[0]["status"] == "failed" and rows[0]["reason"].startswith("timed out after 2 s")
     assert rows[0]["returncode"] is None and rows[0]["seed"] == 3

@@ -32,12 +32,12 @@ def _assert_identical(a, b):
 @pytest.mark.parametrize("precision", ["fp32", "fp16-mixed", "bf16-master"])
 def test_resume_mid_epoch_is_bit_identical(tmp_path, precision):
     full, part = tmp_path / "full", tmp_path / "part"
-    train(TrainConfig(**BASE, precision=precision, epochs=2, out=str(full)))
+    train(TrainConfig.from_flags(**BASE, precision=precision, epochs=2, out=str(full)))
     # stop after 50 steps (mid-epoch 2 of 45 steps/epoch), then resume to the end
-    train(TrainConfig(**BASE, precision=precision, epochs=2, out=str(part), max_steps=50))
+    train(TrainConfig.from_flags(**BASE, precision=precision, epochs=2, out=str(part), max_steps=50))
     ck = load_checkpoint(part)
     assert (ck["epoch"], ck["batch"], ck["global_step"]) == (1, 5, 50)
-    train(TrainConfig(**BASE, precision=precision, epochs=2, out=str(part), resume=str(part)))
+    train(TrainConfig.from_flags(**BASE, precision=precision, epochs=2, out=str(part), resume=str(part)))
     _assert_identical(_params(full / "last.pt"), _params(part / "last.pt"))
     a, b = torch.load(full / "last.pt", weights_only=True), torch.load(part / "last.pt", weights_only=True)
     assert a["recipe"]["scaler"] == b["recipe"]["scaler"]
@@ -98,9 +98,9 @@ def test_foreign_corrupt_and_mismatched_checkpoints_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not a readable checkpoint"):
         load_checkpoint(corrupt)
     out = tmp_path / "run"
-    train(TrainConfig(**BASE, precision="fp32", epochs=1, max_steps=3, out=str(out)))
+    train(TrainConfig.from_flags(**BASE, precision="fp32", epochs=1, max_steps=3, out=str(out)))
     with pytest.raises(CheckpointError, match="--model 'mlp' in the checkpoint vs 'cnn' now"):
-        load_checkpoint(out, config=TrainConfig(**{**BASE, "model": "cnn"}).to_dict())
+        load_checkpoint(out, config=TrainConfig.from_flags(**{**BASE, "model": "cnn"}))
 
 
 def test_pickled_code_is_refused(tmp_path):

@@ -35,7 +35,8 @@ import torch
 
 from conftest import ROOT
 from mixprec.train.config import TrainConfig
-from mixprec.train.loop import build_run, train
+from mixprec.train.build import build_run
+from mixprec.train.loop import train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -71,7 +72,8 @@ def _model(path):
 
 
 def _config(args, **overrides) -> TrainConfig:
-    from mixprec.cli import build_parser, config_from_args
+    from mixprec.cli import build_parser
+    from mixprec.train.args import config_from_args
 
     return config_from_args(build_parser().parse_args(["train", *map(str, args)]), **overrides)
 
@@ -112,8 +114,8 @@ def test_grad_accum_k2_equals_one_batch_of_2b(tmp_path):
     base = dict(dataset="digits", model="mlp", width=32, depth=1, epochs=1, momentum=0.9, lr=0.05, log_every=0,
                 progress="off")
     big, acc = tmp_path / "big", tmp_path / "acc"
-    r1 = train(TrainConfig(**base, batch_size=64, out=str(big)))
-    r2 = train(TrainConfig(**base, batch_size=32, grad_accum=2, out=str(acc)))
+    r1 = train(TrainConfig.from_flags(**base, batch_size=64, out=str(big)))
+    r2 = train(TrainConfig.from_flags(**base, batch_size=32, grad_accum=2, out=str(acc)))
     assert [h["steps"] for h in r1.history] == [h["steps"] for h in r2.history] == [23]
     a, b = _model(big), _model(acc)
     for k in a:
@@ -123,7 +125,7 @@ def test_grad_accum_k2_equals_one_batch_of_2b(tmp_path):
 
 def test_grad_accum_updates_the_loss_scale_once_per_optimizer_step():
     """growth_interval=1: the scale doubles after every optimizer step; 4 steps of K=2 give 2**4, not 2**8."""
-    cfg = TrainConfig(precision="fp16-mixed", amp_impl="scratch", dataset="digits", model="mlp", width=16, depth=1,
+    cfg = TrainConfig.from_flags(precision="fp16-mixed", amp_impl="scratch", dataset="digits", model="mlp", width=16, depth=1,
                       batch_size=16, grad_accum=2, max_steps=4, init_scale=1.0, growth_interval=1, log_every=0,
                       progress="off")
     result = train(cfg)
@@ -231,7 +233,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     from mixprec.errors import NonFiniteError
     from mixprec.train import distributed
-    from mixprec.train.loop import accumulate_step, evaluate, train_step
+    from mixprec.train.step import accumulate_step, evaluate, train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -244,7 +246,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         for strategy in ("ddp", "fsdp"):
             for impl in ("native", "scratch"):
-                run = build_run(TrainConfig(**base, amp_impl=impl, strategy=strategy))
+                run = build_run(TrainConfig.from_flags(**base, amp_impl=impl, strategy=strategy))
                 backward = run.recipe.backward
 
                 def inject(loss, *, step=None, run=run, backward=backward):
@@ -257,14 +259,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 run.train_loader.set_epoch(0)
                 trace = []
                 for step, (xb, yb) in zip(range(4), run.train_loader):
-                    _, res = train_step(run, xb, yb, step=step)
+                    _, res = train_step(run.ctx, xb, yb, step=step)
                     trace.append([res.skipped, run.recipe.loss_scale()])
                 checksum = distributed._checksum(run.model.parameters())
                 out[f"{strategy}-{impl}"] = {"trace": trace, "checksum": checksum,
                                              "scaler": type(run.recipe.scaler).__name__}
 
         # fp32 (no loss scaler): a non-finite loss on rank 1 alone stops both ranks at the same step
-        run = build_run(TrainConfig(**{**base, "precision": "fp32"}, strategy="ddp"))
+        run = build_run(TrainConfig.from_flags(**{**base, "precision": "fp32"}, strategy="ddp"))
         loss_fn, calls = run.loss_fn, []
 
         def bad_loss(logits, y):
@@ -272,26 +274,26 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             loss = loss_fn(logits, y)
             return loss * float("inf") if rank == 1 and len(calls) == 2 else loss
 
-        run.loss_fn = bad_loss
+        run.ctx.loss_fn = bad_loss
         stopped_at = None
         for step, (xb, yb) in zip(range(4), run.train_loader):
             try:
-                train_step(run, xb, yb, step=step)
+                train_step(run.ctx, xb, yb, step=step)
             except NonFiniteError as e:
                 stopped_at = e.step
                 break
         out["nonfinite_stop"] = stopped_at
 
         # accumulation under DDP with loss scaling: the scale grows once per optimizer step
-        run = build_run(TrainConfig(**{**base, "init_scale": 1.0, "growth_interval": 1}, amp_impl="scratch",
+        run = build_run(TrainConfig.from_flags(**{**base, "init_scale": 1.0, "growth_interval": 1}, amp_impl="scratch",
                                     strategy="ddp", grad_accum=2))
         batches = list(run.train_loader)
         for step in range(2):
-            accumulate_step(run, batches[2 * step:2 * step + 2], step=step)
+            accumulate_step(run.ctx, batches[2 * step:2 * step + 2], step=step)
         out["accum_scale"] = run.recipe.loss_scale()
 
         # sharded evaluation (65 test samples: rank 1 pads one) equals a whole-test-set pass
-        acc, loss = evaluate(run)
+        acc, loss = evaluate(run.ctx, run.data.x_test, run.data.y_test)
         with torch.no_grad(), run.recipe.autocast():
             logits = distributed.unwrap(run.model)(run.data.x_test)
             full_loss = float(run.loss_fn(logits, run.data.y_test))
@@ -307,7 +309,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             distributed.check_consistency(run.model, step=3, scale=1.0, skipped=0, device=run.device)
         except distributed.RankDivergenceError as e:
             errors.append(str(e))
-        fsdp = build_run(TrainConfig(**base, amp_impl="native", strategy="fsdp"))
+        fsdp = build_run(TrainConfig.from_flags(**base, amp_impl="native", strategy="fsdp"))
         try:
             distributed.check_consistency(fsdp.model, step=4, scale=1.0, skipped=rank, device=fsdp.device)
         except distributed.RankDivergenceError as e:

@@ -254,8 +254,8 @@ def test_fp8_training_on_digits_is_within_2_points_of_fp32_and_native_equals_scr
     from mixprec.train.config import TrainConfig
     from mixprec.train.loop import train
 
-    fp32 = train(TrainConfig(**DIGITS, precision="fp32")).summary["test_accuracy"]
-    runs = {impl: train(TrainConfig(**DIGITS, precision="fp8-mixed", amp_impl=impl)) for impl in ("native", "scratch")}
+    fp32 = train(TrainConfig.from_flags(**DIGITS, precision="fp32")).summary["test_accuracy"]
+    runs = {impl: train(TrainConfig.from_flags(**DIGITS, precision="fp8-mixed", amp_impl=impl)) for impl in ("native", "scratch")}
     for r in runs.values():
         assert abs(r.summary["test_accuracy"] - fp32) <= 0.02, (r.summary["test_accuracy"], fp32)
     # the FP8 GEMMs run outside either autocast, and both autocasts run the rest identically in bf16

@@ -6,25 +6,26 @@ import torch
 
 from mixprec.precision import RECIPES
 from mixprec.train.config import TrainConfig
-from mixprec.train.loop import build_run, train
+from mixprec.train.build import build_run
+from mixprec.train.loop import train
 
 DIGITS = dict(dataset="digits", model="mlp", width=64, depth=1, batch_size=32, log_every=0, progress="off")
 
 
 @pytest.fixture(scope="module")
 def fp32_accuracy():
-    return train(TrainConfig(**DIGITS, epochs=4, lr=0.05, momentum=0.9, precision="fp32")).summary["test_accuracy"]
+    return train(TrainConfig.from_flags(**DIGITS, epochs=4, lr=0.05, momentum=0.9, precision="fp32")).summary["test_accuracy"]
 
 
 @pytest.mark.parametrize("precision", [r for r in RECIPES if r not in ("fp32", "tf32")])
 def test_every_low_precision_recipe_reaches_fp32_accuracy_within_1_point(precision, fp32_accuracy):
-    s = train(TrainConfig(**DIGITS, epochs=4, lr=0.05, momentum=0.9, precision=precision)).summary
+    s = train(TrainConfig.from_flags(**DIGITS, epochs=4, lr=0.05, momentum=0.9, precision=precision)).summary
     assert fp32_accuracy > 0.9
     assert abs(s["test_accuracy"] - fp32_accuracy) <= 0.01, (precision, s["test_accuracy"], fp32_accuracy)
 
 
 def _fraction_of_weights_changed(precision: str, stochastic_rounding: bool = False) -> tuple[float, float]:
-    cfg = TrainConfig(**DIGITS, epochs=2, lr=1e-3, precision=precision, stochastic_rounding=stochastic_rounding)
+    cfg = TrainConfig.from_flags(**DIGITS, epochs=2, lr=1e-3, precision=precision, stochastic_rounding=stochastic_rounding)
     run = build_run(cfg)
     before = {k: v.clone() for k, v in run.model.state_dict().items() if k.endswith("weight")}
     result = train(cfg, run=run)
@@ -53,7 +54,7 @@ def test_scratch_and_native_mechanisms_train_alike(precision, atol):
     PyTorch's fp16 kernels, so the curves agree closely but not bit for bit."""
     curves = {}
     for impl in ("native", "scratch"):
-        r = train(TrainConfig(**DIGITS, epochs=1, max_steps=30, lr=0.1, momentum=0.9, precision=precision,
+        r = train(TrainConfig.from_flags(**DIGITS, epochs=1, max_steps=30, lr=0.1, momentum=0.9, precision=precision,
                               amp_impl=impl))
         curves[impl] = torch.tensor(r.history[0]["loss_curve"])
     assert curves["native"][-1] < curves["native"][0] - 0.5  # it trained

@@ -34,7 +34,7 @@ from .formats import FORMATS, Format, get_format, quantize
 from .master import MasterWeights
 from .memory import MemoryReport, SavedTensorTracker, static_memory
 from .policy import CastKind, CastPolicy, default_policy
-from .precision import RECIPES, Recipe, ScalerConfig, StepResult, build_recipe, resolve_recipe
+from .precision import RECIPES, Recipe, RecipeConfig, ScalerConfig, StepResult, build_recipe, resolve_recipe
 from .scaler import DynamicLossScaler
 
 __version__ = "0.1.0"
@@ -57,6 +57,7 @@ __all__ = [
     "static_memory",
     "RECIPES",
     "Recipe",
+    "RecipeConfig",
     "ScalerConfig",
     "StepResult",
     "build_recipe",

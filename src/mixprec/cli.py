@@ -1,4 +1,4 @@
-"""Command line: argument parsing only. ``mixprec train | bench | doctor``.
+"""Command line: ``mixprec train | bench | doctor``. Dispatch only; each command defines its own flags.
 
 User mistakes (bad names, missing data, contradictory flags, foreign checkpoints) exit with code 2 and a
 one-line message naming the fix; they never print a traceback.
@@ -10,111 +10,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .bench import command as bench_command
+from .doctor import command as doctor_command
 from .errors import UsageError
-from .precision import ALIASES, AMP_IMPLS, RECIPES
-from .train.config import OPTIMIZERS, TrainConfig
+from .train import command as train_command
 
-__all__ = ["main", "build_parser", "add_train_arguments", "config_from_args"]
-
-_DEFAULTS = TrainConfig()
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(s) for s in text.replace("x", ",").split(",") if s.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected sizes like 1,28,28, got {text!r}") from None
-    if not shape:
-        raise argparse.ArgumentTypeError(f"expected sizes like 1,28,28, got {text!r}")
-    return shape
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(s.strip() for s in text.split(",") if s.strip())
-
-
-def add_train_arguments(p: argparse.ArgumentParser, *, with_precision: bool = True) -> None:
-    """Every flag of ``mixprec train`` (bench reuses them, minus --precision)."""
-    d = _DEFAULTS
-    recipes = ", ".join(list(RECIPES) + [f"{a}" for a in ALIASES if a not in RECIPES])
-    g = p.add_argument_group("recipe")
-    if with_precision:
-        g.add_argument("--precision", default=d.precision, metavar="RECIPE",
-                       help=f"precision recipe (default {d.precision}): {recipes}")
-    g.add_argument("--amp-impl", default=d.amp_impl, choices=AMP_IMPLS,
-                   help="mechanism: native torch.autocast + GradScaler, mixprec's scratch engine, or auto "
-                        "(native, except emulated fp16 on CPUs without fast fp16)")
-    g.add_argument("--init-scale", type=float, default=d.init_scale, help="initial loss scale (default 65536)")
-    g.add_argument("--growth-factor", type=float, default=d.growth_factor, help="loss-scale growth factor")
-    g.add_argument("--backoff-factor", type=float, default=d.backoff_factor, help="loss-scale backoff factor")
-    g.add_argument("--growth-interval", type=int, default=d.growth_interval,
-                   help="finite steps before the loss scale grows")
-    g.add_argument("--hysteresis", type=int, default=d.hysteresis,
-                   help="overflows tolerated before backing off (scratch scaler)")
-    g.add_argument("--stochastic-rounding", action="store_true",
-                   help="round updates into low-precision params stochastically (bf16-true, *-master)")
-    g.add_argument("--keep-fp32", type=_names, default=d.keep_fp32, metavar="NAMES",
-                   help="comma-separated module names/types to keep in fp32 (scratch autocast)")
-    g.add_argument("--max-consecutive-skips", type=int, default=d.max_consecutive_skips,
-                   help="stop after this many skipped (inf/nan) steps in a row")
-
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=d.model, help="simplenet, mlp, cnn or transformer (default simplenet)")
-    g.add_argument("--width", type=int, default=d.width, help="mlp hidden width")
-    g.add_argument("--depth", type=int, default=d.depth, help="mlp hidden layers")
-    g.add_argument("--channels", type=int, default=d.channels, help="cnn base channels")
-    g.add_argument("--d-model", type=int, default=d.d_model, help="transformer width")
-    g.add_argument("--n-heads", type=int, default=d.n_heads, help="transformer heads")
-    g.add_argument("--n-layers", type=int, default=d.n_layers, help="transformer blocks")
-    g.add_argument("--patch-size", type=int, default=d.patch_size, help="transformer patch size")
-    g.add_argument("--dataset", default=d.dataset, help="fashion-mnist, mnist, digits or synthetic")
-    g.add_argument("--data-dir", default=None, help="folder with the IDX files (fashion-mnist, mnist)")
-    g.add_argument("--synthetic-train", type=int, default=d.synthetic_train, help="synthetic train samples")
-    g.add_argument("--synthetic-test", type=int, default=d.synthetic_test, help="synthetic test samples")
-    g.add_argument("--synthetic-shape", type=_shape, default=d.synthetic_shape, help="synthetic sample shape")
-    g.add_argument("--limit-train", type=int, default=None, help="use only the first N training samples")
-    g.add_argument("--limit-test", type=int, default=None, help="use only the first N test samples")
-
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=d.epochs, help="epochs (default 5)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="batch size (default 64)")
-    g.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS, help="optimizer (default sgd)")
-    g.add_argument("--lr", type=float, default=d.lr, help="learning rate (default 0.01)")
-    g.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="weight decay")
-    g.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
-                   help="clip the L2 norm of the true (unscaled) gradients to X")
-    g.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
-    g.add_argument("--grad-accum", type=int, default=d.grad_accum, metavar="K",
-                   help="accumulate gradients of K batches per optimizer step (effective batch: "
-                        "batch size x K x processes)")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed (weights, data order, rounding)")
-
-    g = p.add_argument_group("run")
-    g.add_argument("--device", default=d.device, help="auto (cuda if available), cpu or cuda")
-    g.add_argument("--log-every", type=int, default=d.log_every, help="log line every N batches (0: never)")
-    g.add_argument("--progress", default=d.progress, choices=("auto", "on", "off"),
-                   help="progress bar (auto: only on a terminal)")
-    g.add_argument("--strategy", default=d.strategy, choices=("none", "ddp", "fsdp"),
-                   help="multi-process strategy under torchrun: ddp (replicate) or fsdp (shard)")
-    g.add_argument("--check-consistency", type=int, default=None, metavar="N",
-                   help="every N steps, check that all ranks hold the same loss scale, skipped-step count "
-                        "and parameters; stop on divergence (debug)")
-
-
-def add_output_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("output")
-    g.add_argument("--out", default=None, metavar="DIR", help="write checkpoints (last.pt) here, every epoch")
-    g.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="also every N steps")
-    g.add_argument("--resume", default=None, metavar="DIR|FILE", help="resume from a checkpoint")
-    g.add_argument("--metrics-json", default=None, metavar="PATH", help="write metrics as JSON")
-
-
-def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
-    names = {f for f in TrainConfig.__dataclass_fields__}
-    kw = {k: v for k, v in vars(args).items() if k in names}
-    kw.update(overrides)
-    return TrainConfig(**kw)
+__all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,28 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    t = sub.add_parser("train", help="train a model with a precision recipe",
-                       description="Train a model with a precision recipe (the tutorial's train.py, grown up).")
-    add_train_arguments(t)
-    add_output_arguments(t)
-    t.set_defaults(func=_run_train)
-    from .bench import command as bench_command
-    from .doctor import command as doctor_command
-
-    bench_command.add_parser(sub)
-    doctor_command.add_parser(sub)
+    for command in (train_command, bench_command, doctor_command):
+        command.add_parser(sub)
     return parser
-
-
-def _run_train(args: argparse.Namespace) -> int:
-    from .train import distributed
-    from .train.loop import train
-
-    try:
-        result = train(config_from_args(args))
-    finally:
-        distributed.teardown()  # leave torchrun's process group (no-op in a one-process run)
-    return 1 if result.stopped else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,12 +9,18 @@ matmuls 8.9+ (Ada/Hopper).
 from __future__ import annotations
 
 import functools
+import os
 import platform
+from typing import Any
 
 import torch
 
 __all__ = [
+    "RELEVANT_CPU_FLAGS",
     "cpu_flags",
+    "describe_device",
+    "environment",
+    "synchronize",
     "cpu_name",
     "device_name",
     "has_fast_bf16",
@@ -23,6 +29,10 @@ __all__ = [
     "has_tf32",
     "resolve_device",
 ]
+
+
+RELEVANT_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "amx_tile")
+"""The CPU flags that decide which low-precision matmuls are fast."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,3 +112,38 @@ def resolve_device(name: str) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
     raise ConfigError(f"unknown --device {name!r}; choose auto, cpu or cuda")
+
+
+def describe_device(device: torch.device) -> str:
+    """The device's name; for a CPU also its relevant flags, e.g. ``AMD EPYC ... [avx2, avx512_bf16]``."""
+    if device.type != "cpu":
+        return device_name(device)
+    have = [f for f in RELEVANT_CPU_FLAGS if f in cpu_flags()]
+    return f"{cpu_name()} [{', '.join(have) or 'no AVX2/AVX-512 flags'}]"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (before reading a clock); no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """The software and hardware a measurement ran on (for metrics JSON and bench results)."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": device_name(device),
+        "cpu": cpu_name(),
+        "cpu_flags": [f for f in RELEVANT_CPU_FLAGS if f in cpu_flags()],
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "gpu": None,
+    }
+    if device.type == "cuda":
+        env["gpu"] = {"name": torch.cuda.get_device_name(device),
+                      "capability": list(torch.cuda.get_device_capability(device)),
+                      "cuda": torch.version.cuda}
+    return env

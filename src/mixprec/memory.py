@@ -28,18 +28,18 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["MemoryReport", "SavedTensorTracker", "storage_bytes", "static_memory", "MIB"]
+__all__ = ["MemoryReport", "SavedTensorTracker", "storage_bytes", "static_memory", "local_tensor", "MIB"]
 
 MIB = 1024.0 * 1024.0
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP2 shard) counts the memory this rank holds: its local tensor."""
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's (FSDP2 shard's) local tensor, any other tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    t = _local(t)
+    t = local_tensor(t)
     s = t.untyped_storage()
     return (str(t.device), s.data_ptr())
 
@@ -55,7 +55,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], *, exclude: set[tuple[str, in
         if key in seen or key[1] == 0:
             continue
         seen.add(key)
-        total += _local(t).untyped_storage().nbytes()
+        total += local_tensor(t).untyped_storage().nbytes()
     return total
 
 

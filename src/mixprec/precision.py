@@ -50,6 +50,8 @@ __all__ = [
     "AMP_IMPLS",
     "RecipeSpec",
     "ScalerConfig",
+    "RecipeConfig",
+    "HardwareFacts",
     "StepResult",
     "Recipe",
     "resolve_recipe",
@@ -162,6 +164,53 @@ class ScalerConfig:
             raise RecipeError(f"--hysteresis must be >= 1, got {self.hysteresis}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecipeConfig:
+    """What a run asks of its precision: the recipe, its mechanism and its options (the config's recipe section)."""
+
+    precision: str = "fp32"
+    """Recipe name or alias (fp32, tf32, amp/fp16-mixed, bf16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed)."""
+    amp_impl: str = "auto"
+    """Mechanism behind the recipe: native (torch.autocast + GradScaler), scratch (mixprec engine), auto."""
+    scaler: ScalerConfig = dataclasses.field(default_factory=ScalerConfig)
+    """The dynamic loss scaler (recipes with loss scaling)."""
+    stochastic_rounding: bool = False
+    """Round updates into low-precision params stochastically (bf16-true, *-master)."""
+    keep_fp32: tuple[str, ...] = ()
+    """Module names or types kept in fp32 (scratch autocast)."""
+
+    def validate(self) -> None:
+        resolve_recipe(self.precision)
+        if self.amp_impl not in AMP_IMPLS:
+            raise RecipeError(f"unknown --amp-impl {self.amp_impl!r}; choose one of: {', '.join(AMP_IMPLS)}")
+        self.scaler.validate()
+
+    def for_recipe(self, name: str) -> tuple[RecipeConfig, list[str]]:
+        """This config applied to recipe ``name`` (bench runs one config per recipe), and notes on what
+        does not apply: ``--stochastic-rounding`` needs low-precision params, so an fp32-param recipe in
+        the same comparison runs without it instead of failing the whole matrix."""
+        spec = resolve_recipe(name)
+        notes = []
+        sr = self.stochastic_rounding
+        if sr and spec.param_dtype == torch.float32:
+            sr = False
+            notes.append("--stochastic-rounding does not apply (fp32 params) and is off for this recipe")
+        return dataclasses.replace(self, precision=spec.name, stochastic_rounding=sr), notes
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareFacts:
+    """What this device does with a recipe's dtypes: one source for :meth:`Recipe.describe` and bench's
+    preflight."""
+
+    matmul_dtype: str
+    """``fp32``, ``tf32``, ``bf16`` or ``fp16``: what the matmuls actually run in (the MFU peak's dtype)."""
+    fast: bool
+    """Whether this device has native fast kernels for that dtype."""
+    note: str
+    """One clause saying so, and why."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What one optimizer step did."""
@@ -179,29 +228,19 @@ class Recipe:
     Build with :func:`build_recipe`. Hooks, in the order the loop calls them: :meth:`run_context` (once,
     around the whole run), :meth:`convert_module`, :meth:`build_optimizer`, then per step
     :meth:`autocast`, :meth:`backward`, :meth:`step`. :meth:`state_dict` / :meth:`load_state_dict`
-    cover the scaler and master weights for checkpoints.
+    cover the scaler and master weights for checkpoints. :meth:`fsdp_policy` is what the recipe means for
+    FSDP2; :meth:`hardware_facts` what the device does with its dtypes.
     """
 
-    def __init__(
-        self,
-        spec: RecipeSpec,
-        *,
-        device: torch.device,
-        impl: str,
-        scaler_config: ScalerConfig,
-        emulate_fp16: bool,
-        stochastic_rounding: bool = False,
-        seed: int = 0,
-        keep_fp32: tuple[str, ...] = (),
-    ) -> None:
+    def __init__(self, spec: RecipeSpec, config: RecipeConfig, *, device: torch.device, impl: str,
+                 emulate_fp16: bool, seed: int = 0, world_size: int = 1) -> None:
         self.spec = spec
+        self.config = config
         self.device = device
         self.impl = impl
-        self.scaler_config = scaler_config
         # emulation is a feature of the scratch autocast; native fp16 runs PyTorch's real (slow) fp16 kernels
         self.emulate = emulate_fp16 and spec.compute_dtype == torch.float16 and impl == "scratch"
-        self.stochastic_rounding = stochastic_rounding
-        self.keep_fp32 = keep_fp32
+        self.world_size = world_size
         self._seed = seed
         self._model: nn.Module | None = None
         self.fp8_conversion = None  # mixprec.fp8.Fp8Conversion once convert_module has run (fp8 recipes)
@@ -217,27 +256,61 @@ class Recipe:
     def has_loss_scaling(self) -> bool:
         return self.spec.loss_scaling
 
+    @property
+    def stochastic_rounding(self) -> bool:
+        return self.config.stochastic_rounding
+
+    @property
+    def keep_fp32(self) -> tuple[str, ...]:
+        return tuple(self.config.keep_fp32)
+
+    @property
+    def low_dtype(self) -> torch.dtype | None:
+        """The dtype low-precision ops run in, or None for full-precision recipes."""
+        return None if self.spec.compute_dtype == torch.float32 else self.spec.compute_dtype
+
     def _make_scaler(self):
-        c = self.scaler_config
+        """The loss scaler for one or many processes (disabled, hence a no-op, without loss scaling).
+
+        Every rank must skip the same steps: mixprec's scaler all-reduces ``found_inf`` itself when a
+        process group exists; for the native mechanism several processes get PyTorch's
+        ``ShardedGradScaler`` (GradScaler plus that all-reduce; it also accepts DTensor gradients).
+        """
+        c = self.config.scaler
+        kw = dict(init_scale=c.init_scale, growth_factor=c.growth_factor, backoff_factor=c.backoff_factor,
+                  growth_interval=c.growth_interval)
         if self.impl == "native":
-            return torch.amp.GradScaler(
-                self.device.type,
-                init_scale=c.init_scale,
-                growth_factor=c.growth_factor,
-                backoff_factor=c.backoff_factor,
-                growth_interval=c.growth_interval,
-                enabled=self.spec.loss_scaling,
-            )
+            if self.world_size > 1 and self.spec.loss_scaling:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                return ShardedGradScaler(self.device.type, **kw)
+            return torch.amp.GradScaler(self.device.type, enabled=self.spec.loss_scaling, **kw)
         from .scaler import DynamicLossScaler
 
-        return DynamicLossScaler(
-            init_scale=c.init_scale,
-            growth_factor=c.growth_factor,
-            backoff_factor=c.backoff_factor,
-            growth_interval=c.growth_interval,
-            hysteresis=c.hysteresis,
-            enabled=self.spec.loss_scaling,
-        )
+        return DynamicLossScaler(hysteresis=c.hysteresis, enabled=self.spec.loss_scaling, **kw)
+
+    def fsdp_policy(self, *, for_norm: bool = False):
+        """The FSDP2 ``MixedPrecisionPolicy`` this recipe means.
+
+        Autocast recipes with fp32 params all-gather the params in the compute dtype, reduce-scatter
+        gradients in fp32 and leave output dtypes to autocast. Emulated fp16 needs fp32 tensors holding fp16
+        values, so it gathers fp32 and lets the autocast round. Normalization layers (``for_norm``) stay fp32,
+        as autocast keeps norms fp32. The sharded fp32 params are FSDP's master copy, so recipes with master
+        weights of their own (or stochastic rounding) are refused with the recipe that means the same there.
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        s = self.spec
+        if s.master_weights or self.stochastic_rounding:
+            raise RecipeError(
+                f"--strategy fsdp with {s.name}{' --stochastic-rounding' if self.stochastic_rounding else ''}: "
+                "FSDP keeps the sharded fp32 params as the master copy itself; use --precision "
+                f"{'fp16' if s.compute_dtype == torch.float16 else 'bf16'}-mixed (params all-gathered in the low "
+                "dtype), or --strategy ddp to keep this recipe"
+            )
+        low = s.autocast and s.param_dtype == torch.float32 and s.compute_dtype != torch.float32
+        gather = s.compute_dtype if low and not self.emulate and not for_norm else None
+        return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=torch.float32, output_dtype=None)
 
     # -- hooks ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -314,14 +387,20 @@ class Recipe:
         Recipes without loss scaling cannot skip a bad step, so a non-finite loss raises NonFiniteError
         *before* backward, leaving model and optimizer in their last good state. This reads the loss on
         the host: one device sync per step (loss-scaled recipes have theirs in :meth:`step` instead).
+        Under several processes every rank must stop at the same step (a rank that raised while the others
+        entered backward would leave their collectives waiting), so a non-finite flag is all-reduced first
+        and every rank's loss is poisoned when any rank's is bad.
         """
-        if not self.spec.loss_scaling and not math.isfinite(loss.item()):  # .item(): 0.2 µs vs 5 µs for isfinite
-            raise NonFiniteError(
-                f"non-finite loss ({loss.item()}) at step {step} with recipe {self.name}, which has no loss "
-                "scaler to skip it",
-                step=step,
-                what="loss",
-            )
+        if not self.spec.loss_scaling:
+            if self.world_size > 1:
+                loss = _agree_on_finite(loss)
+            if not math.isfinite(loss.item()):  # .item(): 0.2 µs vs 5 µs for isfinite
+                raise NonFiniteError(
+                    f"non-finite loss ({loss.item()}) at step {step} with recipe {self.name}, which has no loss "
+                    "scaler to skip it",
+                    step=step,
+                    what="loss",
+                )
         self.scaler.scale(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, clip_norm: float | None = None) -> StepResult:
@@ -365,7 +444,8 @@ class Recipe:
         return not self.scaler.step(optimizer)
 
     def loss_scale(self) -> float:
-        """Current loss scale (1.0 without loss scaling). Reads the device: call at log points, not per step."""
+        """Current loss scale (the initial one before the first step; 1.0 without loss scaling).
+        Reads the device: call at log points, not per step."""
         return float(self.scaler.get_scale()) if self.spec.loss_scaling else 1.0
 
     # -- checkpoints ---------------------------------------------------------------------------------
@@ -384,6 +464,22 @@ class Recipe:
             self.master.load_state_dict(state["master"])
 
     # -- reporting -----------------------------------------------------------------------------------
+    def hardware_facts(self) -> HardwareFacts:
+        """What this device does with the recipe's dtypes (see :class:`HardwareFacts`)."""
+        return _hardware_facts(self.spec, self.device, self.emulate)
+
+    def facts(self) -> dict[str, Any]:
+        """The recipe's numerics as plain data (reports and JSON)."""
+        s = self.spec
+        return {"compute": _dtype_name(s.compute_dtype), "params": _dtype_name(s.param_dtype),
+                "loss_scaling": s.loss_scaling, "master_weights": s.master_weights, "emulated": self.emulate,
+                "stochastic_rounding": self.stochastic_rounding}
+
+    @property
+    def label(self) -> str:
+        """``name [impl]`` for autocast recipes (where the mechanism matters), else the name."""
+        return f"{self.name} [{self.impl}]" if self.spec.autocast else self.name
+
     def describe(self) -> str:
         """One line: what the recipe does on this device and why."""
         s = self.spec
@@ -393,7 +489,7 @@ class Recipe:
         }[self.impl] if s.autocast else "no autocast"
         parts = [f"{s.name} [{self.impl}]: {s.summary}; {mech}"]
         if s.loss_scaling:
-            c = self.scaler_config
+            c = self.config.scaler
             parts.append(
                 f"loss scale starts at {c.init_scale:g}, x{c.growth_factor:g} after {c.growth_interval} finite "
                 f"steps, x{c.backoff_factor:g} on overflow"
@@ -404,37 +500,60 @@ class Recipe:
                          + (" stochastically" if self.stochastic_rounding else ""))
         elif self.master is not None or (self.stochastic_rounding and s.param_dtype != torch.float32):
             parts.append("updates rounded stochastically into bf16 params")
-        dev = self.device
-        if s.compute_dtype == torch.float16 and not hardware.has_fast_fp16(dev):
-            if self.emulate:
-                parts.append(
-                    "this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16), so fp16 is EMULATED: operands "
-                    "and results rounded to fp16, arithmetic in fp32 (fp16 numerics at fp32 speed)"
-                )
-            else:
-                parts.append(
-                    "WARNING: this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16); native fp16 matmuls "
-                    "run 100x+ slower than fp32 — use --amp-impl scratch (emulated) or bf16-mixed"
-                )
-        if s.compute_dtype == torch.bfloat16 and dev.type == "cpu":
-            parts.append(
-                "this CPU has fast bf16 matmuls (AVX512-BF16/AMX), bf16-mixed is the fast recipe here"
-                if hardware.has_fast_bf16(dev)
-                else "this CPU has no native bf16 matmul instructions; bf16 may be slower than fp32"
-            )
-        if s.fp8:
-            parts.append(
-                "FP8 GEMMs are REAL here (torch._scaled_mm)" if hardware.has_fp8_matmul(dev)
-                else f"{dev.type} has no FP8 matmuls (CUDA compute capability 8.9+), so FP8 is EMULATED: operands "
-                     "rounded to e4m3/e5m2, GEMMs in fp32 (FP8 numerics, not FP8 speed)"
-            )
-            if self.fp8_conversion is not None:
-                c = self.fp8_conversion
-                parts.append(f"{len(c.converted)} linear layer(s) in FP8"
-                             + (f", kept out: {', '.join(n for n, _ in c.skipped)}" if c.skipped else ""))
-        if s.tf32 and not hardware.has_tf32(dev):
-            parts.append(f"{dev.type} has no TF32 tensor cores: this runs exactly as fp32")
+        if s.compute_dtype != torch.float32 or s.tf32:
+            parts.append(self.hardware_facts().note)
+        if s.fp8 and self.fp8_conversion is not None:
+            c = self.fp8_conversion
+            parts.append(f"{len(c.converted)} linear layer(s) in FP8"
+                         + (f", kept out: {', '.join(n for n, _ in c.skipped)}" if c.skipped else ""))
         return "; ".join(parts)
+
+
+def _agree_on_finite(loss: torch.Tensor) -> torch.Tensor:
+    """``loss``, or NaN on every rank when any rank's loss is non-finite (one scalar all-reduce, no sync)."""
+    import torch.distributed as dist
+
+    bad = (~torch.isfinite(loss.detach())).to(torch.float32)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return torch.where(bad > 0, torch.full_like(loss, float("nan")), loss)
+
+
+def _hardware_facts(spec: RecipeSpec, dev: torch.device, emulate: bool) -> HardwareFacts:
+    where = hardware.describe_device(dev)
+    if spec.fp8:
+        if hardware.has_fp8_matmul(dev):
+            return HardwareFacts("bf16", True, f"FP8 GEMMs are REAL here (torch._scaled_mm on {where}); other "
+                                               "ops bf16; MFU is measured against the bf16 peak (no FP8 peak)")
+        return HardwareFacts(
+            "fp32", False,
+            f"no FP8 matmuls on this device ({where}; they need CUDA compute capability 8.9+), so FP8 is EMULATED: "
+            "operands scaled and rounded to e4m3/e5m2, GEMMs in fp32, other ops bf16 — FP8 numerics, not FP8 "
+            "speed (amax and casts make it SLOWER than fp32); MFU is measured against the fp32 peak")
+    if spec.compute_dtype == torch.float32:
+        if spec.tf32 and hardware.has_tf32(dev):
+            return HardwareFacts("tf32", True, "fp32 tensors, TF32 tensor-core matmuls")
+        if spec.tf32:
+            return HardwareFacts("fp32", True, f"{dev.type} has no TF32 tensor cores, so this runs exactly as fp32")
+        return HardwareFacts("fp32", True, "fp32 matmuls, the reference")
+    if spec.compute_dtype == torch.bfloat16:
+        if dev.type == "cuda":
+            return HardwareFacts("bf16", True, "bf16 tensor cores")
+        if hardware.has_fast_bf16(dev):
+            return HardwareFacts("bf16", True, f"fast bf16 matmuls on this CPU ({where})")
+        return HardwareFacts("bf16", False, f"this CPU has no native bf16 matmul instructions (no AVX512-BF16/"
+                                            f"AMX-BF16: {where}); bf16 matmuls are converted in software and "
+                                            "likely SLOWER than fp32")
+    if hardware.has_fast_fp16(dev):
+        return HardwareFacts("fp16", True, "fp16 tensor cores" if dev.type == "cuda"
+                             else f"fast fp16 matmuls on this CPU ({where})")
+    if emulate:
+        return HardwareFacts("fp32", False, f"this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16: {where}), "
+                                            "so fp16 is EMULATED: operands and results rounded to fp16, arithmetic "
+                                            "in fp32 (fp16 numerics at fp32 speed); MFU is measured against the "
+                                            "fp32 peak")
+    return HardwareFacts("fp16", False, f"WARNING: this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16: "
+                                        f"{where}); native fp16 matmuls are a scalar fallback, 100x+ slower than "
+                                        "fp32 — use --amp-impl scratch or auto (emulated fp16) or bf16-mixed")
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -442,34 +561,47 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 def build_recipe(
-    name: str,
+    recipe: RecipeConfig | str = "fp32",
     *,
     device: torch.device | str = "cpu",
-    amp_impl: str = "auto",
-    scaler: ScalerConfig | None = None,
-    stochastic_rounding: bool = False,
     seed: int = 0,
-    keep_fp32: tuple[str, ...] = (),
+    world_size: int = 1,
+    **options: Any,
 ) -> Recipe:
-    """Resolve a recipe name for a device and mechanism; contradictions raise RecipeError (exit 2).
+    """Resolve a recipe for a device and mechanism; contradictions raise RecipeError (exit 2).
 
     Args:
-        name: recipe or alias (``amp``, ``bf16``...).
-        amp_impl: ``native`` (torch.autocast + GradScaler), ``scratch`` (mixprec's engine), or ``auto``
-            (native, except fp16 on a CPU without fast fp16, which gets scratch emulation).
-        stochastic_rounding: round updates into low-precision params stochastically (bf16-true and the
-            master recipes only).
-        keep_fp32: module names or type names kept in fp32 (scratch autocast only).
+        recipe: a :class:`RecipeConfig`, or a recipe name or alias (``amp``, ``bf16``...) with the
+            config's other fields as keyword ``options`` (``amp_impl``, ``scaler``, ``stochastic_rounding``,
+            ``keep_fp32``).
+        device: where the run trains.
+        seed: seeds stochastic rounding.
+        world_size: processes in the run (the loss scaler then agrees on skips across them).
+
+    ``amp_impl``: ``native`` (torch.autocast + GradScaler), ``scratch`` (mixprec's engine), or ``auto``
+    (native, except fp16 on a CPU without fast fp16, which gets scratch emulation).
     """
-    spec = resolve_recipe(name)
+    if isinstance(recipe, str):
+        options = {k: v for k, v in options.items() if v is not None}
+        if "keep_fp32" in options:
+            options["keep_fp32"] = tuple(options["keep_fp32"])
+        recipe = RecipeConfig(precision=recipe, **options)
+    elif not isinstance(recipe, RecipeConfig) or options:
+        raise RecipeError(f"build_recipe({recipe!r}): pass a recipe name (e.g. 'bf16-mixed') or a RecipeConfig"
+                          + (" without extra options" if options else ""))
+    recipe.validate()
+    spec = resolve_recipe(recipe.precision)
     device = torch.device(device)
-    scaler = scaler or ScalerConfig()
-    scaler.validate()
-    if amp_impl not in AMP_IMPLS:
-        raise RecipeError(f"unknown --amp-impl {amp_impl!r}; choose one of: {', '.join(AMP_IMPLS)}")
     fast_fp16 = hardware.has_fast_fp16(device)
-    if amp_impl == "auto":
-        amp_impl = "scratch" if (spec.compute_dtype == torch.float16 and not fast_fp16) else "native"
+    impl = recipe.amp_impl
+    if impl == "auto":
+        impl = "scratch" if (spec.compute_dtype == torch.float16 and not fast_fp16) else "native"
+    _refuse_contradictions(spec, recipe, impl, device)
+    return Recipe(spec, recipe, device=device, impl=impl, emulate_fp16=not fast_fp16, seed=seed,
+                  world_size=world_size)
+
+
+def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, impl: str, device: torch.device) -> None:
     if device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
         including_emulation=False
     ):
@@ -477,24 +609,14 @@ def build_recipe(
             f"{spec.name} needs bfloat16, which {torch.cuda.get_device_name(device)} does not support natively "
             "(compute capability < 8.0); use --precision fp16-mixed on this GPU"
         )
-    if stochastic_rounding and spec.param_dtype == torch.float32:
+    if config.stochastic_rounding and spec.param_dtype == torch.float32:
         raise RecipeError(
             f"--stochastic-rounding rounds updates into low-precision params, but {spec.name} keeps fp32 params; "
             "use it with bf16-true, bf16-master or fp16-master"
         )
-    if keep_fp32 and amp_impl == "native":
+    if config.keep_fp32 and impl == "native":
         raise RecipeError(
             "--keep-fp32 needs per-module overrides, which torch.autocast lacks; add --amp-impl scratch"
         )
-    if scaler.hysteresis != 1 and amp_impl == "native":
+    if config.scaler.hysteresis != 1 and impl == "native":
         raise RecipeError("--hysteresis is a feature of mixprec's scaler; add --amp-impl scratch")
-    return Recipe(
-        spec,
-        device=device,
-        impl=amp_impl,
-        scaler_config=scaler,
-        emulate_fp16=not fast_fp16,
-        stochastic_rounding=stochastic_rounding,
-        seed=seed,
-        keep_fp32=keep_fp32,
-    )

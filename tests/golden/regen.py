@@ -13,7 +13,7 @@ RECIPES = ("fp32", "bf16-mixed")
 
 
 def losses(precision: str) -> list[float]:
-    result = train(TrainConfig(**CONFIG, precision=precision))
+    result = train(TrainConfig.from_flags(**CONFIG, precision=precision))
     return [x for h in result.history for x in h["loss_curve"]]
 
 

@@ -1,15 +1,16 @@
 """``mixprec bench``: the same training under several recipes, side by side.
 
-What one invocation does, in order:
+What one invocation does, one function each:
 
-1. Checks everything it can before any run starts (recipe names, flag contradictions per recipe, the
-   dataset, that warm-up leaves timed steps), so mistakes exit 2 at once, not after an hour of runs.
-2. Counts the model's FLOPs per step once (:mod:`mixprec.bench.flops`) and measures the peak matmul
-   rate of every dtype the recipes use (:func:`mixprec.bench.measure.measure_matmul_peak`).
-3. Prints the hardware preflight, one line per recipe (:mod:`mixprec.bench.preflight`).
-4. Runs the (recipe, repeat) matrix, each run in a fresh subprocess (:mod:`mixprec.bench.runner`),
-   printing one line per finished run.
-5. Prints the comparison table and writes ``results.json``, ``results.md`` and the PNG plots to ``--out``.
+- :func:`plan`: checks everything it can before any run starts (recipe names, flag contradictions per
+  recipe, the dataset, that warm-up leaves timed steps), so mistakes exit 2 at once, not after an hour of
+  runs; builds the fp32 run once (the one build path) to count the model's FLOPs per step.
+- :func:`measure_machine`: counts those FLOPs (:mod:`mixprec.bench.flops`) and measures the peak matmul
+  rate of every dtype the recipes use (:func:`mixprec.bench.measure.measure_matmul_peak`); prints the
+  hardware preflight, one line per recipe (:mod:`mixprec.bench.preflight`).
+- :func:`mixprec.bench.runner.execute_matrix`: the (recipe, repeat) matrix, each run in a fresh
+  subprocess, one line per finished run.
+- :func:`report`: the comparison table, ``results.json``, ``results.md`` and the PNG plots in ``--out``.
 
 Exit status: 0 when every run succeeded, 1 when any failed (their rows say why), 2 for usage errors.
 """
@@ -21,29 +22,27 @@ import dataclasses
 import datetime as _dt
 import math
 import os
-import platform
 import shlex
 import sys
 from typing import Any
 
 from ..errors import ConfigError
+from ..train.args import add_train_arguments, config_from_args
 
-__all__ = ["add_parser", "run", "DEFAULT_PRECISIONS"]
+__all__ = ["add_parser", "bench_main", "plan", "measure_machine", "report", "Plan", "DEFAULT_PRECISIONS"]
 
 DEFAULT_PRECISIONS = "fp32,amp,bf16-mixed"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``bench`` to the CLI's subparsers (called by :func:`mixprec.cli.build_parser`)."""
-    from .. import cli  # lazy: cli imports this module
-
     p = sub.add_parser(
         "bench", help="run several precision recipes side by side and compare them",
         description="Train the same model under several precision recipes, each (recipe, repeat) in a fresh "
                     "process, and compare memory, epoch time, throughput, MFU, accuracy and convergence "
                     "parity against fp32. Every `mixprec train` flag applies to every run.",
     )
-    cli.add_train_arguments(p, with_precision=False)
+    add_train_arguments(p, with_precision=False)
     g = p.add_argument_group("bench")
     g.add_argument("--precisions", default=DEFAULT_PRECISIONS, metavar="R1,R2,...",
                    help=f"comma-separated recipes to compare (default {DEFAULT_PRECISIONS}); include fp32 for "
@@ -61,11 +60,47 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="time budget of the peak-matmul micro-benchmark, per dtype (default 1.0)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     # Bench keeps .item() and logging out of the timed steps, and each run's output goes to its log file.
-    p.set_defaults(func=run, log_every=0, progress="off")
+    p.set_defaults(func=bench_main, log_every=0, progress="off")
     return p
 
 
+def bench_main(args: argparse.Namespace) -> int:
+    """``mixprec bench``: plan, measure the machine, execute the matrix, report. Exit 0, 1 (a run failed) or 2."""
+    from .runner import execute_matrix
+
+    p = plan(args)
+    machine = measure_machine(p)
+    results = execute_matrix(p.specs, p.out_dir, timeout=args.timeout, on_done=_progress_line)
+    return report(p, machine, results)
+
+
 # ------------------------------------------------------------------------------------------ planning
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything decided before the first run."""
+
+    args: argparse.Namespace
+    recipes: list[str]
+    configs: dict[str, Any]
+    """Recipe name -> its TrainConfig."""
+    checks: dict[str, Any]
+    """Recipe name -> its :class:`~mixprec.bench.preflight.Preflight`."""
+    impl: dict[str, str]
+    reference: Any
+    """The fp32 :class:`~mixprec.train.build.Run` the FLOPs are counted on."""
+    specs: list[Any]
+    seeds: list[int]
+    out_dir: str
+
+    @property
+    def base(self):
+        return self.configs[self.recipes[0]]
+
+    @property
+    def accum(self) -> int:
+        return self.base.optim.grad_accum
 
 
 def _recipes(text: str) -> list[str]:
@@ -99,44 +134,92 @@ def _check_flags(args: argparse.Namespace) -> None:
                           "(run `torchrun ... mixprec train --strategy ...` per recipe instead)")
 
 
-def _run_config(args: argparse.Namespace, recipe: str):
-    """The TrainConfig of ``recipe``: the user's flags, logging off, no checkpoints."""
-    from .. import cli
-    from ..precision import resolve_recipe
+def plan(args: argparse.Namespace) -> Plan:
+    """Check every flag and recipe, build the reference run, lay out the matrix; raises UsageError (exit 2)."""
+    from .. import hardware
+    from ..precision import RecipeConfig, build_recipe
+    from ..train.build import build_run
+    from .preflight import preflight
+    from .runner import RunSpec
 
-    spec = resolve_recipe(recipe)
-    # --stochastic-rounding only means something for recipes with low-precision params; fp32-param recipes
-    # in the same matrix run without it (the preflight says so) instead of failing the whole bench.
-    sr = bool(args.stochastic_rounding) and spec.param_dtype.itemsize < 4
-    return cli.config_from_args(args, precision=recipe, out=None, metrics_json=None, resume=None,
-                                checkpoint_every=None, log_every=0, progress="off", stochastic_rounding=sr)
+    _check_flags(args)
+    recipes = _recipes(args.precisions)
+    base = config_from_args(args, out=None, metrics_json=None, resume=None, checkpoint_every=None,
+                            log_every=0, progress="off")
+    device = hardware.resolve_device(base.run.device)
+    configs, checks, impl = {}, {}, {}
+    for name in recipes:
+        recipe_config, notes = base.recipe.for_recipe(name)
+        configs[name] = dataclasses.replace(base, recipe=recipe_config)
+        configs[name].validate()
+        recipe = build_recipe(recipe_config, device=device, seed=base.run.seed)
+        checks[name], impl[name] = preflight(recipe, notes), recipe.impl
+    reference = build_run(dataclasses.replace(base, recipe=RecipeConfig()))
+    _check_warmup(args, base, len(reference.train_loader))
+    seeds = [base.run.seed + r for r in range(args.repeats)]
+    specs = [RunSpec(recipe=name, repeat=r, seed=seeds[r],
+                     config=configs[name].with_flags(seed=seeds[r]).to_dict(), warmup_steps=args.warmup_steps)
+             for r in range(args.repeats) for name in recipes]
+    out_dir = args.out or os.path.join("runs", "bench-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    return Plan(args=args, recipes=recipes, configs=configs, checks=checks, impl=impl, reference=reference,
+                specs=specs, seeds=seeds, out_dir=out_dir)
+
+
+def _check_warmup(args: argparse.Namespace, base, n_batches: int) -> None:
+    accum, max_steps = base.optim.grad_accum, base.optim.max_steps
+    steps_per_epoch = math.ceil(n_batches / accum)
+    first_epoch = min(steps_per_epoch, max_steps or steps_per_epoch)
+    if args.warmup_steps >= first_epoch:
+        raise ConfigError(
+            f"--warmup-steps {args.warmup_steps} leaves no timed step: the first epoch has {first_epoch} steps "
+            f"({n_batches} batches of {base.optim.batch_size}"
+            + (f" / --grad-accum {accum}" if accum > 1 else "")
+            + (f", --max-steps {max_steps}" if max_steps else "")
+            + "); lower --warmup-steps or train longer")
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+@dataclasses.dataclass
+class Machine:
+    """What was measured before the matrix: model FLOPs, peak matmul rates, the environment."""
+
+    flops: Any
+    peaks: dict[str, dict[str, Any]]
+    env: dict[str, Any]
+
+
+def measure_machine(p: Plan) -> Machine:
+    """Count the model's FLOPs per step and measure the peak matmul rate of every dtype in play; print the
+    preflight."""
+    import torch
+
+    from .. import hardware
+    from .flops import count_step_flops
+    from .measure import measure_matmul_peak
+
+    ref = p.reference
+    n = min(p.base.optim.batch_size, ref.data.n_train)
+    flops = count_step_flops(ref.model, ref.data.x_train[:n].to(ref.device), ref.data.y_train[:n].to(ref.device),
+                             ref.loss_fn)  # one micro-batch; an optimizer step runs `accum` of them
+    peaks = {}
+    for dt in dict.fromkeys(c.matmul_dtype for c in p.checks.values()):
+        dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+        peaks[dt] = measure_matmul_peak(dtype, ref.device, budget_s=p.args.peak_seconds, tf32=(dt == "tf32"))
+    env = _environment(ref.device)
+    _announce(p, flops, peaks, env)
+    p.reference = None  # the reference run's model and data are not needed any more
+    return Machine(flops=flops, peaks=peaks, env=env)
 
 
 def _environment(device) -> dict[str, Any]:
     import numpy
-    import torch
 
     from .. import __version__, hardware
-    from .preflight import RELEVANT_CPU_FLAGS
 
-    env = {
-        "mixprec": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "platform": platform.platform(),
-        "device": str(device),
-        "device_name": hardware.device_name(device),
-        "cpu": hardware.cpu_name(),
-        "cpu_flags": [f for f in RELEVANT_CPU_FLAGS if f in hardware.cpu_flags()],
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "gpu": None,
-    }
-    if device.type == "cuda":
-        env["gpu"] = {"name": torch.cuda.get_device_name(device),
-                      "capability": list(torch.cuda.get_device_capability(device)),
-                      "cuda": torch.version.cuda}
+    env = {"mixprec": __version__, **hardware.environment(device), "numpy": numpy.__version__}
     try:
         import matplotlib
 
@@ -146,26 +229,22 @@ def _environment(device) -> dict[str, Any]:
     return env
 
 
-def _flops(config, data, device):
-    import torch
-    import torch.nn.functional as F
-
-    from ..train.models import build_model
-    from .flops import count_step_flops
-
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, input_shape=data.input_shape, num_classes=data.num_classes,
-                        width=config.width, depth=config.depth, channels=config.channels, d_model=config.d_model,
-                        n_heads=config.n_heads, n_layers=config.n_layers, patch_size=config.patch_size).to(device)
-    n = min(config.batch_size, len(data.x_train))
-    return count_step_flops(model, data.x_train[:n].to(device), data.y_train[:n].to(device), F.cross_entropy)
-
-
-# --------------------------------------------------------------------------------------------- run
-
-
 def _say(msg: str = "") -> None:
     print(msg, flush=True)
+
+
+def _announce(p: Plan, flops, peaks: dict, env: dict) -> None:
+    base, accum = p.base, p.accum
+    _say(f"mixprec bench: {', '.join(p.recipes)} x {p.args.repeats} repeat(s) — {base.model.name} on "
+         f"{base.data.name}, batch {base.optim.batch_size}, {base.optim.epochs} epoch(s)"
+         + (f", max {base.optim.max_steps} steps" if base.optim.max_steps else "")
+         + f"; {env['device_name']}, {env['threads']} threads")
+    _say(f"model FLOPs per step: {flops.total * accum:,} (per batch of {base.optim.batch_size}: forward "
+         f"{flops.forward:,}, backward {flops.backward:,}" + (f"; x{accum} micro-batches" if accum > 1 else "") + ")")
+    _say("peak matmul rate measured now: " + ", ".join(
+        f"{k} {v['flops_per_s'] / 1e9:,.1f} GFLOP/s" for k, v in peaks.items()))
+    for name in p.recipes:
+        _say(f"preflight: {p.checks[name].line}")
 
 
 def _progress_line(i: int, n: int, r: dict[str, Any]) -> None:
@@ -181,132 +260,52 @@ def _progress_line(i: int, n: int, r: dict[str, Any]) -> None:
          if et and sps else f"{head} done (no timed steps), {r.get('process_wall_s', 0):.1f} s wall")
 
 
-def run(args: argparse.Namespace) -> int:
-    from .. import hardware
-    from ..precision import ScalerConfig, build_recipe
-    from ..train.data import load_dataset
+# ------------------------------------------------------------------------------------------ reporting
+
+
+def report(p: Plan, machine: Machine, results: list[dict[str, Any]]) -> int:
+    """Print the table, write results.json / results.md / plots; returns the exit status."""
     from ..train.report import write_json
-    from .measure import measure_matmul_peak
-    from .preflight import preflight
-    from .report import aggregate, markdown_report, table
-    from .runner import RunSpec, run_matrix
+    from .report import COLUMNS, aggregate, markdown_report, table
 
-    import torch
-
-    # 1. everything that can be wrong is checked before the first run
-    _check_flags(args)
-    recipes = _recipes(args.precisions)
-    configs = {name: _run_config(args, name) for name in recipes}
-    for c in configs.values():
-        c.validate()
-    base = configs[recipes[0]]
-    device = hardware.resolve_device(base.device)
-    built = {}
-    for name, c in configs.items():
-        built[name] = build_recipe(
-            name, device=device, amp_impl=c.amp_impl, stochastic_rounding=c.stochastic_rounding, seed=c.seed,
-            keep_fp32=tuple(c.keep_fp32),
-            scaler=ScalerConfig(init_scale=c.init_scale, growth_factor=c.growth_factor,
-                                backoff_factor=c.backoff_factor, growth_interval=c.growth_interval,
-                                hysteresis=c.hysteresis),
-        )
-    data = load_dataset(base.dataset, data_dir=base.data_dir, seed=base.seed, synthetic_train=base.synthetic_train,
-                        synthetic_test=base.synthetic_test, synthetic_shape=tuple(base.synthetic_shape),
-                        limit_train=base.limit_train, limit_test=base.limit_test)
-    accum = getattr(base, "grad_accum", 1)
-    steps_per_epoch = math.ceil(math.ceil(len(data.x_train) / base.batch_size) / accum)
-    first_epoch = min(steps_per_epoch, base.max_steps or steps_per_epoch)
-    if args.warmup_steps >= first_epoch:
-        raise ConfigError(
-            f"--warmup-steps {args.warmup_steps} leaves no timed step: the first epoch has {first_epoch} steps "
-            f"({len(data.x_train)} samples / batch {base.batch_size}"
-            + (f" / --grad-accum {accum}" if accum > 1 else "")
-            + (f", --max-steps {base.max_steps}" if base.max_steps else "")
-            + "); lower --warmup-steps or train longer")
-    out_dir = args.out or os.path.join("runs", "bench-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(out_dir, exist_ok=True)
-
-    # 2. model FLOPs once, peak matmul rates of the dtypes in play
-    flops = _flops(base, data, device)  # one micro-batch; an optimizer step runs `accum` of them
-    del data
-    checks = {name: preflight(r) for name, r in built.items()}
-    peaks = {}
-    for dt in dict.fromkeys(p.matmul_dtype for p in checks.values()):
-        dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-        peaks[dt] = measure_matmul_peak(dtype, device, budget_s=args.peak_seconds, tf32=(dt == "tf32"))
-
-    # 3. preflight
-    env = _environment(device)
-    _say(f"mixprec bench: {', '.join(recipes)} x {args.repeats} repeat(s) — {base.model} on {base.dataset}, "
-         f"batch {base.batch_size}, {base.epochs} epoch(s)" + (f", max {base.max_steps} steps" if base.max_steps
-                                                                 else "")
-         + f"; {env['device_name']}, {env['threads']} threads")
-    _say(f"model FLOPs per step: {flops.total * accum:,} (per batch of {base.batch_size}: forward "
-         f"{flops.forward:,}, backward {flops.backward:,}" + (f"; x{accum} micro-batches" if accum > 1 else "") + ")")
-    _say("peak matmul rate measured now: " + ", ".join(
-        f"{k} {v['flops_per_s'] / 1e9:,.1f} GFLOP/s" for k, v in peaks.items()))
-    for name in recipes:
-        line = checks[name].line
-        if args.stochastic_rounding and not configs[name].stochastic_rounding:
-            line += "; --stochastic-rounding does not apply (fp32 params) and is off for this recipe"
-        _say(f"preflight: {line}")
-
-    # 4. the matrix
-    seeds = [base.seed + r for r in range(args.repeats)]
-    specs = [RunSpec(recipe=name, repeat=r, seed=seeds[r],
-                     config=dataclasses.replace(configs[name], seed=seeds[r]).to_dict(),
-                     warmup_steps=args.warmup_steps)
-             for r in range(args.repeats) for name in recipes]
-    runs = run_matrix(specs, out_dir, timeout=args.timeout, on_done=_progress_line)
-
-    # 5. report
-    rows = aggregate(recipes, runs, flops_per_step=flops.total * accum, peaks=peaks,
-                     matmul_dtype={n: checks[n].matmul_dtype for n in recipes},
-                     impl={n: built[n].impl for n in recipes})
+    accum, flops = p.accum, machine.flops
+    rows = aggregate(p.recipes, results, flops_per_step=flops.total * accum, peaks=machine.peaks,
+                     matmul_dtype={n: p.checks[n].matmul_dtype for n in p.recipes}, impl=p.impl)
+    created = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     doc: dict[str, Any] = {
-        "schema": "mixprec.bench/1",
-        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "schema": "mixprec.bench/2",
+        "created": created,
         "command": "mixprec bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         if sys.argv[1:2] == ["bench"] else "mixprec bench (called in-process)",
-        "flags": {k: v for k, v in vars(args).items() if k != "func"},
-        "config": base.to_dict(),
-        "recipes": recipes,
-        "repeats": args.repeats,
-        "seeds": seeds,
-        "warmup_steps": args.warmup_steps,
-        "environment": env,
-        "preflight": [checks[n].to_dict() for n in recipes],
-        "peaks": peaks,
+        "flags": {k: v for k, v in vars(p.args).items() if k != "func"},
+        "config": p.base.to_dict(),
+        "recipes": p.recipes,
+        "repeats": p.args.repeats,
+        "seeds": p.seeds,
+        "warmup_steps": p.args.warmup_steps,
+        "environment": machine.env,
+        "preflight": [p.checks[n].to_dict() for n in p.recipes],
+        "peaks": machine.peaks,
         "flops_per_step": {**flops.to_dict(), "micro_batches_per_step": accum, "per_step": flops.total * accum},
-        "columns": list(_columns()),
+        "columns": list(COLUMNS),
         "summary": rows,
-        "runs": runs,
+        "runs": results,
         "plots": [],
     }
-    title = (f"{base.model} on {base.dataset}, batch {base.batch_size} — {env['device_name']}, "
-             f"{doc['created'][:10]}")
-    if not args.no_plots:
-        doc["plots"] = _plots(rows, runs, out_dir, title)
+    if not p.args.no_plots:
+        from .plots import write_plots
+
+        title = (f"{p.base.model.name} on {p.base.data.name}, batch {p.base.optim.batch_size} — "
+                 f"{machine.env['device_name']}, {created[:10]}")
+        doc["plots"] = write_plots(rows, results, p.out_dir, title=title)
     _say("")
     _say(table(rows))
-    write_json(os.path.join(out_dir, "results.json"), doc)
-    with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
+    write_json(os.path.join(p.out_dir, "results.json"), doc)
+    with open(os.path.join(p.out_dir, "results.md"), "w", encoding="utf-8") as f:
         f.write(markdown_report(doc))
-    _say(f"\nwrote {out_dir}/results.json, results.md" + (", " + ", ".join(doc["plots"]) if doc["plots"] else "")
+    _say(f"\nwrote {p.out_dir}/results.json, results.md" + (", " + ", ".join(doc["plots"]) if doc["plots"] else "")
          + " and logs/")
-    failed = sum(r["status"] != "ok" for r in runs)
+    failed = sum(r["status"] != "ok" for r in results)
     if failed:
-        _say(f"mixprec bench: {failed} of {len(runs)} runs failed; their rows and {out_dir}/logs/ say why")
+        _say(f"mixprec bench: {failed} of {len(results)} runs failed; their rows and {p.out_dir}/logs/ say why")
     return 1 if failed else 0
-
-
-def _columns():
-    from .report import COLUMNS
-
-    return COLUMNS
-
-
-def _plots(rows, runs, out_dir: str, title: str) -> list[str]:
-    from .plots import write_plots
-
-    return write_plots(rows, runs, out_dir, title=title)

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from ..hardware import synchronize
+
 __all__ = [
     "timing_from_history",
     "probe_step_memory",
@@ -137,7 +139,7 @@ def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int =
     activations + gradients of the same step.
     """
     from ..memory import SavedTensorTracker, static_memory
-    from ..train.loop import train_step
+    from ..train.step import train_step
 
     device = run.device
     cuda = device.type == "cuda"
@@ -162,7 +164,7 @@ def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int =
             if not _reset_hwm() or _proc_status("VmHWM") > base + MMAP_THRESHOLD_BYTES * 16:
                 return {"method": None, "reason": "cannot reset VmHWM (/proc/self/clear_refs not writable)"}
         tracker = SavedTensorTracker(exclude=run.model.parameters())
-        train_step(run, xb, yb, tracker=tracker)
+        train_step(run.ctx, xb, yb, tracker=tracker)
         if cuda:
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - base
@@ -184,11 +186,6 @@ def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int =
 
 
 # ------------------------------------------------------------------------------------- matmul peak
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_matmul_peak(
@@ -216,10 +213,10 @@ def measure_matmul_peak(
                 break  # one warm-up + one timed run would not fit
             a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
             b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             a @ b  # warm-up: kernel selection, page faults
-            _sync(device)
+            synchronize(device)
             t_warm = time.perf_counter() - t0
             best = t_warm
             deadline = start + budget_s
@@ -227,7 +224,7 @@ def measure_matmul_peak(
             while reps < 1 or (time.perf_counter() + best < deadline and reps < 10):
                 t0 = time.perf_counter()
                 a @ b
-                _sync(device)
+                synchronize(device)
                 best = min(best, time.perf_counter() - t0)
                 reps += 1
             rate = flops / best

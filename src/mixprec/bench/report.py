@@ -178,7 +178,7 @@ def markdown_report(doc: dict[str, Any]) -> str:
     env = doc["environment"]
     fl = doc.get("flops_per_step") or {}
     out = [
-        f"# mixprec bench — {doc['config']['model']} on {doc['config']['dataset']}",
+        f"# mixprec bench — {doc['config']['model']['name']} on {doc['config']['data']['name']}",
         "",
         f"{doc['created']} · {env['device_name']} · torch {env['torch']} · {env['threads']} threads · "
         f"{doc['repeats']} repeat(s) per recipe (seeds {', '.join(map(str, doc['seeds']))})",
@@ -195,7 +195,7 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "",
         *[f"- {k}: {_fmt_rate(v.get('flops_per_s'))} (n={v.get('n')})" for k, v in doc["peaks"].items()],
         "",
-        f"Model FLOPs per step (FlopCounterMode, batch {doc['config']['batch_size']}): forward "
+        f"Model FLOPs per step (FlopCounterMode, batch {doc['config']['optim']['batch_size']}): forward "
         f"{fl.get('forward', 0):,}, backward {fl.get('backward', 0):,}, total {fl.get('total', 0):,}"
         + (f"; x{fl['micro_batches_per_step']} micro-batches = {fl['per_step']:,} per optimizer step"
            if fl.get("micro_batches_per_step", 1) > 1 else "") + ".",

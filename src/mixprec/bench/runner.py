@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RunSpec", "run_matrix", "failed_reason"]
+from .worker import failed_result
+
+__all__ = ["RunSpec", "execute_matrix", "failed_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,7 @@ def failed_reason(returncode: int | None, log_path: str, *, timeout: float | Non
     return f"{why}; last log line: {last}" if last else why
 
 
-def run_matrix(
+def execute_matrix(
     specs: list[RunSpec],
     out_dir: str,
     *,
@@ -113,9 +115,7 @@ def run_matrix(
             except (OSError, ValueError):
                 result = None
         if result is None:
-            result = {"status": "failed", "reason": failed_reason(returncode, log_path, timeout=timeout),
-                      "recipe": spec.recipe, "repeat": spec.repeat, "seed": spec.seed, "impl": None,
-                      "history": [], "summary": None, "timing": None, "memory_probe": None}
+            result = failed_result(spec.to_dict(), failed_reason(returncode, log_path, timeout=timeout))
         result["returncode"] = returncode
         result["process_wall_s"] = wall
         result["log"] = os.path.relpath(log_path, out_dir)

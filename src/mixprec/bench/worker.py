@@ -1,7 +1,7 @@
 """One bench run — one (recipe, repeat) — in a fresh interpreter: ``python -m mixprec.bench.worker SPEC OUT``.
 
 ``SPEC`` is a JSON file ``{"recipe", "repeat", "seed", "warmup_steps", "config": TrainConfig.to_dict()}``;
-the worker trains with the trainer itself (:func:`mixprec.train.loop.build_run` + :func:`train`, logging
+the worker trains with the trainer itself (:func:`mixprec.train.build.build_run` + :func:`train`, logging
 off so no ``.item()`` lands in the timed steps), then, outside the timed run, probes the measured memory
 peak of one step (:func:`mixprec.bench.measure.probe_step_memory`), and writes ``OUT``::
 
@@ -44,31 +44,26 @@ def _test_hook(recipe: str) -> None:
         os.abort()
 
 
-def _config(d: dict[str, Any]):
-    from ..train.config import TrainConfig
-
-    d = dict(d)
-    for key in ("synthetic_shape", "keep_fp32"):
-        if d.get(key) is not None:
-            d[key] = tuple(d[key])
-    return TrainConfig(**d)
+def failed_result(spec: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    """The result of a run that produced nothing (the worker's own, or the runner's for a dead worker)."""
+    return {"status": "failed", "reason": reason, "recipe": spec["recipe"], "repeat": spec["repeat"],
+            "seed": spec["seed"], "impl": None, "history": [], "summary": None, "timing": None,
+            "memory_probe": None}
 
 
-def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+def train_and_measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one (recipe, repeat) and measure it; never raises for a failed run."""
     t0 = time.perf_counter()
-    out: dict[str, Any] = {
-        "status": "failed", "reason": None, "recipe": spec["recipe"], "repeat": spec["repeat"],
-        "seed": spec["seed"], "impl": None, "history": [], "summary": None, "timing": None,
-        "memory_probe": None,
-    }
+    out = failed_result(spec, None)
     try:
         _test_hook(spec["recipe"])
-        from ..train.loop import build_run, train
+        from ..train.build import build_run
+        from ..train.config import TrainConfig
+        from ..train.loop import train
         from ..train.report import Reporter
         from .measure import probe_step_memory, timing_from_history
 
-        config = _config(spec["config"])
+        config = TrainConfig.from_dict(spec["config"])
         run = build_run(config)
         out["impl"] = run.recipe.impl
         out["describe"] = run.recipe.describe()
@@ -76,7 +71,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         out["history"] = result.history
         out["summary"] = result.summary
         out["timing"] = timing_from_history(result.history, warmup_steps=spec["warmup_steps"],
-                                            batch_size=config.batch_size * getattr(config, "grad_accum", 1))
+                                            batch_size=config.optim.batch_size * config.optim.grad_accum)
         if result.stopped:
             out["reason"] = result.stopped
             return out
@@ -106,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
-    result = run_one(spec)
+    result = train_and_measure(spec)
     from ..train.report import write_json  # after the run: the test hook fires before torch is imported
     write_json(argv[1], result)
     return 0 if result["status"] == "ok" else 1

@@ -12,7 +12,6 @@ from .api import (
     FaultAnalysis,
     diagnose,
     diagnose_run,
-    doctor_run,
     find_first_nonfinite,
     precision_map,
     range_profile,
@@ -23,7 +22,6 @@ from .report import DoctorReport
 __all__ = [
     "diagnose",
     "diagnose_run",
-    "doctor_run",
     "precision_map",
     "range_profile",
     "find_first_nonfinite",

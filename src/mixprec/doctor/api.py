@@ -1,8 +1,9 @@
 """Library API: diagnose a model, a batch and a loss function under a precision recipe.
 
 ``diagnose(model, (x, y), loss_fn, precision="fp16-mixed")`` trains a *copy* of the model for a few
-steps with the trainer's own step (:func:`mixprec.train.loop.train_step`: the recipe's autocast,
-backward, unscale/step), and watches each step:
+steps with the trainer's own step (:func:`mixprec.train.step.train_step`: the recipe's autocast,
+backward, unscale/step) on a run built by the trainer's one build path
+(:func:`mixprec.train.build.build_run`, with the user's batches as its data source), and watches each step:
 
 1. step 0 runs under the dispatcher-level observer with the precision-map sink (every op, dtype, module);
 2. before every step, an fp32 pass records per-layer ranges (:mod:`.ranges`) and the true gradients,
@@ -16,8 +17,8 @@ backward, unscale/step), and watches each step:
 
 The observation costs a lot more than training (an extra fp32 pass and a weight snapshot per step, a shadow
 optimizer step, replays of failed steps, a Python call per op on step 0), which is why it lives here and
-never in ``mixprec train``. :func:`diagnose_run` does the same for a
-:class:`~mixprec.train.loop.Run` (what ``mixprec doctor`` builds from its flags).
+never in ``mixprec train``. :func:`diagnose_run` does the same for any
+:class:`~mixprec.train.build.Run` (``mixprec doctor`` builds one from its flags).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ import torch
 from torch import nn
 
 from ..errors import NonFiniteError, UsageError
-from ..precision import Recipe, ScalerConfig, build_recipe
+from ..train.build import Run, build_run
 from ..train.config import TrainConfig
-from ..train.loop import Run, train_step
+from ..train.data import UserBatches
+from ..train.step import train_step
 from .attribution import ModuleTracker
 from .lost_updates import LostUpdateMonitor, optimizer_param_names, same_optimizer
 from .nonfinite import NonFiniteEvent
@@ -48,7 +50,7 @@ from .report import DoctorReport, GradientLoss
 from .scale_history import ScaleHistory, StepRecord
 
 __all__ = [
-    "diagnose", "diagnose_run", "doctor_run", "precision_map", "range_profile", "find_first_nonfinite",
+    "diagnose", "diagnose_run", "precision_map", "range_profile", "find_first_nonfinite",
     "FaultAnalysis", "DoctorError",
 ]
 
@@ -117,33 +119,14 @@ def _optimizer_factory(optimizer: Any, lr: float) -> Callable[[Iterable[torch.Te
     )
 
 
-def doctor_run(
-    model: nn.Module,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    *,
-    precision: str = "fp16-mixed",
-    optimizer: Any = None,
-    lr: float = 1e-2,
-    amp_impl: str = "auto",
-    init_scale: float = 2.0**16,
-    growth_interval: int = 2000,
-    stochastic_rounding: bool = False,
-    keep_fp32: tuple[str, ...] = (),
-    clip_grad_norm: float | None = None,
-    device: str | torch.device = "cpu",
-) -> Run:
-    """A :class:`Run` over a deep copy of ``model`` (the caller's module is never modified)."""
-    recipe = build_recipe(precision, device=device, amp_impl=amp_impl,
-                          scaler=ScalerConfig(init_scale=init_scale, growth_interval=growth_interval),
-                          stochastic_rounding=stochastic_rounding, keep_fp32=tuple(keep_fp32))
-    m = recipe.convert_module(copy.deepcopy(model))
-    opt = recipe.build_optimizer(m, _optimizer_factory(optimizer, lr))
-    config = TrainConfig(precision=recipe.name, amp_impl=recipe.impl, lr=lr, init_scale=init_scale,
-                         growth_interval=growth_interval, stochastic_rounding=stochastic_rounding,
-                         keep_fp32=tuple(keep_fp32), clip_grad_norm=clip_grad_norm, device=str(recipe.device),
-                         model=type(model).__name__, dataset="user batch")
-    return Run(config=config, device=recipe.device, data=None, model=m, recipe=recipe, optimizer=opt,
-               loss_fn=loss_fn, train_loader=None)
+def _user_run(model: nn.Module, batch: Any, loss_fn: Callable, *, precision: str = "fp16-mixed",
+              optimizer: Any = None, lr: float = 1e-2, device: str | torch.device = "cpu", **flags: Any) -> Run:
+    """A :class:`Run` over a deep copy of ``model`` (the caller's module is never modified) and the caller's
+    batches, built by the trainer's one build path. ``flags`` are config flags (``amp_impl``, ``init_scale``...)."""
+    config = TrainConfig.from_flags(precision=precision, lr=lr, device=str(device), model=type(model).__name__,
+                                    dataset=UserBatches.name, **flags)
+    return build_run(config, data=UserBatches(_batches(batch)), model=copy.deepcopy(model), loss_fn=loss_fn,
+                     make_optimizer=_optimizer_factory(optimizer, lr))
 
 
 def _batches(batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,10 +159,6 @@ def _cycle(batches: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 # ------------------------------------------------------------------------------------------------------
 # the diagnosis
 # ------------------------------------------------------------------------------------------------------
-
-def _low_dtype(recipe: Recipe) -> torch.dtype | None:
-    return recipe.spec.compute_dtype if recipe.spec.compute_dtype != torch.float32 else None
-
 
 def _rng_state(device: torch.device) -> tuple:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -223,9 +202,22 @@ def _locate(run: Run, pre_step: nn.Module, xb, yb, rng: tuple, step: int, scale:
     return analysis
 
 
+class _Watch:
+    """The observers one diagnosis attaches to a run, and what they found so far."""
+
+    def __init__(self, run: Run, formats: Iterable[str]) -> None:
+        self.tracker = ModuleTracker(run.model)
+        self.map_sink = PrecisionMapSink(run.recipe.low_dtype)
+        self.profiler = RangeProfiler(run.model, formats)
+        self.monitor = LostUpdateMonitor(run.optimizer, optimizer_param_names(run.optimizer, run.model))
+        self.history = ScaleHistory()
+        self.faults: list[FaultAnalysis] = []
+        self.grad_loss = GradientLoss()
+        self.pmap: PrecisionMap | None = None
+
+
 def diagnose_run(
     run: Run,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     *,
     steps: int = 8,
     formats: Iterable[str] = DEFAULT_FORMATS,
@@ -234,89 +226,82 @@ def diagnose_run(
     title: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> DoctorReport:
-    """Train ``run`` for ``steps`` steps with every check on; returns the :class:`DoctorReport`.
+    """Train ``run`` for ``steps`` steps on its training batches with every check on; returns the report.
 
     Args:
-        batches: (inputs, targets) pairs, cycled if fewer than ``steps`` (a BatchLoader is re-shuffled
-            per pass).
+        steps: optimizer steps to observe; the run's batches are cycled if there are fewer (a shuffling
+            loader is re-shuffled per pass).
         replay: classify non-finite steps and search the minimal fp32 module set (replays a copy).
         max_analyzed: classify at most this many non-finite steps (the rest keep their first op as cause).
         title: extra facts for the report header (model name, dataset...).
     """
     if steps < 1:
         raise DoctorError(f"--steps must be >= 1, got {steps}")
-    model, recipe = run.model, run.recipe
-    tracker = ModuleTracker(model)
-    map_sink = PrecisionMapSink(_low_dtype(recipe))
-    profiler = RangeProfiler(model, formats)
-    monitor = LostUpdateMonitor(run.optimizer, optimizer_param_names(run.optimizer, model))
-    history = ScaleHistory()
-    faults: list[FaultAnalysis] = []
-    grad_loss = GradientLoss()
-    scale = float(recipe.scaler_config.init_scale) if recipe.has_loss_scaling else 1.0
-    pmap: PrecisionMap | None = None
-    model.train()
-    with recipe.run_context(), monitor:
-        for step, (xb, yb) in zip(range(steps), _cycle(batches)):
-            xb, yb = xb.to(run.device), yb.to(run.device)
-            ref_grads = profiler.observe(run.loss_fn, xb, yb)
-            pre_step = copy.deepcopy(model) if len(faults) < max_analyzed else None
-            rng = _rng_state(xb.device)
-            stopped = False
-            observe = step == 0  # the precision map: one step under the dispatcher-level observer
-            tracker.new_step()
-            with tracker if observe else contextlib.nullcontext(), \
-                    OpObserver(tracker, [map_sink]) if observe else contextlib.nullcontext():
-                try:
-                    loss, res = train_step(run, xb, yb, step=step)
-                    loss_value, skipped, next_scale = float(loss), res.skipped, recipe.loss_scale()
-                except NonFiniteError:
-                    loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
-            if observe:
-                pmap = map_sink.result()
-            bad_params = not skipped and not stopped and not _all_finite(model.parameters())
-            cause = None
-            if skipped or stopped or bad_params or not math.isfinite(loss_value):
-                cause = "non-finite loss or gradients (not analysed: --steps past the first faults)"
-                if pre_step is not None:
-                    fa = _locate(run, pre_step, xb, yb, rng, step, scale, bad_params, bisect=replay,
-                                 search=replay and not any(f.is_fault for f in faults))
-                    faults.append(fa)
-                    cause = fa.describe(short=True)
-            if not skipped and not stopped:
-                grad_loss.add(model, ref_grads)
-            history.add(StepRecord(step=step, loss=loss_value, scale=scale, next_scale=next_scale,
-                                   skipped=bool(skipped), cause=cause, stopped=stopped))
-            if log is not None:
-                log(f"doctor step {step}: loss {loss_value:.4f}, scale {scale:g}"
-                    + (" SKIPPED" if skipped else "") + (f" ({cause})" if cause else ""))
-            scale = next_scale
-            if stopped or bad_params:
+    watch = _Watch(run, formats)
+    scale = run.recipe.loss_scale()  # the initial scale: no step has run
+    run.model.train()
+    with run.recipe.run_context(), watch.monitor:
+        for step, (xb, yb) in zip(range(steps), _cycle(run.train_loader)):
+            scale, stop = _observe_step(run, watch, step, xb.to(run.device), yb.to(run.device), scale,
+                                        replay=replay, max_analyzed=max_analyzed, log=log)
+            if stop:
                 break
+    return _report(run, watch, scale, title)
+
+
+def _observe_step(run: Run, watch: _Watch, step: int, xb, yb, scale: float, *, replay: bool,
+                  max_analyzed: int, log: Callable[[str], None] | None) -> tuple[float, bool]:
+    """One watched step; returns the next step's loss scale and whether the diagnosis must stop."""
+    ref_grads = watch.profiler.observe(run.loss_fn, xb, yb)
+    pre_step = copy.deepcopy(run.model) if len(watch.faults) < max_analyzed else None
+    rng = _rng_state(xb.device)
+    stopped = False
+    observe = step == 0  # the precision map: one step under the dispatcher-level observer
+    watch.tracker.new_step()
+    with watch.tracker if observe else contextlib.nullcontext(), \
+            OpObserver(watch.tracker, [watch.map_sink]) if observe else contextlib.nullcontext():
+        try:
+            loss, res = train_step(run.ctx, xb, yb, step=step)
+            loss_value, skipped, next_scale = float(loss), res.skipped, run.recipe.loss_scale()
+        except NonFiniteError:
+            loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
+    if observe:
+        watch.pmap = watch.map_sink.result()
+    bad_params = not skipped and not stopped and not _all_finite(run.model.parameters())
+    cause = None
+    if skipped or stopped or bad_params or not math.isfinite(loss_value):
+        cause = "non-finite loss or gradients (not analysed: --steps past the first faults)"
+        if pre_step is not None:
+            fa = _locate(run, pre_step, xb, yb, rng, step, scale, bad_params, bisect=replay,
+                         search=replay and not any(f.is_fault for f in watch.faults))
+            watch.faults.append(fa)
+            cause = fa.describe(short=True)
+    if not skipped and not stopped:
+        watch.grad_loss.add(run.model, ref_grads)
+    watch.history.add(StepRecord(step=step, loss=loss_value, scale=scale, next_scale=next_scale,
+                                 skipped=bool(skipped), cause=cause, stopped=stopped))
+    if log is not None:
+        log(f"doctor step {step}: loss {loss_value:.4f}, scale {scale:g}"
+            + (" SKIPPED" if skipped else "") + (f" ({cause})" if cause else ""))
+    return next_scale, stopped or bad_params
+
+
+def _report(run: Run, watch: _Watch, scale: float, title: dict[str, Any] | None) -> DoctorReport:
+    recipe, model = run.recipe, run.model
     order = [n for n, _ in model.named_modules()]
     return DoctorReport(
         title={**(title or {}), "recipe": recipe.name, "impl": recipe.impl, "describe": recipe.describe(),
-               "device": str(run.device), "steps": len(history.records),
+               "device": str(run.device), "steps": len(watch.history.records),
                "params": sum(p.numel() for p in model.parameters())},
-        recipe_spec={"compute": _dtype(recipe.spec.compute_dtype), "params": _dtype(recipe.spec.param_dtype),
-                     "loss_scaling": recipe.spec.loss_scaling, "master_weights": recipe.spec.master_weights,
-                     # only the scratch autocast emulates; native fp16 runs real (slow on CPU) fp16 kernels
-                     "emulated": bool(getattr(recipe, "emulate", False)) and recipe.impl == "scratch",
-                     "stochastic_rounding": recipe.stochastic_rounding},
-        precision_map=pmap,
-        ranges=profiler.result(),
+        recipe_spec=recipe.facts(),
+        precision_map=watch.pmap,
+        ranges=watch.profiler.result(),
         loss_scale=scale,
-        gradient_loss=grad_loss,
-        faults=faults,
-        lost_updates=monitor.result(order),
-        history=history,
+        gradient_loss=watch.grad_loss,
+        faults=watch.faults,
+        lost_updates=watch.monitor.result(order),
+        history=watch.history,
     )
-
-
-def _dtype(dt: torch.dtype) -> str:
-    from .observer import dtype_name
-
-    return dtype_name(dt)
 
 
 def diagnose(
@@ -353,12 +338,12 @@ def diagnose(
         replay: classify non-finite steps and search the minimal fp32 module set.
         out: also write doctor.json and the PNG plots into this folder.
     """
-    run = doctor_run(model, loss_fn, precision=precision, optimizer=optimizer, lr=lr, amp_impl=amp_impl,
-                     init_scale=init_scale, growth_interval=growth_interval,
-                     stochastic_rounding=stochastic_rounding, keep_fp32=keep_fp32,
-                     clip_grad_norm=clip_grad_norm, device=device)
-    report = diagnose_run(run, _batches(batch), steps=steps, formats=formats, replay=replay,
-                          title={"model": type(model).__name__, "data": "user batch"})
+    run = _user_run(model, batch, loss_fn, precision=precision, optimizer=optimizer, lr=lr, device=device,
+                    amp_impl=amp_impl, init_scale=init_scale, growth_interval=growth_interval,
+                    stochastic_rounding=stochastic_rounding, keep_fp32=tuple(keep_fp32),
+                    clip_grad_norm=clip_grad_norm)
+    report = diagnose_run(run, steps=steps, formats=formats, replay=replay,
+                          title={"model": type(model).__name__, "data": run.data.name})
     if out is not None:
         report.write(out)
     return report
@@ -371,13 +356,13 @@ def diagnose(
 def precision_map(model: nn.Module, batch: Any, loss_fn: Callable, *, precision: str = "fp16-mixed",
                   amp_impl: str = "auto", device: str | torch.device = "cpu") -> PrecisionMap:
     """The precision map of one training step (forward, backward, optimizer step) of a copy of ``model``."""
-    run = doctor_run(model, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
-    x, y = (t.to(run.device) for t in _batches(batch)[0])
+    run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
+    x, y = (t.to(run.device) for t in run.train_loader[0])
     tracker = ModuleTracker(run.model)
-    sink = PrecisionMapSink(_low_dtype(run.recipe))
+    sink = PrecisionMapSink(run.recipe.low_dtype)
     with run.recipe.run_context(), tracker, OpObserver(tracker, [sink]):
         try:
-            train_step(run, x, y, step=0)
+            train_step(run.ctx, x, y, step=0)
         except NonFiniteError:
             pass  # the map of what ran so far is still the answer
     return sink.result()
@@ -399,8 +384,8 @@ def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable, *, pre
 
     Returns None when the step is finite. Nothing is trained; ``model`` is not modified.
     """
-    run = doctor_run(model, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
-    x, y = (t.to(run.device) for t in _batches(batch)[0])
+    run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
+    x, y = (t.to(run.device) for t in run.train_loader[0])
     with run.recipe.run_context():
         fa = _locate(run, run.model, x, y, _rng_state(x.device), 0, loss_scale, False, bisect=replay, search=replay)
     return None if fa.event is None else fa

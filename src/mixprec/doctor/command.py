@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigError
+from ..train.args import add_train_arguments, config_from_args
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "doctor_main"]
 
 DEFAULT_OUT = "mixprec-doctor"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import add_train_arguments  # lazy: cli imports this module
-
     p = sub.add_parser(
         "doctor",
         help="diagnose a recipe's numerics: precision map, ranges, first non-finite, lost updates",
@@ -32,31 +31,30 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="locate the first non-finite op of a failed step, but skip the follow-up replays "
                         "(loss-scale bisection, fp32 module search)")
     g.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
-    p.set_defaults(func=run)
+    p.set_defaults(func=doctor_main)
     return p
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import config_from_args
-    from ..train.loop import build_run
+def doctor_main(args: argparse.Namespace) -> int:
+    from ..train.build import build_run
     from .api import diagnose_run
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if getattr(args, "grad_accum", 1) != 1:
+    if args.grad_accum != 1:
         raise ConfigError("mixprec doctor observes one batch per optimizer step; drop --grad-accum "
                           f"{args.grad_accum} (a smaller --batch-size shows the same numerics)")
-    if getattr(args, "strategy", "none") != "none":
+    if args.strategy != "none":
         raise ConfigError(f"mixprec doctor runs in one process; drop --strategy {args.strategy} (the numerics of "
                           "one rank are what it diagnoses)")
     # --out is the doctor's folder here, not the trainer's checkpoint folder
     config = config_from_args(args, out=None, checkpoint_every=None, resume=None, metrics_json=None)
     r = build_run(config)
-    print(f"mixprec doctor: observing {args.steps} steps of {config.model} on {r.data.name} "
+    print(f"mixprec doctor: observing {args.steps} steps of {config.model.name} on {r.data.name} "
           f"with {r.recipe.name} [{r.recipe.impl}] ...", flush=True)
     report = diagnose_run(
-        r, r.train_loader, steps=args.steps, replay=not args.no_replay,
-        title={"model": config.model, "data": r.data.name, "batch_size": config.batch_size},
+        r, steps=args.steps, replay=not args.no_replay,
+        title={"model": config.model.name, "data": r.data.name, "batch_size": config.optim.batch_size},
     )
     print(report.render())
     paths = report.write(args.out, plots=not args.no_plots)

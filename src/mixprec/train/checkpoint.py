@@ -17,21 +17,29 @@ number of processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
+from ..memory import local_tensor
+from . import distributed
 from .config import RESUME_MUST_MATCH, TrainConfig
 
-__all__ = ["FORMAT", "VERSION", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_path", "rng_state",
-           "set_rng_state"]
+if TYPE_CHECKING:
+    from .build import Run
+
+__all__ = ["FORMAT", "VERSION", "LAST", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_path",
+           "rng_state", "set_rng_state", "TrainState", "Checkpointer"]
 
 FORMAT = "mixprec-checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 1 stored the config as flat flags, version 2 in sections; both resume."""
 LAST = "last.pt"
 
 
@@ -85,7 +93,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, config: dict[str, Any] | None = None, world_size: int | None = None
+    path: str | os.PathLike, *, config: TrainConfig | None = None, world_size: int | None = None
 ) -> dict[str, Any]:
     """Read and validate a checkpoint; nothing is applied to any model here.
 
@@ -106,24 +114,24 @@ def load_checkpoint(
         ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"--resume {path}: {p} is not a mixprec checkpoint (no '{FORMAT}' tag)")
-    if ckpt.get("version") != VERSION:
+    if ckpt.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"--resume {path}: checkpoint version {ckpt.get('version')} is not supported (expected {VERSION})"
+            f"--resume {path}: checkpoint version {ckpt.get('version')} is not supported (expected one of "
+            f"{', '.join(map(str, READABLE_VERSIONS))})"
         )
     missing = [k for k in ("model", "optimizer", "recipe", "rng", "epoch", "batch", "global_step", "config")
                if k not in ckpt]
     if missing:
         raise CheckpointError(f"--resume {path}: checkpoint {p} lacks {', '.join(missing)}; it is corrupt")
     if config is not None:
-        theirs = ckpt["config"]
-        defaults = TrainConfig().to_dict()
+        try:
+            theirs = TrainConfig.from_dict(ckpt["config"]).flags()
+        except (UsageError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"--resume {path}: the checkpoint's config is unreadable ({e})") from None
+        ours = config.flags()
         diffs = []
         for k in RESUME_MUST_MATCH:
-            a, b = config.get(k), theirs.get(k, defaults.get(k))
-            if isinstance(a, tuple):
-                a = list(a)
-            if isinstance(b, tuple):
-                b = list(b)
+            a, b = ours[k], theirs[k]
             if a != b:
                 diffs.append(f"--{k.replace('_', '-')} {b!r} in the checkpoint vs {a!r} now")
         if diffs:
@@ -139,3 +147,95 @@ def load_checkpoint(
             "per epoch depend on the number of processes)"
         )
     return ckpt
+
+
+# ------------------------------------------------------------------------------------------ during a run
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where a run is: what a checkpoint restores besides the tensors."""
+
+    epoch: int = 0
+    batch: int = 0
+    """Next batch of the loader in ``epoch`` (0 once the resumed epoch is under way)."""
+    global_step: int = 0
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    skipped_total: int = 0
+    consecutive_skips: int = 0
+
+    def counters(self) -> dict[str, int]:
+        return {"skipped_total": self.skipped_total, "consecutive_skips": self.consecutive_skips}
+
+
+class Checkpointer:
+    """Resume, cadence and save of one run's ``last.pt`` (``--out``, ``--checkpoint-every``, ``--resume``).
+
+    Under torchrun every rank calls :meth:`save` (gathering FSDP state is a collective); rank 0 writes.
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.out = run.config.run.out
+        self.every = run.config.run.checkpoint_every
+
+    def resume(self) -> tuple[TrainState, str | None]:
+        """The state to start from, and a line saying where it came from (None for a fresh run)."""
+        run, path = self.run, self.run.config.run.resume
+        if not path:
+            return TrainState(), None
+        ck = load_checkpoint(path, config=run.config, world_size=run.world_size)
+        try:
+            distributed.load_state_dicts(run.model, run.optimizer, ck["model"], ck["optimizer"])
+            run.recipe.load_state_dict(ck["recipe"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"--resume {path}: checkpoint does not fit this model: {e}") from None
+        set_rng_state(ck["rng"])
+        counters = ck.get("counters") or {}
+        state = TrainState(epoch=ck["epoch"], batch=ck["batch"], global_step=ck["global_step"],
+                           history=list(ck.get("history") or []), **counters)
+        return state, (f"resumed from {path} at epoch {state.epoch}, batch {state.batch} "
+                       f"(step {state.global_step})")
+
+    def save(self, state: TrainState, epoch: int, batch: int) -> None:
+        """Write ``last.pt`` for position (epoch, batch); no-op without ``--out``."""
+        if self.out is None:
+            return
+        run = self.run
+        model_state, optimizer_state = distributed.state_dicts(run.model, run.optimizer)
+        payload = {
+            "model": model_state, "optimizer": optimizer_state, "recipe": run.recipe.state_dict(),
+            "world_size": run.world_size, "rng": rng_state(), "epoch": epoch, "batch": batch,
+            "global_step": state.global_step, "config": run.config.to_dict(), "history": state.history,
+            "counters": state.counters(),
+        }
+        if run.rank == 0:
+            save_checkpoint(os.path.join(self.out, LAST), payload)
+
+    def after_step(self, state: TrainState, epoch: int, pos: int) -> None:
+        """Save on the ``--checkpoint-every`` cadence."""
+        if self.every and state.global_step % self.every == 0:
+            self.save(state, epoch, pos)
+
+    def after_epoch(self, state: TrainState, epoch: int, pos: int, n_batches: int) -> None:
+        """Save at the end of an epoch's steps: into the next epoch when the loader is exhausted."""
+        if pos >= n_batches:
+            self.save(state, epoch + 1, 0)
+        else:
+            self.save(state, epoch, pos)
+
+    def keep_last_good(self, state: TrainState, epoch: int, batch: int, step: int | None) -> str:
+        """After a non-finite stop: save the state before the failed step if the params are still finite.
+        Returns the clause that says what was kept."""
+        if self.out is None:
+            return ""
+        if _params_finite(self.run.model, self.run.device):
+            self.save(state, epoch, batch)
+            return f"; the last good state (before step {step}) is saved in {self.out}/{LAST}"
+        return f"; parameters are already non-finite, so {self.out}/{LAST} was left as it was"
+
+
+def _params_finite(model: torch.nn.Module, device: torch.device) -> bool:
+    """All parameters finite, on every rank (one all-reduce under torchrun)."""
+    bad = sum((~torch.isfinite(local_tensor(p))).sum() for p in model.parameters())
+    return distributed.all_reduce_sum(torch.as_tensor(bad, dtype=torch.float64, device=device)).item() == 0

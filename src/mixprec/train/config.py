@@ -1,4 +1,12 @@
-"""Training configuration: one keyword-only dataclass, a docstring under every field.
+"""Training configuration in sections, as torchtitan does: one small frozen dataclass per component.
+
+``TrainConfig`` holds five sections: :class:`ModelConfig`, :class:`DataConfig`,
+:class:`~mixprec.precision.RecipeConfig` (with its :class:`~mixprec.precision.ScalerConfig`),
+:class:`OptimConfig` and :class:`RunConfig`. Every field has a docstring. Two flat views exist because
+users and checkpoints think in flags: :meth:`TrainConfig.from_flags` builds a config from flag names
+(``precision=``, ``model=``, ``init_scale=`` ...; the CLI and the tests use it) and :meth:`TrainConfig.flags`
+returns them. :meth:`TrainConfig.to_dict` / :meth:`TrainConfig.from_dict` are the nested form stored in
+checkpoints and ``results.json`` (``from_dict`` also reads the flat dicts older checkpoints hold).
 
 Defaults reproduce the tutorial: SimpleNet (one Linear 784→10) on Fashion-MNIST, SGD lr 0.01, batch 64,
 5 epochs, a log line every 100 batches.
@@ -11,21 +19,19 @@ import math
 from typing import Any
 
 from ..errors import ConfigError
+from ..precision import RecipeConfig, ScalerConfig
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "RESUME_MUST_MATCH"]
+__all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "OPTIMIZERS", "STRATEGIES",
+           "RESUME_MUST_MATCH"]
 
 OPTIMIZERS = ("sgd", "adamw")
+STRATEGIES = ("none", "ddp", "fsdp")
 
 
-@dataclasses.dataclass(kw_only=True)
-class TrainConfig:
-    # what to train
-    precision: str = "fp32"
-    """Recipe name or alias (fp32, tf32, amp/fp16-mixed, bf16-mixed, fp16-master, bf16-master, bf16-true)."""
-    amp_impl: str = "auto"
-    """Mechanism behind the recipe: native (torch.autocast + GradScaler), scratch (mixprec engine), auto."""
-    model: str = "simplenet"
-    """simplenet, mlp, cnn or transformer."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "simplenet"
+    """Built-in model: simplenet, mlp, cnn or transformer (flag ``--model``)."""
     width: int = 512
     """mlp: hidden width."""
     depth: int = 2
@@ -40,8 +46,16 @@ class TrainConfig:
     """transformer: encoder blocks."""
     patch_size: int = 7
     """transformer: image patch size."""
-    dataset: str = "fashion-mnist"
-    """fashion-mnist, mnist, digits or synthetic."""
+
+    def validate(self) -> None:
+        for flag in ("width", "depth", "channels", "d_model", "n_heads", "n_layers", "patch_size"):
+            _positive(flag, getattr(self, flag))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    name: str = "fashion-mnist"
+    """fashion-mnist, mnist, digits or synthetic (flag ``--dataset``)."""
     data_dir: str | None = None
     """Folder with the four IDX files (default for fashion-mnist: the Debian package's folder)."""
     synthetic_train: int = 4096
@@ -54,11 +68,18 @@ class TrainConfig:
     """Use only the first N training samples."""
     limit_test: int | None = None
     """Use only the first N test samples."""
-    # optimisation
-    epochs: int = 5
-    """Number of passes over the training set."""
-    batch_size: int = 64
-    """Samples per optimizer step (per process)."""
+
+    def validate(self) -> None:
+        for flag in ("synthetic_train", "synthetic_test"):
+            _positive(flag, getattr(self, flag))
+        for flag in ("limit_train", "limit_test"):
+            _positive(flag, getattr(self, flag), allow_none=True)
+        if any(d <= 0 for d in self.synthetic_shape):
+            raise ConfigError(f"--synthetic-shape must be positive sizes, got {self.synthetic_shape}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
     optimizer: str = "sgd"
     """sgd or adamw."""
     lr: float = 0.01
@@ -69,32 +90,46 @@ class TrainConfig:
     """Weight decay (decoupled for AdamW)."""
     clip_grad_norm: float | None = None
     """Clip the total L2 norm of the true (unscaled) gradients to this value."""
+    epochs: int = 5
+    """Number of passes over the training set."""
+    batch_size: int = 64
+    """Samples per optimizer step (per process, per micro-batch)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step: gradients of K batches of batch_size are accumulated (no
+    gradient all-reduce until the last), then one unscale/clip/step. Effective batch: batch_size x K x ranks."""
     max_steps: int | None = None
     """Stop after this many optimizer steps in total (for quick runs)."""
+
+    def validate(self) -> None:
+        for flag in ("epochs", "batch_size", "lr"):
+            _positive(flag, getattr(self, flag))
+        for flag in ("clip_grad_norm", "max_steps"):
+            _positive(flag, getattr(self, flag), allow_none=True)
+        for flag in ("momentum", "weight_decay"):
+            value = getattr(self, flag)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown --optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "adamw" and self.momentum:
+            raise ConfigError("--momentum applies to sgd only; AdamW has its own betas")
+        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise ConfigError(f"--grad-accum must be a positive integer (micro-batches per step), "
+                              f"got {self.grad_accum!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
     seed: int = 0
     """Seed for initial weights, data order and stochastic rounding."""
-    # loss scaling and recipe options
-    init_scale: float = 2.0**16
-    """Initial loss scale (loss-scaled recipes)."""
-    growth_factor: float = 2.0
-    """Loss-scale growth factor after growth_interval finite steps."""
-    backoff_factor: float = 0.5
-    """Loss-scale backoff factor on overflow."""
-    growth_interval: int = 2000
-    """Finite steps between loss-scale growths."""
-    hysteresis: int = 1
-    """Overflows tolerated before backoff (scratch scaler)."""
-    stochastic_rounding: bool = False
-    """Round updates into low-precision params stochastically (bf16-true, *-master)."""
-    keep_fp32: tuple[str, ...] = ()
-    """Module names or types kept in fp32 (scratch autocast)."""
-    max_consecutive_skips: int = 100
-    """Stop when this many optimizer steps in a row are skipped for inf/nan gradients."""
-    # run
     device: str = "auto"
     """auto, cpu or cuda."""
+    strategy: str = "none"
+    """Multi-process strategy under torchrun: none, ddp or fsdp."""
     log_every: int = 100
     """Print the tutorial's log line every N batches (0 = never)."""
+    progress: str = "auto"
+    """Progress bar: auto (only on a terminal), on, off."""
     out: str | None = None
     """Folder for checkpoints (last.pt, written atomically every epoch)."""
     checkpoint_every: int | None = None
@@ -103,60 +138,139 @@ class TrainConfig:
     """Checkpoint file or folder to resume from."""
     metrics_json: str | None = None
     """Write per-epoch records and the summary as JSON here."""
-    progress: str = "auto"
-    """Progress bar: auto (only on a terminal), on, off."""
-    strategy: str = "none"
-    """Multi-process strategy under torchrun: none, ddp or fsdp."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step: gradients of K batches of batch_size are accumulated (no
-    gradient all-reduce until the last), then one unscale/clip/step. Effective batch: batch_size x K x ranks."""
+    max_consecutive_skips: int = 100
+    """Stop when this many optimizer steps in a row are skipped for inf/nan gradients."""
     check_consistency: int | None = None
     """Every N optimizer steps, compare loss scale, skipped steps and a parameter checksum across ranks and
     stop on divergence (debug; one all-gather each time)."""
 
     def validate(self) -> None:
-        """Raise ConfigError naming the flag for values that cannot work."""
-
-        def positive(flag: str, value: float | int | None, allow_none: bool = False) -> None:
-            if value is None and allow_none:
-                return
-            if value is None or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"--{flag} must be a positive number, got {value!r}")
-
-        for flag in ("epochs", "batch_size", "lr", "width", "depth", "channels", "d_model", "n_heads",
-                     "n_layers", "patch_size", "synthetic_train", "synthetic_test"):
-            positive(flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("clip_grad_norm", "max_steps", "checkpoint_every", "limit_train", "limit_test",
-                     "check_consistency"):
-            positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise ConfigError("--momentum and --weight-decay must be >= 0")
+        for flag in ("checkpoint_every", "check_consistency"):
+            _positive(flag, getattr(self, flag), allow_none=True)
         if self.log_every < 0:
             raise ConfigError(f"--log-every must be >= 0, got {self.log_every}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown --optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
-        if self.optimizer == "adamw" and self.momentum:
-            raise ConfigError("--momentum applies to sgd only; AdamW has its own betas")
         if self.checkpoint_every is not None and self.out is None:
             raise ConfigError("--checkpoint-every needs --out DIR to write checkpoints into")
         if self.progress not in ("auto", "on", "off"):
             raise ConfigError(f"--progress must be auto, on or off, got {self.progress!r}")
-        if self.strategy not in ("none", "ddp", "fsdp"):
-            raise ConfigError(f"unknown --strategy {self.strategy!r}; choose none, ddp or fsdp")
-        if any(d <= 0 for d in self.synthetic_shape):
-            raise ConfigError(f"--synthetic-shape must be positive sizes, got {self.synthetic_shape}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown --strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
         if self.max_consecutive_skips < 1:
             raise ConfigError("--max-consecutive-skips must be >= 1")
-        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
-            raise ConfigError(f"--grad-accum must be a positive integer (micro-batches per step), "
-                              f"got {self.grad_accum!r}")
 
+
+def _positive(flag: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"--{flag.replace('_', '-')} must be a positive number, got {value!r}")
+
+
+# section name -> its class; (section, field) pairs whose flag has another name
+_SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "recipe": RecipeConfig,
+                              "optim": OptimConfig, "run": RunConfig}
+_RENAMED = {("model", "name"): "model", ("data", "name"): "dataset"}
+
+
+def _flag_paths() -> dict[str, tuple[str, ...]]:
+    """Every flag name and where it lives, e.g. ``init_scale -> ("recipe", "scaler", "init_scale")``."""
+    paths: dict[str, tuple[str, ...]] = {}
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.name == "scaler":
+                for g in dataclasses.fields(ScalerConfig):
+                    paths[g.name] = (section, "scaler", g.name)
+            else:
+                paths[_RENAMED.get((section, f.name), f.name)] = (section, f.name)
+    return paths
+
+
+_FLAG_PATHS = _flag_paths()
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)`` with JSON lists turned back into tuples and nested sections built."""
+    kw = {}
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    for k, v in values.items():
+        if k not in names:
+            raise ConfigError(f"unknown setting {k!r} in the {cls.__name__} section")
+        if k == "scaler" and isinstance(v, dict):
+            v = _build(ScalerConfig, v)
+        elif isinstance(v, list) and "tuple" in str(names[k].type):
+            v = tuple(v)
+        kw[k] = v
+    return cls(**kw)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """What network to build."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """What to train on."""
+    recipe: RecipeConfig = dataclasses.field(default_factory=RecipeConfig)
+    """Which precision recipe, its mechanism and its loss scaler."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """Optimizer, batch and schedule length."""
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    """Seed, device, processes, logging, checkpoints and outputs."""
+
+    # -- flat views (flags) --------------------------------------------------------------------------------
+    @classmethod
+    def from_flags(cls, **flags: Any) -> TrainConfig:
+        """Build from flag names (``precision="bf16-mixed", model="mlp", init_scale=1024.0`` ...)."""
+        return cls().with_flags(**flags)
+
+    def with_flags(self, **flags: Any) -> TrainConfig:
+        """A copy with the named flags changed."""
+        nested = self.to_dict()
+        for flag, value in flags.items():
+            if flag not in _FLAG_PATHS:
+                raise ConfigError(f"unknown setting {flag!r}")
+            *parents, leaf = _FLAG_PATHS[flag]
+            d = nested
+            for p in parents:
+                d = d[p]
+            d[leaf] = list(value) if isinstance(value, tuple) else value
+        return TrainConfig.from_dict(nested)
+
+    def flags(self) -> dict[str, Any]:
+        """Every setting by its flag name (tuples as lists, as in JSON)."""
+        nested = self.to_dict()
+        out = {}
+        for flag, path in _FLAG_PATHS.items():
+            v: Any = nested
+            for p in path:
+                v = v[p]
+            out[flag] = v
+        return out
+
+    # -- nested form (checkpoints, results.json) ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for k, v in d.items():
-            if isinstance(v, tuple):
-                d[k] = list(v)
-        return d
+
+        def lists(o: Any) -> Any:
+            if isinstance(o, dict):
+                return {k: lists(v) for k, v in o.items()}
+            return list(o) if isinstance(o, tuple) else o
+
+        return lists(d)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The inverse of :meth:`to_dict`; a flat dict of flags (checkpoints before version 2) also works."""
+        if not all(isinstance(d.get(s, {}), dict) for s in _SECTIONS):
+            return cls.from_flags(**d)
+        unknown = set(d) - set(_SECTIONS)
+        if unknown:
+            raise ConfigError(f"unknown config section(s): {', '.join(sorted(unknown))}")
+        return cls(**{s: _build(c, d.get(s, {})) for s, c in _SECTIONS.items()})
+
+    def validate(self) -> None:
+        """Raise ConfigError (or RecipeError) naming the flag for values that cannot work."""
+        for section in _SECTIONS:
+            getattr(self, section).validate()
 
 
 RESUME_MUST_MATCH = (
@@ -164,4 +278,4 @@ RESUME_MUST_MATCH = (
     "dataset", "synthetic_train", "synthetic_shape", "limit_train", "batch_size", "optimizer", "seed",
     "strategy", "grad_accum",
 )
-"""Fields a resumed run must share with the checkpoint's run (others, like --epochs, may change)."""
+"""Flags a resumed run must share with the checkpoint's run (others, like --epochs, may change)."""

@@ -78,6 +78,41 @@ class Dataset:
     input_shape: tuple[int, ...]
     source: str
 
+    @property
+    def n_train(self) -> int:
+        return len(self.x_train)
+
+    @property
+    def n_test(self) -> int:
+        return len(self.x_test)
+
+    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1) -> BatchLoader:
+        """This rank's shuffled training batches (see :class:`BatchLoader`)."""
+        return BatchLoader(self.x_train, self.y_train, batch_size, shuffle=True, seed=seed, rank=rank,
+                           world_size=world_size)
+
+
+@dataclass(frozen=True, eq=False)
+class UserBatches:
+    """Batches a user handed over (``mixprec.doctor.diagnose``): trained on in the given order, no test split.
+
+    The same data-source interface as :class:`Dataset` (``name``, ``source``, ``n_train``, ``loader``), so the
+    one build path takes it; the batch size of the config does not apply (each batch is as given).
+    """
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    name: str = "user batch"
+    source: str = "the caller's tensors"
+
+    @property
+    def n_train(self) -> int:
+        return sum(len(y) for _, y in self.batches)
+
+    n_test = 0
+
+    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1) -> list:
+        return self.batches
+
 
 # --------------------------------------------------------------------------------------------- IDX
 

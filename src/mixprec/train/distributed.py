@@ -13,12 +13,10 @@ Strategies
   parameters stay bit-identical. The recipe is unchanged (autocast, master weights, loss scaling).
 - ``fsdp``: FSDP2 :func:`~torch.distributed.fsdp.fully_shard`, one unit per normalization layer (kept
   in fp32, as autocast keeps norms), per element of every ``nn.ModuleList`` (the transformer's blocks),
-  plus the root. Each rank stores 1/N of every parameter in fp32; the recipe maps to
-  :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (:func:`fsdp_mp_policy`): autocast recipes with fp32 params all-gather the params in the compute dtype (``param_dtype``: bf16 or
-  fp16), reduce-scatter gradients in fp32 (``reduce_dtype``) and leave the output dtype to autocast
-  (``output_dtype=None``; the loss runs in fp32 under autocast anyway). The sharded fp32 params are
-  the master copy, so the master-weight recipes (fp16-master, bf16-master, stochastic rounding) are
-  refused under FSDP with a pointer to the mixed recipe that means the same thing there.
+  plus the root. Each rank stores 1/N of every parameter in fp32; what the recipe means for FSDP is the
+  recipe's own knowledge (:meth:`mixprec.precision.Recipe.fsdp_policy`: params all-gathered in the compute
+  dtype, gradients reduce-scattered in fp32; master-weight recipes refused, since the sharded fp32 params
+  are FSDP's master copy).
 
 Data
 ----
@@ -46,9 +44,10 @@ Every rank must skip the same steps and hold the same scale, or the replicas div
 spreads an inf from any rank's backward to all, but an inf that appears after the reduction (or in one
 FSDP shard) is seen by one rank only, so ``found_inf`` itself is all-reduced: mixprec's
 :class:`~mixprec.scaler.DynamicLossScaler` does it when a process group exists, and for ``--amp-impl
-native`` :func:`prepare_recipe` swaps ``torch.amp.GradScaler`` for PyTorch's
-:class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` (same rule, same state dict, plus
-the all-reduce; it handles plain and DTensor gradients). :func:`check_consistency` (``--check-consistency
+native`` the recipe builds PyTorch's
+:class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` instead of ``torch.amp.GradScaler``
+when the run has several processes (same rule, same state dict, plus the all-reduce; it handles plain and
+DTensor gradients). :func:`check_consistency` (``--check-consistency
 N``) proves it at run time: every N steps it all-gathers scale, skipped-step count and a parameter
 checksum and stops with :class:`RankDivergenceError` when ranks disagree.
 
@@ -64,9 +63,8 @@ Resuming needs the same world size and strategy: the data order and the steps pe
 
 Non-finite losses: recipes without loss scaling raise NonFiniteError before backward, on the loss of
 *this* rank. If one rank raised while the others entered backward, their collectives would pair up wrongly
-or wait forever, so :func:`agree_on_finite_loss` all-reduces a non-finite flag first (no host sync) and
-poisons every rank's loss when any rank's is bad: all ranks stop at the same step and save the same
-last good state.
+or wait forever, so the recipe all-reduces a non-finite flag first (no host sync) and poisons every rank's
+loss when any rank's is bad: all ranks stop at the same step and save the same last good state.
 
 Not covered: BatchNorm running statistics under FSDP stay per rank (each rank normalizes its own batches;
 rank 0's are saved). DDP broadcasts rank 0's buffers before every forward, so they agree there.
@@ -86,6 +84,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..memory import local_tensor
 
 __all__ = [
     "DistEnv",
@@ -93,11 +92,8 @@ __all__ = [
     "setup",
     "teardown",
     "wrap_model",
-    "prepare_recipe",
-    "fsdp_mp_policy",
     "unwrap",
     "no_sync",
-    "agree_on_finite_loss",
     "all_reduce_sum",
     "mean_over_ranks",
     "max_over_ranks",
@@ -106,10 +102,7 @@ __all__ = [
     "load_state_dicts",
     "check_consistency",
     "local_tensor",
-    "STRATEGIES",
 ]
-
-STRATEGIES = ("none", "ddp", "fsdp")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _owns_process_group = False  # True when setup() created the group (teardown() then destroys it)
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
@@ -149,8 +142,6 @@ def setup(strategy: str, device: torch.device) -> tuple[DistEnv, torch.device]:
     ``none`` (each would train its own copy), or ``ddp``/``fsdp`` without torchrun.
     """
     global _owns_process_group
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown --strategy {strategy!r}; choose none, ddp or fsdp")
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else _env_int("WORLD_SIZE", 1)
     if strategy == "none":
@@ -214,21 +205,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def fsdp_mp_policy(recipe):
-    """The FSDP2 ``MixedPrecisionPolicy`` a recipe means (see the module docstring)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    spec = recipe.spec
-    # Emulated fp16 (CPUs without fp16 kernels) needs fp32 tensors holding fp16 values: keep fp32 params
-    # and let the recipe's autocast round them, rather than hand it real fp16 weights.
-    low = spec.autocast and spec.param_dtype == torch.float32 and spec.compute_dtype != torch.float32
-    return MixedPrecisionPolicy(
-        param_dtype=spec.compute_dtype if low and not recipe.emulate else None,
-        reduce_dtype=torch.float32,
-        output_dtype=None,
-    )
-
-
 def wrap_model(model: nn.Module, recipe, strategy: str, device: torch.device) -> nn.Module:
     """Wrap a converted model for ``strategy`` (call after ``recipe.convert_module``, before the optimizer)."""
     if strategy == "none" or not dist.is_initialized():
@@ -236,20 +212,12 @@ def wrap_model(model: nn.Module, recipe, strategy: str, device: torch.device) ->
     if strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    spec = recipe.spec
-    if spec.master_weights or recipe.stochastic_rounding:
-        raise ConfigError(
-            f"--strategy fsdp with {spec.name}{' --stochastic-rounding' if recipe.stochastic_rounding else ''}: "
-            "FSDP keeps the sharded fp32 params as the master copy itself; use --precision "
-            f"{'fp16' if spec.compute_dtype == torch.float16 else 'bf16'}-mixed (params all-gathered in the low "
-            "dtype), or --strategy ddp to keep this recipe"
-        )
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    policy = fsdp_mp_policy(recipe)
+    policy = recipe.fsdp_policy()
     # Normalization layers are units of their own with fp32 params, as autocast keeps norms in fp32 (and
     # CPU batch_norm rejects bf16 weights next to its fp32 running statistics). Inner units first.
-    fp32_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    fp32_policy = recipe.fsdp_policy(for_norm=True)
     for norm in [m for m in model.modules() if isinstance(m, _NORMS) and any(True for _ in m.parameters())]:
         fully_shard(norm, mp_policy=fp32_policy)
     for module_list in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
@@ -257,27 +225,6 @@ def wrap_model(model: nn.Module, recipe, strategy: str, device: torch.device) ->
             fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
-
-
-def prepare_recipe(recipe) -> None:
-    """Make the recipe's native loss scaler all-reduce ``found_inf`` across ranks (no-op on one process).
-
-    ``torch.amp.GradScaler`` checks only this rank's gradients; ``ShardedGradScaler`` is the same scaler
-    plus an all-reduce of ``found_inf``, and it accepts DTensor (FSDP) gradients. mixprec's own scaler
-    already reduces, so it is left alone.
-    """
-    if not _active() or recipe.impl != "native" or not recipe.spec.loss_scaling:
-        return
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    c = recipe.scaler_config
-    recipe.scaler = ShardedGradScaler(
-        recipe.device.type,
-        init_scale=c.init_scale,
-        growth_factor=c.growth_factor,
-        backoff_factor=c.backoff_factor,
-        growth_interval=c.growth_interval,
-    )
 
 
 @contextlib.contextmanager
@@ -310,20 +257,6 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if _active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
-
-
-def agree_on_finite_loss(loss: torch.Tensor, recipe) -> torch.Tensor:
-    """``loss``, or NaN on every rank when any rank's loss is non-finite (recipes without loss scaling).
-
-    Such recipes raise before backward on a non-finite loss; this makes all ranks raise at the same step.
-    One scalar all-reduce, no host sync. Loss-scaled recipes skip bad steps via the all-reduced found_inf
-    instead, so their loss passes through untouched (as it does on one process).
-    """
-    if not _active() or recipe.spec.loss_scaling:
-        return loss
-    bad = (~torch.isfinite(loss.detach())).to(torch.float32)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return torch.where(bad > 0, torch.full_like(loss, float("nan")), loss)
 
 
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -402,11 +335,6 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_s
 
 
 # ---------------------------------------------------------------------------------------- consistency
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this rank holds: a DTensor's local shard, any other tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _checksum(params: Iterable[torch.Tensor]) -> tuple[float, float]:

@@ -1,0 +1,101 @@
+"""What one epoch measured: losses, step times, skipped steps and one memory sample.
+
+Nothing here reads a tensor on the host per step: losses are kept as device tensors and summed there; the
+epoch record reads them once at the end. Step times are wall-clock differences between consecutive steps
+(every recipe syncs the host once per step, so they cannot drift ahead of the device by more than a step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import hardware
+from ..memory import MemoryReport, SavedTensorTracker, static_memory
+from ..precision import StepResult
+from . import distributed
+
+if TYPE_CHECKING:
+    from .build import Run
+
+__all__ = ["EpochMeter"]
+
+
+class EpochMeter:
+    """Per-step accounting of one epoch; :meth:`record` turns it into the epoch's history entry.
+
+    Args:
+        sample_at: the batch index whose step is watched for saved activations (the first step after
+            warm-up, when optimizer state exists).
+    """
+
+    def __init__(self, run: Run, *, sample_at: int, first_batch: int) -> None:
+        self.run = run
+        self.sample_at = sample_at
+        self.pos = first_batch
+        """Next batch of the loader: where a checkpoint taken now resumes."""
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+        self.losses: list[torch.Tensor] = []
+        self.step_times: list[float] = []
+        self.skipped = 0
+        self.n_steps = 0
+        self.memory: MemoryReport | None = None
+        hardware.synchronize(run.device)
+        self.t_start = self.t_prev = time.perf_counter()
+
+    def tracker_for(self, batch_idx: int) -> SavedTensorTracker | None:
+        """A saved-tensor tracker when this step is the sampled one (CUDA peak stats reset too)."""
+        if batch_idx != self.sample_at:
+            return None
+        if self.run.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.run.device)
+        return SavedTensorTracker(exclude=self.run.model.parameters())
+
+    def step_done(self, loss: torch.Tensor, result: StepResult, next_pos: int,
+                  tracker: SavedTensorTracker | None) -> None:
+        if tracker is not None:
+            self.memory = self._memory_sample(tracker)
+        self.n_steps += 1
+        self.pos = next_pos
+        self.loss_sum += loss
+        self.losses.append(loss)
+        self.skipped += int(result.skipped)
+        now = time.perf_counter()
+        self.step_times.append(now - self.t_prev)
+        self.t_prev = now
+
+    def _memory_sample(self, tracker: SavedTensorTracker) -> MemoryReport:
+        run = self.run
+        rep = static_memory(run.model, run.optimizer, run.recipe.master)
+        rep.activations = tracker.nbytes
+        if run.device.type == "cuda":
+            rep.cuda_peak_allocated = torch.cuda.max_memory_allocated(run.device)
+            rep.cuda_peak_reserved = torch.cuda.max_memory_reserved(run.device)
+        return rep
+
+    def elapsed(self) -> float:
+        """Wall time of the epoch's steps (synchronized; the slowest rank's under torchrun)."""
+        hardware.synchronize(self.run.device)
+        return distributed.max_over_ranks(time.perf_counter() - self.t_start, self.run.device)
+
+    def record(self, epoch: int, epoch_time: float, test_accuracy: float, test_loss: float) -> dict[str, Any]:
+        """The epoch's history entry (reads the losses on the host, once)."""
+        run, cfg = self.run, self.run.config.optim
+        samples_per_step = cfg.batch_size * cfg.grad_accum * run.world_size
+        curve = distributed.mean_over_ranks(torch.stack(self.losses).float()).cpu().tolist()
+        return {
+            "epoch": epoch,
+            "steps": self.n_steps,
+            "train_loss": distributed.mean_over_ranks(self.loss_sum).item() / self.n_steps,
+            "test_loss": test_loss,
+            "test_accuracy": test_accuracy,
+            "epoch_time_s": epoch_time,
+            "samples_per_s": self.n_steps * samples_per_step / epoch_time,
+            "step_times_s": self.step_times,
+            "loss_curve": curve,
+            "skipped_steps": self.skipped,
+            "loss_scale": run.recipe.loss_scale(),
+            "memory": self.memory.to_dict() if self.memory else None,
+        }

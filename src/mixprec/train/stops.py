@@ -1,0 +1,46 @@
+"""Rules that end a run early, checked after every optimizer step.
+
+- Too many skipped steps in a row (``--max-consecutive-skips``): a loss scaler that backs off forever means
+  the loss itself is non-finite, and more steps will not fix it.
+- Ranks that diverged (``--check-consistency N``, debug): loss scale, skipped steps or parameters differ.
+
+A non-finite loss without a loss scaler stops the run too, but inside the step (the recipe raises before
+backward), so the loop handles it where the step is taken.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import distributed
+from .checkpoint import TrainState
+
+if TYPE_CHECKING:
+    from .build import Run
+
+__all__ = ["StopRules"]
+
+
+class StopRules:
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.max_skips = run.config.run.max_consecutive_skips
+        self.check_every = run.config.run.check_consistency
+
+    def after_step(self, state: TrainState, skipped_this_epoch: int) -> str | None:
+        """Why the run must stop now, or None."""
+        recipe = self.run.recipe
+        if state.consecutive_skips >= self.max_skips:
+            return (
+                f"stopped at step {state.global_step}: {state.consecutive_skips} optimizer steps in a row were "
+                f"skipped for inf/nan gradients (loss scale now {recipe.loss_scale():g}); the loss itself is "
+                "likely non-finite — lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer"
+            )
+        if self.check_every and state.global_step % self.check_every == 0:
+            try:
+                distributed.check_consistency(self.run.model, step=state.global_step, scale=recipe.loss_scale(),
+                                              skipped=state.skipped_total + skipped_this_epoch,
+                                              device=self.run.device)
+            except distributed.RankDivergenceError as e:
+                return str(e)
+        return None
