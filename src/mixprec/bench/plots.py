@@ -74,10 +74,10 @@ def _memory_plot(rows, path: str, title: str) -> None:
     fig.savefig(path)
 
 
-def _loss_plot(rows, runs, path: str, title: str) -> None:
+def _loss_plot(rows, results, path: str, title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    curves_by = {r["recipe"]: [loss_curve(x) for x in runs if x["recipe"] == r["recipe"] and loss_curve(x)]
+    curves_by = {r["recipe"]: [loss_curve(x) for x in results if x["recipe"] == r["recipe"] and loss_curve(x)]
                  for r in rows}
     n_all = [len(c) for cs in curves_by.values() for c in cs]
     window = default_window(min(n_all)) if n_all else 1
@@ -98,7 +98,7 @@ def _loss_plot(rows, runs, path: str, title: str) -> None:
     fig.savefig(path)
 
 
-def write_plots(rows: list[dict[str, Any]], runs: list[dict[str, Any]], out_dir: str, *, title: str) -> list[str]:
+def write_plots(rows: list[dict[str, Any]], results: list[dict[str, Any]], out_dir: str, *, title: str) -> list[str]:
     """Write ``time.png``, ``memory.png`` and ``loss.png`` into ``out_dir``; returns their file names."""
     try:
         import matplotlib  # noqa: F401
@@ -107,5 +107,5 @@ def write_plots(rows: list[dict[str, Any]], runs: list[dict[str, Any]], out_dir:
         return []
     _time_plot(rows, os.path.join(out_dir, PLOT_FILES[0]), title)
     _memory_plot(rows, os.path.join(out_dir, PLOT_FILES[1]), title)
-    _loss_plot(rows, runs, os.path.join(out_dir, PLOT_FILES[2]), title)
+    _loss_plot(rows, results, os.path.join(out_dir, PLOT_FILES[2]), title)
     return list(PLOT_FILES)

@@ -45,7 +45,7 @@ def _median(vals) -> float | None:
 
 def aggregate(
     recipes: list[str],
-    runs: list[dict[str, Any]],
+    results: list[dict[str, Any]],
     *,
     flops_per_step: int | None,
     peaks: dict[str, dict[str, Any]],
@@ -55,7 +55,7 @@ def aggregate(
     """One summary row per recipe (in ``recipes`` order), plus comparisons with fp32 when it ran."""
     rows = []
     for name in recipes:
-        mine = [r for r in runs if r["recipe"] == name]
+        mine = [r for r in results if r["recipe"] == name]
         ok = [r for r in mine if r["status"] == "ok"]
         failed = [r for r in mine if r["status"] != "ok"]
         timing = [r["timing"] or {} for r in ok]
@@ -95,13 +95,13 @@ def aggregate(
             "accuracy_delta_vs_fp32_pp": None,
             "parity": None,
         })
-    _compare_with_fp32(rows, runs)
+    _compare_with_fp32(rows, results)
     return rows
 
 
-def _compare_with_fp32(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> None:
+def _compare_with_fp32(rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
     ref = next((r for r in rows if r["recipe"] == "fp32"), None)
-    fp32_curves = [loss_curve(r) for r in runs if r["recipe"] == "fp32" and r["status"] == "ok"]
+    fp32_curves = [loss_curve(r) for r in results if r["recipe"] == "fp32" and r["status"] == "ok"]
     for row in rows:
         if ref is None:
             row["parity"] = {"verdict": "n/a", "reason": "fp32 was not run: add fp32 to --precisions"}
@@ -115,7 +115,7 @@ def _compare_with_fp32(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -
         a, a0 = row["test_accuracy"], ref["test_accuracy"]
         if a and a0:
             row["accuracy_delta_vs_fp32_pp"] = 100.0 * (a["median"] - a0["median"])
-        mine = [r for r in runs if r["recipe"] == row["recipe"]]
+        mine = [r for r in results if r["recipe"] == row["recipe"]]
         curves = [loss_curve(r) for r in mine if r["status"] == "ok"]
         stopped = any((r.get("summary") or {}).get("stopped") for r in mine)
         row["parity"] = convergence_parity(curves, fp32_curves, stopped=stopped).to_dict()

@@ -93,58 +93,61 @@ def write_plots(report: Any, out_dir: str) -> list[str]:
         import matplotlib  # noqa: F401
     except ImportError:
         return []
-    paths: list[str] = []
     layers = report.ranges.layers
     names = [f"{display_path(lr.name)} ({lr.kind})" for lr in layers]
     t = report.title
     head = f"{t.get('recipe')} on {t.get('model')}"
-    p = _heatmap(os.path.join(out_dir, "ranges_activations.png"), names, [lr.activations for lr in layers], 0,
-                 f"{head}: activation magnitudes per layer vs format limits")
-    if p:
-        paths.append(p)
     k = report.log2_scale
-    p = _heatmap(os.path.join(out_dir, "ranges_gradients.png"), names, [lr.gradients() for lr in layers], k,
-                 f"{head}: gradient magnitudes x loss scale 2^{k} (as stored) vs format limits")
-    if p:
-        paths.append(p)
+    paths = [
+        _heatmap(os.path.join(out_dir, "ranges_activations.png"), names, [lr.activations for lr in layers], 0,
+                 f"{head}: activation magnitudes per layer vs format limits"),
+        _heatmap(os.path.join(out_dir, "ranges_gradients.png"), names, [lr.gradients() for lr in layers], k,
+                 f"{head}: gradient magnitudes x loss scale 2^{k} (as stored) vs format limits"),
+        _loss_scale_plot(os.path.join(out_dir, "loss_scale.png"), report, head),
+        _lost_updates_plot(os.path.join(out_dir, "lost_updates.png"), report, head),
+    ]
+    return [p for p in paths if p]
 
+
+def _loss_scale_plot(path: str, report: Any, head: str) -> str | None:
     recs = report.history.records
-    if recs:
-        fig = _figure(7, 3.2)
-        ax = fig.add_subplot(1, 1, 1)
-        steps = [r.step for r in recs]
-        scaled = report.recipe_spec.get("loss_scaling", False)
-        ax.step(steps, [math.log2(max(r.scale, 1e-30)) for r in recs], where="post", label="log2 loss scale")
-        sk = [r for r in recs if r.skipped]
-        if sk:
-            ax.scatter([r.step for r in sk], [math.log2(max(r.scale, 1e-30)) for r in sk], color="tab:red",
-                       marker="x", zorder=3, label="skipped step")
-        ax.set_xlabel("step")
-        ax.set_ylabel("log2 loss scale" + ("" if scaled else " (no loss scaling: 0)"))
-        ax2 = ax.twinx()
-        ax2.plot(steps, [r.loss for r in recs], color="tab:gray", alpha=0.7, label="loss")
-        ax2.set_ylabel("loss")
-        lines = ax.get_legend_handles_labels()
-        lines2 = ax2.get_legend_handles_labels()
-        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
-        ax.set_title(f"{head}: loss scale and loss", fontsize=9)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "loss_scale.png")
-        fig.savefig(p)
-        paths.append(p)
+    if not recs:
+        return None
+    fig = _figure(7, 3.2)
+    ax = fig.add_subplot(1, 1, 1)
+    steps = [r.step for r in recs]
+    scaled = report.recipe_spec.get("loss_scaling", False)
+    ax.step(steps, [math.log2(max(r.scale, 1e-30)) for r in recs], where="post", label="log2 loss scale")
+    sk = [r for r in recs if r.skipped]
+    if sk:
+        ax.scatter([r.step for r in sk], [math.log2(max(r.scale, 1e-30)) for r in sk], color="tab:red",
+                   marker="x", zorder=3, label="skipped step")
+    ax.set_xlabel("step")
+    ax.set_ylabel("log2 loss scale" + ("" if scaled else " (no loss scaling: 0)"))
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r.loss for r in recs], color="tab:gray", alpha=0.7, label="loss")
+    ax2.set_ylabel("loss")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
+    ax.set_title(f"{head}: loss scale and loss", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
 
+
+def _lost_updates_plot(path: str, report: Any, head: str) -> str | None:
     lu = report.lost_updates.layers
-    if lu:
-        fig = _figure(7, max(2.5, 0.3 * len(lu) + 1.2))
-        ax = fig.add_subplot(1, 1, 1)
-        ax.barh([f"{display_path(x.name)} [{x.dtype}]" for x in lu], [x.lost_fraction for x in lu], color="tab:orange")
-        ax.set_xlim(0, 1)
-        ax.invert_yaxis()
-        ax.set_xlabel("share of non-zero updates rounded away (low(w + d) == w)")
-        ax.tick_params(axis="y", labelsize=7)
-        ax.set_title(f"{head}: lost updates per layer", fontsize=9)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "lost_updates.png")
-        fig.savefig(p)
-        paths.append(p)
-    return paths
+    if not lu:
+        return None
+    fig = _figure(7, max(2.5, 0.3 * len(lu) + 1.2))
+    ax = fig.add_subplot(1, 1, 1)
+    ax.barh([f"{display_path(x.name)} [{x.dtype}]" for x in lu], [x.lost_fraction for x in lu], color="tab:orange")
+    ax.set_xlim(0, 1)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of non-zero updates rounded away (low(w + d) == w)")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_title(f"{head}: lost updates per layer", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path

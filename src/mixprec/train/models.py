@@ -197,27 +197,36 @@ def build_model(
         raise ModelError(f"{name}: num_classes {num_classes} must be >= 1")
     if not 0.0 <= dropout < 1.0:
         raise ModelError(f"--dropout {dropout} must be in [0, 1)")
-    in_features = math.prod(input_shape)
+    options = dict(width=width, depth=depth, channels=channels, d_model=d_model, n_heads=n_heads,
+                   n_layers=n_layers, patch_size=patch_size, dropout=dropout)
+    return _BUILDERS[name](input_shape, num_classes, **options)
 
-    if name == "simplenet":
-        return SimpleNet(in_features, num_classes)
-    if name == "mlp":
-        _check_positive(width=width, depth=depth)
-        return MLP(in_features, num_classes, width, depth, dropout)
-    if name == "cnn":
-        _check_positive(channels=channels)
-        if len(input_shape) != 3:
-            raise ModelError(
-                f"cnn needs image inputs (C, H, W), got input shape {input_shape}; "
-                "use --model mlp or --model transformer for this data"
-            )
-        if input_shape[1] < 4 or input_shape[2] < 4:
-            raise ModelError(
-                f"cnn pools twice by 2, so images must be at least 4x4, got {input_shape[1]}x{input_shape[2]}; "
-                "use --model mlp or --model transformer for this data"
-            )
-        return CNN(input_shape, num_classes, channels, dropout)
-    # transformer
+
+def _simplenet(input_shape, num_classes, **_) -> nn.Module:
+    return SimpleNet(math.prod(input_shape), num_classes)
+
+
+def _mlp(input_shape, num_classes, *, width, depth, dropout, **_) -> nn.Module:
+    _check_positive(width=width, depth=depth)
+    return MLP(math.prod(input_shape), num_classes, width, depth, dropout)
+
+
+def _cnn(input_shape, num_classes, *, channels, dropout, **_) -> nn.Module:
+    _check_positive(channels=channels)
+    if len(input_shape) != 3:
+        raise ModelError(
+            f"cnn needs image inputs (C, H, W), got input shape {input_shape}; "
+            "use --model mlp or --model transformer for this data"
+        )
+    if input_shape[1] < 4 or input_shape[2] < 4:
+        raise ModelError(
+            f"cnn pools twice by 2, so images must be at least 4x4, got {input_shape[1]}x{input_shape[2]}; "
+            "use --model mlp or --model transformer for this data"
+        )
+    return CNN(input_shape, num_classes, channels, dropout)
+
+
+def _transformer(input_shape, num_classes, *, d_model, n_heads, n_layers, patch_size, dropout, **_) -> nn.Module:
     _check_positive(d_model=d_model, n_heads=n_heads, n_layers=n_layers, patch_size=patch_size)
     if d_model % n_heads != 0:
         raise ModelError(
@@ -230,6 +239,9 @@ def build_model(
             "use --model mlp for this data"
         )
     return Transformer(input_shape, num_classes, d_model, n_heads, n_layers, patch_size, dropout)
+
+
+_BUILDERS = {"simplenet": _simplenet, "mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
 
 
 def count_parameters(model: nn.Module) -> int:

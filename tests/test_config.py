@@ -1,0 +1,88 @@
+"""The sectioned config: flags in and out, the nested form checkpoints store, validation naming the flag."""
+
+import dataclasses
+
+import pytest
+
+from mixprec.errors import ConfigError, RecipeError
+from mixprec.precision import RecipeConfig, ScalerConfig
+from mixprec.train.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+
+
+def test_flags_land_in_their_sections():
+    c = TrainConfig.from_flags(precision="amp", model="mlp", width=64, dataset="digits", init_scale=1024.0,
+                               lr=0.5, seed=3, keep_fp32=("head",), synthetic_shape=(1, 8, 8))
+    assert c.recipe == RecipeConfig(precision="amp", scaler=ScalerConfig(init_scale=1024.0), keep_fp32=("head",))
+    assert c.model == ModelConfig(name="mlp", width=64)
+    assert c.data == DataConfig(name="digits", synthetic_shape=(1, 8, 8))
+    assert c.optim == OptimConfig(lr=0.5)
+    assert c.run == RunConfig(seed=3)
+
+
+def test_sections_are_frozen():
+    c = TrainConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.optim.lr = 1.0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.model = ModelConfig()  # type: ignore[misc]
+
+
+def test_dict_round_trip_is_exact_and_json_shaped():
+    c = TrainConfig.from_flags(precision="bf16-true", stochastic_rounding=True, keep_fp32=("a", "b"),
+                               synthetic_shape=(3, 4), clip_grad_norm=1.0, out="x")
+    d = c.to_dict()
+    assert d["recipe"]["scaler"]["init_scale"] == 2.0**16 and d["data"]["synthetic_shape"] == [3, 4]
+    assert TrainConfig.from_dict(d) == c
+    assert TrainConfig.from_dict(d).flags() == c.flags()
+
+
+def test_flat_dicts_of_older_checkpoints_still_read():
+    flat = TrainConfig.from_flags(model="cnn", growth_interval=7).flags()
+    assert "model" in flat and flat["model"] == "cnn"
+    assert TrainConfig.from_dict(flat) == TrainConfig.from_flags(model="cnn", growth_interval=7)
+
+
+def test_with_flags_changes_only_what_it_names():
+    c = TrainConfig.from_flags(model="mlp", lr=0.1)
+    d = c.with_flags(seed=5)
+    assert d.run.seed == 5 and d.model == c.model and d.optim == c.optim and c.run.seed == 0
+
+
+@pytest.mark.parametrize("bad", [{"precison": "fp32"}, {"optim": {"lr": 1}, "oops": {}}])
+def test_unknown_settings_are_named(bad):
+    with pytest.raises(ConfigError, match="unknown"):
+        if "oops" in bad:
+            TrainConfig.from_dict(bad)
+        else:
+            TrainConfig.from_flags(**bad)
+
+
+@pytest.mark.parametrize("flags, match", [
+    ({"lr": float("nan")}, "--lr"),
+    ({"momentum": float("nan")}, "--momentum"),
+    ({"weight_decay": -1.0}, "--weight-decay"),
+    ({"epochs": 0}, "--epochs"),
+    ({"strategy": "zero"}, "--strategy"),
+    ({"checkpoint_every": 3}, "--checkpoint-every needs --out"),
+    ({"grad_accum": 2.5}, "--grad-accum"),
+    ({"width": -1}, "--width"),
+    ({"synthetic_shape": (0, 3)}, "--synthetic-shape"),
+])
+def test_validation_names_the_flag(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig.from_flags(**flags).validate()
+
+
+def test_recipe_section_validates_name_and_scaler():
+    with pytest.raises(RecipeError, match="unknown precision"):
+        TrainConfig.from_flags(precision="fp7").validate()
+    with pytest.raises(RecipeError, match="--growth-factor"):
+        TrainConfig.from_flags(growth_factor=0.5).validate()
+
+
+def test_for_recipe_drops_stochastic_rounding_where_params_are_fp32():
+    rc = RecipeConfig(stochastic_rounding=True)
+    keep, notes = rc.for_recipe("bf16-true")
+    drop, notes2 = rc.for_recipe("amp")
+    assert keep.stochastic_rounding and not notes and keep.precision == "bf16-true"
+    assert not drop.stochastic_rounding and "does not apply" in notes2[0] and drop.precision == "fp16-mixed"
