@@ -651,7 +651,8 @@ def test_load_state_dict_checks_a_grad_scaler_state_against_this_scalers_bounds(
     with pytest.raises(ScalerConfigError, match=r"state_dict\['scale'\] must lie within \[0, 65536.0\], got 1048576.0"):
         s.load_state_dict(ref.state_dict())
     s = DynamicLossScaler(init_scale=2.0**10, hysteresis=2)
-    with pytest.raises(ScalerConfigError, match=r"state_dict\['_hysteresis_left'\] must be an int in \[0, hysteresis - 1 = 0\]"):
+    with pytest.raises(ScalerConfigError,
+                       match=r"state_dict\['_hysteresis_left'\] must be an int in \[0, hysteresis - 1 = 0\]"):
         s.load_state_dict({**_trained_state(), "hysteresis": 1, "_hysteresis_left": 1})
 
 
@@ -893,3 +894,18 @@ def test_the_deprecated_grad_scaler_argument_is_refused_with_the_fix() -> None:
     _scaled_backward(m, s)
     with pytest.raises(RuntimeError, match=r"grad_scaler.*read self.grad_scale and self.found_inf"):
         s.step(o)
+
+
+@pytest.mark.parametrize("opt_name", [n for n in STEPPERS if "fused" in n])
+def test_fused_contract_is_bit_exact_with_grad_scaler_for_any_scale(opt_name: str) -> None:
+    """With a scale that is not a power of two, dividing inside the fused kernel differs in the last
+    bits from unscaling first (multiplying by 1/S); following GradScaler's contract keeps them equal."""
+    ours_m, ref_m = _model(), _model()
+    ours_o, ref_o = STEPPERS[opt_name](ours_m.parameters()), STEPPERS[opt_name](ref_m.parameters())
+    ours = DynamicLossScaler(init_scale=1000.0, growth_factor=1.7, backoff_factor=0.3, growth_interval=2)
+    ref = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_factor=1.7, backoff_factor=0.3, growth_interval=2)
+    for i, batch in enumerate(_batches(12)):
+        assert _iteration(ours_m, ours_o, ours, batch, SCRIPT.get(i)) == _iteration(ref_m, ref_o, ref, batch,
+                                                                                    SCRIPT.get(i))
+        assert ours.get_scale() == ref.get_scale() and _params_equal(ours_m, ref_m), f"step {i}"
+        assert _states_equal(_opt_state(ours_o), _opt_state(ref_o)), f"step {i}"

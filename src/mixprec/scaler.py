@@ -47,10 +47,11 @@ decide whether to call ``optimizer.step()``. :meth:`get_scale` and :meth:`state_
 
 Distributed
 -----------
-When ``torch.distributed`` is initialized, :meth:`unscale_` all-reduces ``found_inf`` with MAX over
-the default process group after the local check (one collective per step per optimizer), so every
-rank skips the same steps and keeps the same scale. The tensor lives on the scale's device, so use
-a backend that supports it (gloo for CPU, nccl for CUDA).
+When ``torch.distributed`` is initialized, :meth:`unscale_` (or :meth:`step`'s check, for a fused
+optimizer) all-reduces ``found_inf`` with MAX over the default process group after the local check
+(one collective per step per optimizer), so every rank skips the same steps and keeps the same
+scale. The tensor lives on the scale's device, so use a backend that supports it (gloo for CPU,
+nccl for CUDA).
 
 GradScaler's API, and where it differs
 --------------------------------------
@@ -70,13 +71,16 @@ An optimizer that declares ``_step_supports_amp_scaling`` (``torch.optim.Adam/Ad
 with ``fused=True``) gets GradScaler's contract: :meth:`step` only *checks* the gradients (the same
 fused kernel with a multiplier of 1), then hands the optimizer ``optimizer.grad_scale`` (the scale,
 times any ``grad_scale`` the caller preset; ``None`` after a separate ``unscale_``) and
-``optimizer.found_inf``, and its kernel divides while it updates -- one pass over the gradients
-saved. Unlike GradScaler, a skipped step does not call ``optimizer.step()`` at all (GradScaler
-calls it with ``found_inf=1`` and trusts the kernel to do nothing): ``step`` reads ``found_inf``
-anyway to return the skip, and not calling guarantees that parameters and optimizer state are
-untouched. It matters: on a skipped *first* step, fused SGD with momentum stores
-``torch.empty_like`` (uninitialized) momentum buffers that its next step then uses. The legacy
-contract (``optimizer.step(grad_scaler=...)``, deprecated by PyTorch) is refused with a message.
+``optimizer.found_inf``, and its kernel divides while it updates. That is what GradScaler does, so
+the results are bit-identical to GradScaler's with the same optimizer even for scales that are not
+powers of two (dividing inside is not always bitwise the same as multiplying by the reciprocal
+first); the gradients are read once for the check either way. Unlike GradScaler, a skipped step
+does not call ``optimizer.step()`` at all (GradScaler calls it with ``found_inf=1`` and trusts the
+kernel to do nothing): ``step`` reads ``found_inf`` anyway to return the skip, and not calling
+guarantees that parameters and optimizer state are untouched. It matters: on a skipped *first*
+step, fused SGD with momentum stores ``torch.empty_like`` (uninitialized) momentum buffers that its
+next step then uses. The legacy contract (``optimizer.step(grad_scaler=...)``, deprecated by
+PyTorch) is refused with a message.
 
 Validation
 ----------
