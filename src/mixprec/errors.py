@@ -8,7 +8,7 @@ and name the fix.
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "RecipeError", "ConfigError", "CheckpointError", "NonFiniteError"]
+__all__ = ["UsageError", "RecipeError", "ConfigError", "CheckpointError", "ScalerConfigError", "NonFiniteError"]
 
 
 class UsageError(ValueError):
@@ -25,6 +25,12 @@ class ConfigError(UsageError):
 
 class CheckpointError(UsageError):
     """A checkpoint that is missing, corrupt, not mixprec's, or from a different run."""
+
+
+class ScalerConfigError(UsageError):
+    """A loss-scaler setting or saved scaler state that is out of range or of the wrong type
+    (raised by :func:`mixprec.scaler.validate_scaler_settings`; the message names the flag, argument
+    or state-dict key)."""
 
 
 class NonFiniteError(RuntimeError):

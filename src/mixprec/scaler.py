@@ -47,23 +47,204 @@ decide whether to call ``optimizer.step()``. :meth:`get_scale` and :meth:`state_
 
 Distributed
 -----------
-When ``torch.distributed`` is initialized, :meth:`unscale_` all-reduces ``found_inf`` with MAX over
-the default process group after the local check (one collective per step per optimizer), so every
-rank skips the same steps and keeps the same scale. The tensor lives on the scale's device, so use
-a backend that supports it (gloo for CPU, nccl for CUDA).
+When ``torch.distributed`` is initialized, :meth:`unscale_` (or :meth:`step`'s check, for a fused
+optimizer) all-reduces ``found_inf`` with MAX over the default process group after the local check
+(one collective per step per optimizer), so every rank skips the same steps and keeps the same
+scale. The tensor lives on the scale's device, so use a backend that supports it (gloo for CPU,
+nccl for CUDA).
+
+GradScaler's API, and where it differs
+--------------------------------------
+Besides ``scale``/``unscale_``/``step``/``update``/``state_dict``/``load_state_dict`` this class has
+GradScaler's ``get_scale`` (a Python float; the initial scale before the first ``scale()``, 1.0 when
+disabled), ``get_/set_growth_factor``, ``get_/set_backoff_factor``, ``get_/set_growth_interval``
+(setters take effect at the next ``update()``), ``is_enabled``, ``update(new_scale=...)`` (a number,
+or a one-element tensor on the scale's device type without grad; the growth count is kept) and
+pickling between iterations. ``scale`` accepts nested lists/tuples and, lazily, other iterables.
+Differences: ``step`` returns whether the step was applied (GradScaler returns whatever
+``optimizer.step`` returned); every setting is validated (below), which GradScaler does not do;
+a shape-(1,) ``new_scale`` is accepted (GradScaler cannot copy it into its 0-dim scale).
+
+Optimizers that unscale inside (fused)
+--------------------------------------
+An optimizer that declares ``_step_supports_amp_scaling`` (``torch.optim.Adam/AdamW/SGD/Adagrad``
+with ``fused=True``) gets GradScaler's contract: :meth:`step` only *checks* the gradients (the same
+fused kernel with a multiplier of 1), then hands the optimizer ``optimizer.grad_scale`` (the scale,
+times any ``grad_scale`` the caller preset; ``None`` after a separate ``unscale_``) and
+``optimizer.found_inf``, and its kernel divides while it updates. That is what GradScaler does, so
+the results are bit-identical to GradScaler's with the same optimizer even for scales that are not
+powers of two (dividing inside is not always bitwise the same as multiplying by the reciprocal
+first); the gradients are read once for the check either way. Unlike GradScaler, a skipped step
+does not call ``optimizer.step()`` at all (GradScaler calls it with ``found_inf=1`` and trusts the
+kernel to do nothing): ``step`` reads ``found_inf`` anyway to return the skip, and not calling
+guarantees that parameters and optimizer state are untouched. It matters: on a skipped *first*
+step, fused SGD with momentum stores ``torch.empty_like`` (uninitialized) momentum buffers that its
+next step then uses. The legacy contract (``optimizer.step(grad_scaler=...)``, deprecated by
+PyTorch) is refused with a message.
+
+Validation
+----------
+:func:`validate_scaler_settings` is the one check of every setting, used by the constructor, the
+setters, ``update(new_scale=...)`` and ``load_state_dict``, and meant for config and checkpoint
+code too. Scales must be finite, > 0 and representable in float32 (the scale is a float32
+tensor: 1e39 would become inf); factors finite (NaN compares false with everything, so a
+``growth_factor <= 1`` check alone lets NaN through); counts real ints (``2.5``, ``"10"``,
+``2000.0`` and ``True`` are refused, not truncated). Errors are :class:`ScalerConfigError`
+(a :class:`~mixprec.errors.UsageError`) naming the CLI flag, argument or state-dict key.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DynamicLossScaler", "OptState"]
+from .errors import ScalerConfigError
+
+__all__ = ["DynamicLossScaler", "OptState", "validate_scaler_settings"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_UNSET: Any = _Unset()
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_MIN = 2.0**-149  # the smallest positive float32 (subnormal)
+_INT32_MAX = 2**31 - 1
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _positive(x: Any) -> bool:
+    return _real(x) and math.isfinite(x) and x > 0
+
+
+# setting -> (what it must be, test)
+_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "init_scale": ("a finite number > 0", _positive),
+    "growth_factor": ("a finite number > 1", lambda x: _real(x) and math.isfinite(x) and x > 1),
+    "backoff_factor": ("a number in (0, 1)", lambda x: _real(x) and 0 < x < 1),
+    "growth_interval": ("an int >= 1", lambda x: _int(x) and x >= 1),
+    "hysteresis": ("an int >= 1", lambda x: _int(x) and x >= 1),
+    "min_scale": ("None or a finite number > 0", lambda x: x is None or _positive(x)),
+    "max_scale": ("None or a finite number > 0", lambda x: x is None or _positive(x)),
+    "growth_tracker": ("an int >= 0", lambda x: _int(x) and x >= 0),
+    "hysteresis_left": ("an int >= 0", lambda x: _int(x) and x >= 0),
+    "skipped_steps": ("an int >= 0", lambda x: _int(x) and x >= 0),
+    "consecutive_hysteresis": ("True or False", lambda x: isinstance(x, bool)),
+}
+_FLOAT32_VALUES = ("init_scale", "min_scale", "max_scale")  # become float32 tensors
+_INT32_VALUES = ("growth_interval", "hysteresis", "growth_tracker", "hysteresis_left")  # int32 counters
+_FLAGS = {"init_scale": "--init-scale", "growth_factor": "--growth-factor", "backoff_factor": "--backoff-factor",
+          "growth_interval": "--growth-interval", "hysteresis": "--hysteresis"}
+_STATE_KEYS = {"init_scale": "scale", "growth_tracker": "_growth_tracker", "hysteresis_left": "_hysteresis_left"}
+
+
+def _labeller(names: str | Mapping[str, str], what: str) -> Callable[[str], str]:
+    def label(key: str) -> str:
+        if names == "flags":
+            name = _FLAGS.get(key, key)
+        elif names == "state":
+            name = f"state_dict[{_STATE_KEYS.get(key, key)!r}]"
+        elif isinstance(names, Mapping):
+            name = names.get(key, key)
+        else:
+            name = key  # "args"
+        return f"{what}: {name}" if what else name
+
+    if not (names in ("flags", "args", "state") or isinstance(names, Mapping)):
+        raise ValueError(f"validate_scaler_settings(names={names!r}): use 'flags', 'args', 'state' or a dict")
+    return label
+
+
+def _check_one(key: str, value: Any, label: Callable[[str], str]) -> None:
+    rule, ok = _RULES[key]
+    if not ok(value):
+        raise ScalerConfigError(f"{label(key)} must be {rule}, got {value!r}")
+    if key in _FLOAT32_VALUES and value is not None and not _F32_MIN <= value <= _F32_MAX:
+        raise ScalerConfigError(
+            f"{label(key)} must fit in float32 ({_F32_MIN:.3g} to {_F32_MAX:.4g}), got {value!r}")
+    if key in _INT32_VALUES and value > _INT32_MAX:
+        raise ScalerConfigError(f"{label(key)} must be at most {_INT32_MAX}, got {value!r}")
+
+
+def _check_together(given: Mapping[str, Any], label: Callable[[str], str]) -> None:
+    lo, hi = given.get("min_scale"), given.get("max_scale")
+    if lo is not None and hi is not None and lo > hi:
+        raise ScalerConfigError(f"{label('min_scale')} must be <= max_scale, got {lo!r} > {hi!r}")
+    init = given.get("init_scale")
+    if init is not None and not (lo or 0.0) <= init <= (math.inf if hi is None else hi):
+        bounds = f"[{0 if lo is None else repr(lo)}, {'inf' if hi is None else repr(hi)}]"
+        raise ScalerConfigError(f"{label('init_scale')} must lie within {bounds}, got {init!r}")
+    h, left = given.get("hysteresis"), given.get("hysteresis_left")
+    if h is not None and left is not None and left > h - 1:
+        raise ScalerConfigError(
+            f"{label('hysteresis_left')} must be an int in [0, hysteresis - 1 = {h - 1}], got {left!r}")
+
+
+def validate_scaler_settings(
+    *,
+    init_scale: Any = _UNSET,
+    growth_factor: Any = _UNSET,
+    backoff_factor: Any = _UNSET,
+    growth_interval: Any = _UNSET,
+    hysteresis: Any = _UNSET,
+    min_scale: Any = None,
+    max_scale: Any = None,
+    growth_tracker: Any = _UNSET,
+    hysteresis_left: Any = _UNSET,
+    skipped_steps: Any = _UNSET,
+    consecutive_hysteresis: Any = _UNSET,
+    names: str | Mapping[str, str] = "flags",
+    what: str = "",
+) -> None:
+    """Check loss-scaler settings; raise :class:`~mixprec.errors.ScalerConfigError` on the first bad one.
+
+    Only the settings passed are checked (``min_scale``/``max_scale``: ``None`` = unbounded), each
+    alone and then together (``min_scale <= init_scale <= max_scale``, ``hysteresis_left <=
+    hysteresis - 1``). For a state dict pass ``init_scale=sd["scale"]``,
+    ``growth_tracker=sd["_growth_tracker"]``, ``hysteresis_left=sd["_hysteresis_left"]`` and the
+    other keys under their own names, with ``names="state"``.
+
+    ``names`` says how the message names a setting: ``"flags"`` (``--init-scale``, the CLI's),
+    ``"args"`` (``init_scale``), ``"state"`` (``state_dict['scale']``) or a dict of overrides of the
+    argument names; ``what`` prefixes the message (``"DynamicLossScaler: ..."``). E.g.
+    ``--init-scale must be a finite number > 0, got inf``.
+    """
+    values = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
+              "growth_interval": growth_interval, "hysteresis": hysteresis, "min_scale": min_scale,
+              "max_scale": max_scale, "growth_tracker": growth_tracker, "hysteresis_left": hysteresis_left,
+              "skipped_steps": skipped_steps, "consecutive_hysteresis": consecutive_hysteresis}
+    given = {k: v for k, v in values.items() if v is not _UNSET}
+    label = _labeller(names, what)
+    for key, value in given.items():
+        _check_one(key, value, label)
+    _check_together(given, label)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scaler
+# ---------------------------------------------------------------------------------------------
 
 
 class OptState(enum.Enum):
@@ -108,6 +289,9 @@ class DynamicLossScaler:
         enabled: ``False`` makes every method a cheap no-op (``step`` just calls ``optimizer.step()``).
         consecutive_hysteresis: refill the hysteresis budget after every clean step instead of
             only when the scale grows.
+
+    Raises:
+        ScalerConfigError: a setting out of range or of the wrong type (checked even when disabled).
     """
 
     def __init__(
@@ -122,24 +306,12 @@ class DynamicLossScaler:
         enabled: bool = True,
         consecutive_hysteresis: bool = False,
     ) -> None:
+        validate_scaler_settings(
+            init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+            names="args", what="DynamicLossScaler",
+        )
         self._enabled = bool(enabled)
-        if not self._enabled:
-            return
-        if growth_factor <= 1.0:
-            raise ValueError(f"DynamicLossScaler(growth_factor={growth_factor}): must be > 1.0")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"DynamicLossScaler(backoff_factor={backoff_factor}): must be in (0, 1)")
-        if growth_interval < 1:
-            raise ValueError(f"DynamicLossScaler(growth_interval={growth_interval}): must be >= 1")
-        if hysteresis < 1:
-            raise ValueError(f"DynamicLossScaler(hysteresis={hysteresis}): must be >= 1 (1 = no hysteresis)")
-        lo = 0.0 if min_scale is None else min_scale
-        hi = float("inf") if max_scale is None else max_scale
-        if not (0.0 < init_scale and lo <= init_scale <= hi):
-            raise ValueError(
-                f"DynamicLossScaler(init_scale={init_scale}, min_scale={min_scale}, max_scale={max_scale}):"
-                " init_scale must be positive and within [min_scale, max_scale]"
-            )
         self._init_scale = float(init_scale)
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
@@ -158,16 +330,42 @@ class DynamicLossScaler:
         self._found_inf: torch.Tensor | None = None
         self._skipped_steps = 0
 
-    # ------------------------------------------------------------------ queries
+    # ------------------------------------------------------------------ queries and settings
 
     def is_enabled(self) -> bool:
         return self._enabled
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Syncs with the device."""
+        """The current scale as a Python float: the initial scale before the first ``scale()``,
+        1.0 when disabled (as GradScaler). Syncs with the device."""
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Used from the next ``update()`` on. Raises ScalerConfigError unless a finite number > 1."""
+        validate_scaler_settings(growth_factor=new_factor, names="args", what="set_growth_factor")
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Used from the next ``update()`` on. Raises ScalerConfigError unless in (0, 1)."""
+        validate_scaler_settings(backoff_factor=new_factor, names="args", what="set_backoff_factor")
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Used from the next ``update()`` on (the clean steps counted so far still count).
+        Raises ScalerConfigError unless an int >= 1."""
+        validate_scaler_settings(growth_interval=new_interval, names="args", what="set_growth_interval")
+        self._growth_interval = int(new_interval)
 
     @property
     def skipped_steps(self) -> int:
@@ -176,13 +374,14 @@ class DynamicLossScaler:
 
     @property
     def found_inf(self) -> torch.Tensor | None:
-        """0-dim float32 tensor from the last ``unscale_`` (> 0 if any rank saw inf/NaN), or None."""
+        """0-dim float32 tensor from the last inf/NaN check (> 0 if any rank saw inf/NaN), or None."""
         return self._found_inf if self._enabled else None
 
     # ------------------------------------------------------------------ the iteration
 
     def scale(self, loss: torch.Tensor | Iterable[torch.Tensor]) -> Any:
-        """Return ``loss * scale`` (for a tensor, or elementwise for a list/tuple of tensors)."""
+        """Return ``loss * scale``: for a tensor; elementwise, keeping the structure, for nested
+        lists/tuples of tensors; lazily (a ``map``) for any other iterable, as GradScaler does."""
         if not self._enabled:
             return loss
         if isinstance(loss, torch.Tensor):
@@ -192,6 +391,8 @@ class DynamicLossScaler:
             return loss * self._scale.to(device=loss.device, non_blocking=True)
         if isinstance(loss, (list, tuple)):
             return type(loss)(self.scale(t) for t in loss)
+        if isinstance(loss, Iterable) and not isinstance(loss, (str, bytes)):
+            return map(self.scale, loss)
         raise TypeError(
             f"scale({type(loss).__name__}): pass the loss tensor (or a list/tuple of tensors), "
             "e.g. scaler.scale(loss).backward()"
@@ -221,18 +422,15 @@ class DynamicLossScaler:
         assert self._scale is not None
         # fp32 reciprocal can be off by an ulp under some compile options: compute it in float64.
         inv_scale = self._scale.double().reciprocal().float()
-        found_inf = self._unscale_grads(optimizer, inv_scale)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        state.found_inf = found_inf
+        self._record_found_inf(state, self._unscale_grads(optimizer, inv_scale))
         state.stage = OptState.UNSCALED
-        self._found_inf = found_inf
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """Unscale (unless ``unscale_`` was called) and call ``optimizer.step(*args, **kwargs)``
         unless a gradient is inf/NaN. Returns True if the step was applied.
 
-        This is the one host-device sync per iteration: it reads ``found_inf``.
+        An optimizer with ``_step_supports_amp_scaling`` (fused) unscales inside its own step;
+        see the module docs. This is the one host-device sync per iteration: it reads ``found_inf``.
         """
         if not self._enabled:
             optimizer.step(*args, **kwargs)
@@ -249,42 +447,32 @@ class DynamicLossScaler:
                 "step(optimizer): step() has already been called on this optimizer since the last "
                 "update(); call update() once per iteration, after all step() calls"
             )
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._step_unscaling_inside(optimizer, state, args, kwargs)
         if state.stage is OptState.READY:
             self.unscale_(optimizer)
-        assert state.found_inf is not None
-        applied = not bool(state.found_inf.item())  # the one host sync
+        applied = self._applied(state)
         if applied:
             optimizer.step(*args, **kwargs)
-        else:
-            self._skipped_steps += 1
         state.stage = OptState.STEPPED
         return applied
 
-    def update(self) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's inf checks (all optimizers), then reset every
-        optimizer to READY. No host sync."""
+        optimizer to READY. No host sync.
+
+        ``new_scale`` sets the scale instead (GradScaler's manual override): a number (validated,
+        within ``[min_scale, max_scale]``) or a one-element tensor on the scale's device type
+        without grad (its value is not checked: that would sync). The tensor is copied, so later
+        changes to it do not reach the scaler. The growth count and hysteresis budget are kept.
+        """
         if not self._enabled:
             return
         self._require_scale("update()")
-        found = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
-        if not found:
-            raise RuntimeError(
-                "update(): no gradients were unscaled or checked since the last update(); "
-                "call scaler.step(optimizer) (or scaler.unscale_(optimizer)) before update()"
-            )
-        assert self._scale is not None and self._growth_tracker is not None
-        found_inf = found[0]
-        for f in found[1:]:
-            found_inf = found_inf + f.to(self._scale.device, non_blocking=True)
-        found_inf = found_inf.to(self._scale.device, non_blocking=True)
-
-        if self._hysteresis == 1 and self._min_scale is None and self._max_scale is None:
-            torch._amp_update_scale_(
-                self._scale, self._growth_tracker, found_inf,
-                self._growth_factor, self._backoff_factor, self._growth_interval,
-            )
+        if new_scale is not None:
+            self._set_scale(new_scale)
         else:
-            self._update_general(found_inf > 0)
+            self._update_from_found_inf()
         self._per_optimizer.clear()
 
     # ------------------------------------------------------------------ checkpoints
@@ -320,7 +508,8 @@ class DynamicLossScaler:
         """Restore a state from :meth:`state_dict` (no-op when disabled).
 
         A ``torch.amp.GradScaler`` state dict (its five keys) is accepted too; the keys it lacks
-        keep this scaler's configuration, a full hysteresis budget and a zero skip count.
+        keep this scaler's configuration, a full hysteresis budget and a zero skip count. Every
+        value is validated first (ScalerConfigError naming the key); a bad state changes nothing.
         """
         if not self._enabled:
             return
@@ -336,26 +525,44 @@ class DynamicLossScaler:
             )
         missing = [k for k in _REQUIRED_KEYS if k not in state_dict]
         if missing:
-            raise ValueError(
+            raise ScalerConfigError(
                 f"load_state_dict(...): not a loss-scaler state dict, missing keys {missing} "
                 f"(got keys {sorted(state_dict)}); pass the dict returned by DynamicLossScaler.state_dict()"
             )
-        self._init_scale = float(state_dict["scale"])
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis))
-        self._init_hysteresis_left = int(state_dict.get("_hysteresis_left", self._hysteresis - 1))
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
-        self._max_scale = state_dict.get("max_scale", self._max_scale)
-        self._skipped_steps = int(state_dict.get("skipped_steps", 0))
+        new = self._settings_from(state_dict)
+        validate_scaler_settings(**new, names="state", what="load_state_dict")
+        self._init_scale = float(new["init_scale"])
+        self._growth_factor = float(new["growth_factor"])
+        self._backoff_factor = float(new["backoff_factor"])
+        self._growth_interval = int(new["growth_interval"])
+        self._init_growth_tracker = int(new["growth_tracker"])
+        self._hysteresis = int(new["hysteresis"])
+        self._consecutive_hysteresis = new["consecutive_hysteresis"]
+        self._init_hysteresis_left = int(new.get("hysteresis_left", self._hysteresis - 1))
+        self._min_scale = None if new["min_scale"] is None else float(new["min_scale"])
+        self._max_scale = None if new["max_scale"] is None else float(new["max_scale"])
+        self._skipped_steps = int(new["skipped_steps"])
         if self._scale is not None:
             assert self._growth_tracker is not None and self._hysteresis_left is not None
             self._scale.fill_(self._init_scale)
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._hysteresis_left.fill_(self._init_hysteresis_left)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle / deepcopy between iterations, as GradScaler: the scale and counters travel as
+        Python numbers and are re-created on the device of the next scaled loss."""
+        state = self.__dict__.copy()
+        if self._scale is not None:
+            if self._per_optimizer:
+                raise RuntimeError(
+                    "pickle/deepcopy(DynamicLossScaler): possible only between iterations, i.e. before "
+                    "this iteration's first unscale_()/step() or after update(); move it after update()"
+                )
+            sd = self.state_dict()
+            state.update(_init_scale=sd["scale"], _init_growth_tracker=sd["_growth_tracker"],
+                         _init_hysteresis_left=sd["_hysteresis_left"], _scale=None, _growth_tracker=None,
+                         _hysteresis_left=None)
+        return state
 
     # ------------------------------------------------------------------ internals
 
@@ -370,6 +577,105 @@ class DynamicLossScaler:
                 f"{call}: scale() has not been called yet, so there is nothing to unscale; "
                 "call scaler.scale(loss).backward() first in each iteration"
             )
+
+    def _record_found_inf(self, state: _PerOptimizer, found_inf: torch.Tensor) -> None:
+        """Make the local inf check global (MAX over ranks) and keep it for step() and update()."""
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        state.found_inf = found_inf
+        self._found_inf = found_inf
+
+    def _applied(self, state: _PerOptimizer) -> bool:
+        """Whether this optimizer's gradients were finite (the one host sync); counts a skip."""
+        assert state.found_inf is not None
+        applied = not bool(state.found_inf.item())
+        if not applied:
+            self._skipped_steps += 1
+        return applied
+
+    def _step_unscaling_inside(self, optimizer: torch.optim.Optimizer, state: _PerOptimizer,
+                               args: tuple, kwargs: dict) -> bool:
+        """GradScaler's contract for ``_step_supports_amp_scaling`` optimizers, minus the call on
+        a skipped step (see the module docs)."""
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            raise RuntimeError(
+                f"step({type(optimizer).__name__}): its step() takes a grad_scaler argument, GradScaler's "
+                "deprecated contract, which DynamicLossScaler does not support; make step() read "
+                "self.grad_scale and self.found_inf instead (PyTorch's current contract)"
+            )
+        assert self._scale is not None
+        unscaled = state.stage is OptState.UNSCALED
+        if not unscaled:  # check only (a multiplier of 1): the optimizer divides by grad_scale itself
+            self._record_found_inf(state, self._unscale_grads(optimizer, torch.ones_like(self._scale)))
+        preset = getattr(optimizer, "grad_scale", None)
+        applied = self._applied(state)
+        try:
+            if applied:
+                optimizer.grad_scale = preset if unscaled else (
+                    self._scale.clone() if preset is None else self._scale * preset)
+                optimizer.found_inf = state.found_inf
+                optimizer.step(*args, **kwargs)
+        finally:
+            for name in ("grad_scale", "found_inf"):
+                optimizer.__dict__.pop(name, None)
+        state.stage = OptState.STEPPED
+        return applied
+
+    def _set_scale(self, new_scale: Any) -> None:
+        assert self._scale is not None
+        if not isinstance(new_scale, torch.Tensor):
+            validate_scaler_settings(init_scale=new_scale, min_scale=self._min_scale, max_scale=self._max_scale,
+                                     names={"init_scale": "new_scale"}, what="update")
+            self._scale.fill_(float(new_scale))
+            return
+        if new_scale.numel() != 1 or new_scale.requires_grad or new_scale.device.type != self._scale.device.type:
+            raise ValueError(
+                "update(new_scale=...): new_scale should be a float or a 1-element tensor with "
+                f"requires_grad=False on {self._scale.device.type}; got shape {tuple(new_scale.shape)}, "
+                f"requires_grad={new_scale.requires_grad}, device {new_scale.device}"
+            )
+        self._scale.copy_(new_scale.detach().reshape(()))
+
+    def _update_from_found_inf(self) -> None:
+        found = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
+        if not found:
+            raise RuntimeError(
+                "update(): no gradients were unscaled or checked since the last update(); "
+                "call scaler.step(optimizer) (or scaler.unscale_(optimizer)) before update()"
+            )
+        assert self._scale is not None and self._growth_tracker is not None
+        found_inf = found[0]
+        for f in found[1:]:
+            found_inf = found_inf + f.to(self._scale.device, non_blocking=True)
+        found_inf = found_inf.to(self._scale.device, non_blocking=True)
+
+        if self._hysteresis == 1 and self._min_scale is None and self._max_scale is None:
+            torch._amp_update_scale_(
+                self._scale, self._growth_tracker, found_inf,
+                self._growth_factor, self._backoff_factor, self._growth_interval,
+            )
+        else:
+            self._update_general(found_inf > 0)
+
+    def _settings_from(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """A state dict's values under validate_scaler_settings' names; this scaler's for the keys
+        a GradScaler state lacks."""
+        get = state_dict.get
+        new = {
+            "init_scale": state_dict["scale"],
+            "growth_factor": state_dict["growth_factor"],
+            "backoff_factor": state_dict["backoff_factor"],
+            "growth_interval": state_dict["growth_interval"],
+            "growth_tracker": state_dict["_growth_tracker"],
+            "hysteresis": get("hysteresis", self._hysteresis),
+            "consecutive_hysteresis": get("consecutive_hysteresis", self._consecutive_hysteresis),
+            "min_scale": get("min_scale", self._min_scale),
+            "max_scale": get("max_scale", self._max_scale),
+            "skipped_steps": get("skipped_steps", 0),
+        }
+        if "_hysteresis_left" in state_dict:
+            new["hysteresis_left"] = state_dict["_hysteresis_left"]
+        return new
 
     def _unscale_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor) -> torch.Tensor:
         """Fused unscale + inf/NaN check per (device, dtype) group; returns found_inf on the
