@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from mixprec.errors import ConfigError, RecipeError
+from mixprec.errors import ConfigError, RecipeError, ScalerConfigError
 from mixprec.precision import RecipeConfig, ScalerConfig
 from mixprec.train.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
@@ -76,7 +76,7 @@ def test_validation_names_the_flag(flags, match):
 def test_recipe_section_validates_name_and_scaler():
     with pytest.raises(RecipeError, match="unknown precision"):
         TrainConfig.from_flags(precision="fp7").validate()
-    with pytest.raises(RecipeError, match="--growth-factor"):
+    with pytest.raises(ScalerConfigError, match="--growth-factor"):
         TrainConfig.from_flags(growth_factor=0.5).validate()
 
 
@@ -86,3 +86,14 @@ def test_for_recipe_drops_stochastic_rounding_where_params_are_fp32():
     drop, notes2 = rc.for_recipe("amp")
     assert keep.stochastic_rounding and not notes and keep.precision == "bf16-true"
     assert not drop.stochastic_rounding and "does not apply" in notes2[0] and drop.precision == "fp16-mixed"
+
+
+@pytest.mark.parametrize("flags, match", [
+    ({"init_scale": float("inf")}, "--init-scale"),
+    ({"growth_factor": float("nan")}, "--growth-factor"),
+    ({"growth_interval": 2.5}, "--growth-interval"),
+    ({"growth_interval": "10"}, "--growth-interval"),
+])
+def test_scaler_section_uses_the_scalers_own_validation(flags, match):
+    with pytest.raises(ScalerConfigError, match=match):
+        TrainConfig.from_flags(**flags).validate()

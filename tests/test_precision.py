@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.errors import NonFiniteError, RecipeError
+from mixprec.errors import NonFiniteError, RecipeError, ScalerConfigError
 from mixprec.precision import ALIASES, RECIPES, ScalerConfig, build_recipe, resolve_recipe
 
 
@@ -28,7 +28,7 @@ def test_unknown_recipe_lists_valid_names():
                                      (dict(backoff_factor=1.0), "--backoff-factor"),
                                      (dict(growth_interval=0), "--growth-interval")])
 def test_bad_scaler_config_names_the_flag(kw, flag):
-    with pytest.raises(RecipeError, match=flag):
+    with pytest.raises(ScalerConfigError, match=flag):
         build_recipe("amp", scaler=ScalerConfig(**kw))
 
 

@@ -152,16 +152,12 @@ class ScalerConfig:
     """Overflows tolerated before backing off (scratch scaler only; 1 = GradScaler semantics)."""
 
     def validate(self) -> None:
-        if not self.init_scale > 0:
-            raise RecipeError(f"--init-scale must be > 0, got {self.init_scale}")
-        if not self.growth_factor > 1.0:
-            raise RecipeError(f"--growth-factor must be > 1, got {self.growth_factor}")
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise RecipeError(f"--backoff-factor must be in (0, 1), got {self.backoff_factor}")
-        if self.growth_interval < 1:
-            raise RecipeError(f"--growth-interval must be >= 1, got {self.growth_interval}")
-        if self.hysteresis < 1:
-            raise RecipeError(f"--hysteresis must be >= 1, got {self.hysteresis}")
+        """Raise ScalerConfigError (exit 2) naming the flag: the scaler's own validation, one for all callers."""
+        from .scaler import validate_scaler_settings
+
+        validate_scaler_settings(init_scale=self.init_scale, growth_factor=self.growth_factor,
+                                 backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
+                                 hysteresis=self.hysteresis)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
