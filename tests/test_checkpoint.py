@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from mixprec.errors import CheckpointError
+from mixprec.errors import CheckpointError, OutputError
 from mixprec.train.checkpoint import load_checkpoint, save_checkpoint
 from mixprec.train.config import TrainConfig
 from mixprec.train.loop import train
@@ -73,16 +73,18 @@ def test_killed_run_resumes_bit_identically(tmp_path):
     _assert_identical(_params(full / "last.pt"), _params(killed / "last.pt"))
 
 
-def test_atomic_save_never_leaves_half_a_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64")])
+def test_atomic_save_never_leaves_half_a_file(tmp_path, monkeypatch, error):
     path = tmp_path / "last.pt"
     save_checkpoint(path, {"x": torch.ones(3)})
     good = path.read_bytes()
 
     def boom(*a, **k):
-        raise OSError("disk full")
+        raise error
 
     monkeypatch.setattr(torch, "save", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(OutputError, match="could not write the checkpoint .*last.pt.*intact"):
         save_checkpoint(path, {"x": torch.zeros(3)})
     assert path.read_bytes() == good
     assert os.listdir(tmp_path) == ["last.pt"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from .bench import command as bench_command
 from .doctor import command as doctor_command
-from .errors import UsageError
+from .errors import OutputError, UsageError
 from .train import command as train_command
 
 __all__ = ["main", "build_parser"]
@@ -37,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"mixprec {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OutputError as e:
+        print(f"mixprec {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("mixprec: interrupted; the last checkpoint written (if --out was given) is intact", file=sys.stderr)
         return 130

@@ -8,7 +8,8 @@ and name the fix.
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "RecipeError", "ConfigError", "CheckpointError", "ScalerConfigError", "NonFiniteError"]
+__all__ = ["UsageError", "RecipeError", "ConfigError", "CheckpointError", "ScalerConfigError", "NonFiniteError",
+           "OutputError"]
 
 
 class UsageError(ValueError):
@@ -45,3 +46,8 @@ class NonFiniteError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.what = what
+
+
+class OutputError(RuntimeError):
+    """Writing a run's output (checkpoint, metrics) failed during the run — disk full, folder gone. The CLI
+    prints the one-line message and exits 1; what was written before is intact."""

@@ -471,6 +471,23 @@ class Recipe:
                 "loss_scaling": s.loss_scaling, "master_weights": s.master_weights, "emulated": self.emulate,
                 "stochastic_rounding": self.stochastic_rounding}
 
+    def nonfinite_remedies(self) -> str:
+        """What to try when this recipe's run went non-finite (never suggests the recipe itself)."""
+        s = self.spec
+        tips = ["lower --lr", "add --clip-grad-norm 1.0"]
+        if s.param_dtype != torch.float32 and not s.master_weights:
+            tips.append(f"keep fp32 master weights (--precision {_dtype_name(s.compute_dtype)}-master)")
+        if s.compute_dtype == torch.float16 and not s.loss_scaling:
+            tips.append("use a loss-scaled recipe (fp16-mixed)")
+        if s.compute_dtype != torch.float32 and s.name != "bf16-mixed":
+            tips.append("try bf16-mixed (fp32's exponent range)")
+        elif s.compute_dtype != torch.float32:
+            tips.append("compare with --precision fp32: if it diverges too, precision is not the cause")
+        else:
+            tips.append("this recipe computes in fp32, so precision is not the cause")
+        tips.append("run `mixprec doctor` to locate the first non-finite op")
+        return ", ".join(tips)
+
     @property
     def label(self) -> str:
         """``name [impl]`` for autocast recipes (where the mechanism matters), else the name."""

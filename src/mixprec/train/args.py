@@ -118,6 +118,8 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="also every N steps")
     g.add_argument("--resume", default=None, metavar="DIR|FILE", help="resume from a checkpoint")
     g.add_argument("--metrics-json", default=None, metavar="PATH", help="write metrics as JSON")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace a checkpoint already in --out that this run does not --resume from")
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..precision import RecipeConfig, ScalerConfig
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "OPTIMIZERS", "STRATEGIES",
-           "RESUME_MUST_MATCH"]
+           "RESUME_MAY_CHANGE"]
 
 OPTIMIZERS = ("sgd", "adamw")
 STRATEGIES = ("none", "ddp", "fsdp")
@@ -103,6 +103,10 @@ class OptimConfig:
     def validate(self) -> None:
         for flag in ("epochs", "batch_size", "lr"):
             _positive(flag, getattr(self, flag))
+        for flag in ("lr", "momentum", "weight_decay"):  # the optimizers multiply fp32 tensors by them
+            if isinstance(getattr(self, flag), (int, float)) and abs(getattr(self, flag)) > _F32_MAX:
+                raise ConfigError(f"--{flag.replace('_', '-')} {getattr(self, flag):g} does not fit in float32 "
+                                  f"(max {_F32_MAX:.3g}); use a sane value")
         for flag in ("clip_grad_norm", "max_steps"):
             _positive(flag, getattr(self, flag), allow_none=True)
         for flag in ("momentum", "weight_decay"):
@@ -136,6 +140,8 @@ class RunConfig:
     """Also checkpoint every N optimizer steps."""
     resume: str | None = None
     """Checkpoint file or folder to resume from."""
+    overwrite: bool = False
+    """Allow replacing a checkpoint in ``out`` that this run did not resume from."""
     metrics_json: str | None = None
     """Write per-epoch records and the summary as JSON here."""
     max_consecutive_skips: int = 100
@@ -145,6 +151,8 @@ class RunConfig:
     stop on divergence (debug; one all-gather each time)."""
 
     def validate(self) -> None:
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63):
+            raise ConfigError(f"--seed must be an integer in [0, 2^63), got {self.seed!r}")
         for flag in ("checkpoint_every", "check_consistency"):
             _positive(flag, getattr(self, flag), allow_none=True)
         if self.log_every < 0:
@@ -157,6 +165,9 @@ class RunConfig:
             raise ConfigError(f"unknown --strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
         if self.max_consecutive_skips < 1:
             raise ConfigError("--max-consecutive-skips must be >= 1")
+
+
+_F32_MAX = 3.4028234663852886e38
 
 
 def _positive(flag: str, value: Any, allow_none: bool = False) -> None:
@@ -273,9 +284,9 @@ class TrainConfig:
             getattr(self, section).validate()
 
 
-RESUME_MUST_MATCH = (
-    "precision", "model", "width", "depth", "channels", "d_model", "n_heads", "n_layers", "patch_size",
-    "dataset", "synthetic_train", "synthetic_shape", "limit_train", "batch_size", "optimizer", "seed",
-    "strategy", "grad_accum",
-)
-"""Flags a resumed run must share with the checkpoint's run (others, like --epochs, may change)."""
+RESUME_MAY_CHANGE = ("epochs", "max_steps", "out", "checkpoint_every", "resume", "overwrite", "metrics_json",
+                     "log_every", "progress", "device", "data_dir", "limit_test", "check_consistency",
+                     "max_consecutive_skips")
+"""Flags a resumed run may change: how long to train, where outputs go, what is shown. Every other flag
+(recipe, mechanism, loss scaler, optimizer and its hyperparameters, model, data, seed, processes) must equal
+the checkpoint's, or the resumed run would not be the run that was saved."""

@@ -24,6 +24,7 @@ from .build import Run, build_run
 from .checkpoint import Checkpointer, TrainState
 from .config import TrainConfig
 from .meter import EpochMeter
+from .outputs import check_outputs
 from .report import Reporter, summary_table
 from .step import accumulate_step, evaluate
 from .stops import StopRules
@@ -41,6 +42,7 @@ class TrainResult:
 
 def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | None = None) -> TrainResult:
     """Train per ``config``; returns per-epoch history and the summary (also written per --metrics-json)."""
+    check_outputs(config.run)  # before anything is built: a bad path costs nothing
     run = run or build_run(config)
     reporter = reporter or Reporter(progress=config.run.progress, rank=run.rank)
     _announce(run, reporter)
@@ -58,14 +60,16 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
             meter, stopped = _train_epoch(run, state, epoch, total, checkpointer, reporter, bar)
             epoch_time = meter.elapsed()
             state.skipped_total += meter.skipped
-            if meter.n_steps == 0:
-                break
+            if meter.n_steps == 0:  # an old checkpoint taken at the end of this epoch: go on with the next
+                continue
             rec = meter.record(epoch, epoch_time, *evaluate(run.ctx, run.data.x_test, run.data.y_test))
             state.history.append(rec)
             reporter.epoch_done(rec, run.recipe.name)
+            stopped = stopped or StopRules.after_epoch(rec) or checkpointer.after_epoch(state, epoch, meter)
             if stopped:
                 break
-            checkpointer.after_epoch(state, epoch, meter.pos, len(run.train_loader))
+    if stopped:
+        reporter.error(stopped)
     summary = summarize(run, state, stopped)
     reporter.summary(summary_table([summary]))
     _write_metrics(run, state.history, summary)
@@ -78,8 +82,9 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
     loader, accum, log_every = run.train_loader, run.config.optim.grad_accum, run.config.run.log_every
     loader.set_epoch(epoch)
     first, state.batch = state.batch, 0  # a resumed epoch starts mid-way, the next ones at 0
-    steps_per_epoch = math.ceil(len(loader) / accum)
-    meter = EpochMeter(run, sample_at=min(1, steps_per_epoch - 1) * accum, first_batch=first)
+    partial, state.partial = state.partial, None
+    meter = EpochMeter(run, sample_at=min(1, math.ceil(len(loader) / accum) - 1) * accum, first_batch=first,
+                       partial=partial)
     stops = StopRules(run)
     for batch_idx, micro_batches in _step_batches(loader, accum, first):
         if state.global_step >= total:
@@ -89,7 +94,7 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
             loss, res = accumulate_step(run.ctx, micro_batches, step=state.global_step, tracker=tracker)
         except NonFiniteError as e:
             e.step = state.global_step
-            return meter, _stop_nonfinite(run, e, state, epoch, batch_idx, checkpointer, reporter)
+            return meter, _stop_nonfinite(run, e, state, epoch, batch_idx, checkpointer, meter)
         meter.step_done(loss, res, batch_idx + len(micro_batches), tracker)
         state.global_step += 1
         state.consecutive_skips = state.consecutive_skips + 1 if res.skipped else 0
@@ -98,10 +103,11 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
                          f"Loss: {distributed.mean_over_ranks(loss).item():.4f}")
         bar.advance()
         stop = stops.after_step(state, meter.skipped)
+        if stop:  # the state is the last good one (skipped steps change nothing): keep it
+            return meter, (checkpointer.save(state, epoch, meter.pos, meter) or stop)
+        stop = checkpointer.after_step(state, epoch, meter)
         if stop:
-            reporter.error(stop)
             return meter, stop
-        checkpointer.after_step(state, epoch, meter.pos)
     return meter, None
 
 
@@ -144,16 +150,11 @@ def _announce(run: Run, reporter: Reporter) -> None:
 
 
 def _stop_nonfinite(run: Run, e: NonFiniteError, state: TrainState, epoch: int, batch_idx: int,
-                    checkpointer: Checkpointer, reporter: Reporter) -> str:
-    """Save the last good state (if the params are still finite) and explain what to do."""
-    kept = checkpointer.keep_last_good(state, epoch, batch_idx, e.step)
-    msg = (
-        f"non-finite {e.what} at step {e.step} (epoch {epoch}, batch {batch_idx}) with {run.recipe.name}, which has "
-        f"no loss scaler to skip such steps{kept}. Remedies: lower --lr, add --clip-grad-norm 1.0, use a "
-        "loss-scaled recipe (fp16-mixed) or bf16-mixed, or run `mixprec doctor` to locate the first non-finite op"
-    )
-    reporter.error(msg)
-    return msg
+                    checkpointer: Checkpointer, meter: EpochMeter) -> str:
+    """Save the last good state (if it is still finite) and explain what to do."""
+    kept = checkpointer.keep_last_good(state, epoch, batch_idx, e.step, meter)
+    return (f"non-finite {e.what} at step {e.step} (epoch {epoch}, batch {batch_idx}) with {run.recipe.name}, which "
+            f"has no loss scaler to skip such steps{kept}. Remedies: {run.recipe.nonfinite_remedies()}")
 
 
 def summarize(run: Run, state: TrainState, stopped: str | None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ class EpochMeter:
             warm-up, when optimizer state exists).
     """
 
-    def __init__(self, run: Run, *, sample_at: int, first_batch: int) -> None:
+    def __init__(self, run: Run, *, sample_at: int, first_batch: int, partial: dict[str, Any] | None = None) -> None:
         self.run = run
         self.sample_at = sample_at
         self.pos = first_batch
@@ -41,9 +41,32 @@ class EpochMeter:
         self.step_times: list[float] = []
         self.skipped = 0
         self.n_steps = 0
-        self.memory: MemoryReport | None = None
+        self.memory: MemoryReport | dict | None = None
+        self.elapsed_before = 0.0
+        """Wall time the epoch had already run before a resume."""
+        if partial:
+            self._load_state_dict(partial)
         hardware.synchronize(run.device)
         self.t_start = self.t_prev = time.perf_counter()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running sums a mid-epoch checkpoint keeps, so a resumed epoch reports all its steps."""
+        return {
+            "n_steps": self.n_steps, "skipped": self.skipped, "step_times": list(self.step_times),
+            "loss_sum": self.loss_sum.detach().cpu(),
+            "losses": torch.stack(self.losses).detach().float().cpu() if self.losses else torch.zeros(0),
+            "memory": self.memory.to_dict() if isinstance(self.memory, MemoryReport) else self.memory,
+            "elapsed": self.elapsed_before + time.perf_counter() - self.t_start,
+        }
+
+    def _load_state_dict(self, d: dict[str, Any]) -> None:
+        dev = self.run.device
+        self.n_steps, self.skipped = int(d["n_steps"]), int(d["skipped"])
+        self.step_times = [float(t) for t in d["step_times"]]
+        self.loss_sum = d["loss_sum"].to(device=dev, dtype=torch.float64)
+        self.losses = list(d["losses"].to(dev).unbind(0))
+        self.memory = d.get("memory")
+        self.elapsed_before = float(d["elapsed"])
 
     def tracker_for(self, batch_idx: int) -> SavedTensorTracker | None:
         """A saved-tensor tracker when this step is the sampled one (CUDA peak stats reset too)."""
@@ -78,7 +101,8 @@ class EpochMeter:
     def elapsed(self) -> float:
         """Wall time of the epoch's steps (synchronized; the slowest rank's under torchrun)."""
         hardware.synchronize(self.run.device)
-        return distributed.max_over_ranks(time.perf_counter() - self.t_start, self.run.device)
+        return distributed.max_over_ranks(self.elapsed_before + time.perf_counter() - self.t_start,
+                                          self.run.device)
 
     def record(self, epoch: int, epoch_time: float, test_accuracy: float, test_loss: float) -> dict[str, Any]:
         """The epoch's history entry (reads the losses on the host, once)."""
@@ -97,5 +121,5 @@ class EpochMeter:
             "loss_curve": curve,
             "skipped_steps": self.skipped,
             "loss_scale": run.recipe.loss_scale(),
-            "memory": self.memory.to_dict() if self.memory else None,
+            "memory": self.memory.to_dict() if isinstance(self.memory, MemoryReport) else self.memory,
         }

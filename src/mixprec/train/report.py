@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import OutputError
+
 __all__ = ["Reporter", "summary_table", "write_json", "format_bytes"]
 
 
@@ -122,20 +124,30 @@ def _finite(x: Any) -> bool:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
+    """Write JSON atomically (temp file + rename); a failed write raises OutputError naming the path and
+    leaves any previous file there intact."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
+    tmp = None
     try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(_clean(obj), f, indent=2, default=str, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
+    except OSError as e:
+        _unlink(tmp)
+        raise OutputError(f"could not write {path} ({e.strerror or e})") from None
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _unlink(tmp)
         raise
+
+
+def _unlink(path: str | None) -> None:
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _clean(o: Any) -> Any:

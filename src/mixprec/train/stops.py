@@ -3,6 +3,9 @@
 - Too many skipped steps in a row (``--max-consecutive-skips``): a loss scaler that backs off forever means
   the loss itself is non-finite, and more steps will not fix it.
 - Ranks that diverged (``--check-consistency N``, debug): loss scale, skipped steps or parameters differ.
+- After an epoch: most of its steps were skipped, or its mean training loss is not finite. A loss scaler
+  that skips nearly every step trains nothing, whatever ``--max-consecutive-skips`` allows, so such a run
+  is a failure with its reason, never a success with ``final_train_loss: null``.
 
 A non-finite loss without a loss scaler stops the run too, but inside the step (the recipe raises before
 backward), so the loop handles it where the step is taken.
@@ -10,7 +13,8 @@ backward), so the loop handles it where the step is taken.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
 from . import distributed
 from .checkpoint import TrainState
@@ -44,3 +48,20 @@ class StopRules:
             except distributed.RankDivergenceError as e:
                 return str(e)
         return None
+
+    @staticmethod
+    def after_epoch(record: dict[str, Any]) -> str | None:
+        """Why an epoch that ran must count as a failure, or None."""
+        steps, skipped = record["steps"], record["skipped_steps"]
+        if skipped >= MIN_SKIPPED and 2 * skipped > steps:
+            return (f"epoch {record['epoch']}: {skipped} of {steps} optimizer steps were skipped for inf/nan "
+                    "gradients, so the model barely trained; the loss is likely non-finite — lower --lr, add "
+                    "--clip-grad-norm, or run `mixprec doctor` to find the layer")
+        if not math.isfinite(record["train_loss"]):
+            return (f"epoch {record['epoch']}: the mean training loss is {record['train_loss']} — the run diverged; "
+                    "lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer")
+        return None
+
+
+MIN_SKIPPED = 3
+"""An epoch fails on skips only from this many on: a loss scaler calibrating its first steps may skip a few."""
