@@ -196,6 +196,18 @@ def test_fsdp_stopped_and_resumed_ends_bit_identical(tmp_path, fsdp_digits):
     _assert_identical(_model(d / "out"), _model(part))
 
 
+@pytest.mark.slow
+def test_fsdp_resumes_a_stateless_optimizer(tmp_path):
+    """SGD without momentum has no tensor state; torch's full-state loader asserted on it (issue 11)."""
+    args = [a if a != "0.9" else "0" for a in SYNTH] + ["--strategy", "fsdp"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    _torchrun(*args, "--out", full)
+    _torchrun(*args, "--out", part, "--max-steps", 5)
+    r = _torchrun(*args, "--out", part, "--resume", part)
+    assert "resumed from" in r.stdout
+    _assert_identical(_model(full), _model(part))
+
+
 # ------------------------------------------------------------------------------------ DDP kill and resume
 
 

@@ -187,11 +187,14 @@ class RecipeConfig:
         the same comparison runs without it instead of failing the whole matrix."""
         spec = resolve_recipe(name)
         notes = []
-        sr = self.stochastic_rounding
-        if sr and spec.param_dtype == torch.float32:
-            sr = False
+        changes: dict[str, Any] = {"precision": spec.name}
+        if self.stochastic_rounding and spec.param_dtype == torch.float32:
+            changes["stochastic_rounding"] = False
             notes.append("--stochastic-rounding does not apply (fp32 params) and is off for this recipe")
-        return dataclasses.replace(self, precision=spec.name, stochastic_rounding=sr), notes
+        if not spec.loss_scaling and self.scaler != RecipeConfig().scaler:
+            changes["scaler"] = RecipeConfig().scaler
+            notes.append("the loss-scaler flags do not apply (no loss scaling) and are off for this recipe")
+        return dataclasses.replace(self, **changes), notes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -626,6 +629,11 @@ def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, impl: str, de
         raise RecipeError(
             f"--stochastic-rounding rounds updates into low-precision params, but {spec.name} keeps fp32 params; "
             "use it with bf16-true, bf16-master or fp16-master"
+        )
+    if not spec.loss_scaling and config.scaler != RecipeConfig().scaler:
+        raise RecipeError(
+            f"--init-scale/--growth-factor/--backoff-factor/--growth-interval/--hysteresis set the dynamic loss "
+            f"scaler, which {spec.name} does not have; drop them, or use a loss-scaled recipe (fp16-mixed, fp16-master)"
         )
     if config.keep_fp32 and impl == "native":
         raise RecipeError(

@@ -9,14 +9,17 @@ where the recipe has them) → the rank's loader.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import hardware
+from ..errors import ConfigError
 from ..precision import Recipe, build_recipe
 from . import distributed
 from .config import DataConfig, ModelConfig, OptimConfig, TrainConfig
@@ -98,6 +101,21 @@ def model_from_config(config: ModelConfig, data: Dataset) -> nn.Module:
     return build_model(name, input_shape=data.input_shape, num_classes=data.num_classes, **options)
 
 
+@contextlib.contextmanager
+def _allocation_is_a_usage_error(config: ModelConfig) -> Iterator[None]:
+    """A model too big for this machine is a setting to change, not a crash: say how much was asked."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if "allocate" not in text and "out of memory" not in text.lower():
+            raise
+        asked = re.search(r"allocate (\d+) bytes", text)
+        size = f" ({int(asked.group(1)) / 2**30:.1f} GiB for one tensor)" if asked else ""
+        raise ConfigError(f"model {config.name} does not fit in memory{size}; lower its size flags "
+                          "(--width, --depth, --channels, --d-model, --n-layers)") from None
+
+
 def build_run(
     config: TrainConfig,
     *,
@@ -121,10 +139,11 @@ def build_run(
     recipe = build_recipe(config.recipe, device=device, seed=seed, world_size=env.world_size)
     if data is None:
         data = load_data(config.data, seed=seed)
-    if model is None:
-        torch.manual_seed(seed)
-        model = model_from_config(config.model, data)
-    model = recipe.convert_module(model)
+    with _allocation_is_a_usage_error(config.model):
+        if model is None:
+            torch.manual_seed(seed)
+            model = model_from_config(config.model, data)
+        model = recipe.convert_module(model)
     model = distributed.wrap_model(model, recipe, config.run.strategy, device)  # DDP / FSDP2, or as it is
     optimizer = recipe.build_optimizer(model, make_optimizer or optimizer_factory(config.optim))
     loader = data.loader(config.optim.batch_size, seed=seed, rank=env.rank, world_size=env.world_size)

@@ -328,10 +328,22 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_s
 
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, model_state, options=opts)
-        set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+        if _has_tensor_state(optim_state):
+            set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+        else:
+            # Stateless optimizers (SGD without momentum) have nothing to distribute, and torch's full-state
+            # loader asserts on an optimizer without tensor state ("Expected device to be set"): only the
+            # hyperparameters of the param groups need restoring.
+            for group, saved in zip(optimizer.param_groups, optim_state["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
         return
     unwrap(model).load_state_dict(model_state)
     optimizer.load_state_dict(optim_state)
+
+
+def _has_tensor_state(optim_state: dict) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.dim() > 0
+               for st in optim_state.get("state", {}).values() for v in st.values())
 
 
 # ---------------------------------------------------------------------------------------- consistency

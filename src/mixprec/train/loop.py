@@ -65,7 +65,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
             rec = meter.record(epoch, epoch_time, *evaluate(run.ctx, run.data.x_test, run.data.y_test))
             state.history.append(rec)
             reporter.epoch_done(rec, run.recipe.name)
-            stopped = stopped or StopRules.after_epoch(rec) or checkpointer.after_epoch(state, epoch, meter)
+            stopped = stopped or checkpointer.after_epoch(state, epoch, meter) or StopRules.after_epoch(rec)
             if stopped:
                 break
     if stopped:

@@ -1,0 +1,282 @@
+"""Issue 11 — nothing lost, nothing silent: `mixprec train` against careless and unlucky users.
+
+Every CLI case asserts the exit code, a one-line message, no traceback, and that files the user had are unchanged.
+"""
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+import mixprec.train.loop as loop_mod
+from conftest import run_cli_subprocess
+from mixprec.errors import CheckpointError, RecipeError
+from mixprec.precision import build_recipe
+from mixprec.train.checkpoint import load_checkpoint, save_checkpoint
+from mixprec.train.config import TrainConfig
+from mixprec.train.loop import train
+
+TINY = ["--dataset", "digits", "--model", "mlp", "--width", "32", "--depth", "1", "--batch-size", "256",
+        "--log-every", "0", "--progress", "off"]  # 6 steps per epoch
+FLAGS = dict(dataset="digits", model="mlp", width=32, depth=1, batch_size=256, log_every=0, progress="off")
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def _one_line_error(code, err, expect_code=2, match=""):
+    assert code == expect_code, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert match in lines[0], lines[0]
+
+
+def _params(path):
+    return torch.load(os.path.join(path, "last.pt"), weights_only=True)["model"]
+
+
+# ------------------------------------------------------------------------------------------ data loss
+
+
+def test_a_crash_during_the_end_of_epoch_evaluation_resumes_into_that_evaluation(tmp_path, monkeypatch):
+    full, part = tmp_path / "full", tmp_path / "part"
+    ref = train(TrainConfig.from_flags(**FLAGS, epochs=2, out=str(full)))
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # what SIGINT/SIGTERM/SIGKILL leave: the checkpoint of the last step, no eval
+
+    with monkeypatch.context() as m:
+        m.setattr(loop_mod, "evaluate", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(TrainConfig.from_flags(**FLAGS, epochs=2, out=str(part), checkpoint_every=6))
+    ck = load_checkpoint(part)
+    assert (ck["epoch"], ck["batch"], ck["global_step"]) == (0, 6, 6) and ck["partial"]["n_steps"] == 6
+    resumed = train(TrainConfig.from_flags(**FLAGS, epochs=2, out=str(part), checkpoint_every=6, resume=str(part)))
+    assert [h["epoch"] for h in resumed.history] == [0, 1]  # the lost evaluation was redone, then epoch 1 ran
+    assert [h["steps"] for h in resumed.history] == [6, 6]
+    for a, b in zip(ref.history, resumed.history):
+        assert a["train_loss"] == b["train_loss"] and a["test_accuracy"] == b["test_accuracy"]
+    for k, v in _params(full).items():
+        assert torch.equal(v, _params(part)[k]), k
+
+
+def test_mid_epoch_resume_reports_the_whole_epoch(tmp_path):
+    ref = train(TrainConfig.from_flags(**FLAGS, epochs=1))
+    out = tmp_path / "o"
+    train(TrainConfig.from_flags(**FLAGS, epochs=1, out=str(out), max_steps=4))
+    resumed = train(TrainConfig.from_flags(**FLAGS, epochs=1, out=str(out), resume=str(out), overwrite=False))
+    rec = resumed.history[-1]
+    assert rec["steps"] == 6 and rec["loss_curve"] == ref.history[0]["loss_curve"]
+    assert rec["train_loss"] == ref.history[0]["train_loss"]
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--resume", ""], "--resume is empty"),
+    (["--out", ""], "--out is empty"),
+    (["--metrics-json", ""], "--metrics-json is empty"),
+])
+def test_empty_paths_are_refused(cli, tmp_path, monkeypatch, flags, match):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("train", *TINY, "--epochs", "1", *flags)
+    _one_line_error(code, err, match=match)
+    assert os.listdir(tmp_path) == []
+
+
+def test_out_holding_another_runs_checkpoint_needs_resume_or_overwrite(cli, tmp_path):
+    out = tmp_path / "o"
+    assert cli("train", *TINY, "--epochs", "1", "--out", out)[0] == 0
+    before = _digest(out / "last.pt")
+    code, _, err = cli("train", *TINY, "--epochs", "1", "--seed", "1", "--out", out)
+    _one_line_error(code, err, match="already holds a checkpoint")
+    assert _digest(out / "last.pt") == before
+    assert cli("train", *TINY, "--epochs", "2", "--out", out, "--resume", out)[0] == 0
+    assert cli("train", *TINY, "--epochs", "1", "--seed", "1", "--out", out, "--overwrite")[0] == 0
+
+
+@pytest.mark.parametrize("target", ["checkpoint", "folder"])
+def test_metrics_json_cannot_destroy_the_checkpoint_or_be_a_folder(cli, tmp_path, target):
+    out = tmp_path / "o"
+    assert cli("train", *TINY, "--epochs", "1", "--out", out)[0] == 0
+    before = _digest(out / "last.pt")
+    path = out / "last.pt" if target == "checkpoint" else out
+    code, _, err = cli("train", *TINY, "--epochs", "2", "--out", out, "--resume", out, "--metrics-json", path)
+    _one_line_error(code, err, match="--metrics-json")
+    assert _digest(out / "last.pt") == before
+
+
+@pytest.mark.parametrize("make", ["file_as_folder", "below_a_file", "read_only"])
+def test_unwritable_outputs_are_refused_before_the_first_step(cli, tmp_path, make, monkeypatch):
+    blocker = tmp_path / "f"
+    blocker.write_text("mine")
+    if make == "file_as_folder":
+        flags = ["--out", blocker]
+    elif make == "below_a_file":
+        flags = ["--metrics-json", blocker / "m.json"]
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        if os.geteuid() == 0:  # root writes anywhere: simulate the read-only filesystem
+            import tempfile
+
+            def refuse(*a, **k):
+                raise PermissionError(30, "Read-only file system")
+
+            monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+        flags = ["--out", ro / "run"]
+    steps = []
+    monkeypatch.setattr(loop_mod, "accumulate_step", lambda *a, **k: steps.append(1))
+    code, _, err = cli("train", *TINY, "--epochs", "1", *flags)
+    _one_line_error(code, err, match="--")
+    assert steps == [] and blocker.read_text() == "mine"
+
+
+def test_nonfinite_weights_are_never_saved_and_never_exit_0(cli, tmp_path):
+    out = tmp_path / "o"
+    code, out_text, err = cli("train", *TINY, "--precision", "fp16-master", "--lr", "1e38", "--epochs", "2",
+                              "--out", out)
+    assert code == 1 and "non-finite" in err and "Traceback" not in err
+    if (out / "last.pt").exists():
+        assert all(torch.isfinite(v).all() for v in _params(out).values() if v.is_floating_point())
+
+
+def test_a_run_that_skips_nearly_every_step_fails_and_keeps_its_state(cli, tmp_path):
+    out = tmp_path / "o"
+    code, _, err = cli("train", *TINY, "--precision", "fp16-mixed", "--lr", "1e30", "--epochs", "2", "--out", out)
+    assert code == 1 and "were skipped" in err and "Traceback" not in err
+    assert (out / "last.pt").exists()
+
+
+def test_stopping_on_consecutive_skips_writes_last_pt(cli, tmp_path):
+    out = tmp_path / "o"
+    code, _, err = cli("train", *TINY, "--precision", "fp16-mixed", "--lr", "1e30", "--epochs", "2",
+                       "--max-consecutive-skips", "3", "--out", out)
+    assert code == 1 and "in a row were skipped" in err
+    ck = load_checkpoint(out)
+    assert ck["global_step"] == 4 and ck["counters"]["consecutive_skips"] == 3
+
+
+# ------------------------------------------------------------------------------- tracebacks → one line
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--lr", "1e39"], "--lr"),
+    (["--seed", str(10**24)], "--seed"),
+    (["--width", "100000000"], "does not fit in memory"),
+    (["--momentum", "nan"], "--momentum"),
+    (["--weight-decay", "nan"], "--weight-decay"),
+    (["--precision", "bf16-mixed", "--init-scale", "1024"], "loss scaler"),
+    (["--growth-interval", "0", "--precision", "amp"], "--growth-interval"),
+])
+def test_bad_values_are_one_line_errors(cli, flags, match):
+    code, _, err = cli("train", *TINY, "--epochs", "1", *flags)
+    _one_line_error(code, err, match=match)
+
+
+def test_build_recipe_none_is_a_usage_error():
+    with pytest.raises(RecipeError, match="recipe name"):
+        build_recipe(None)
+
+
+def _good_checkpoint(tmp_path):
+    out = tmp_path / "o"
+    train(TrainConfig.from_flags(**FLAGS, epochs=1, out=str(out), max_steps=3))
+    return out, torch.load(out / "last.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("epoch", "0"), ("batch", -1), ("global_step", 1.5), ("model", [1, 2]), ("optimizer", {"state": []}),
+    ("recipe", "fp32"), ("rng", {"torch": torch.zeros(3)}), ("config", None), ("history", {}),
+    ("counters", {"skipped_total": "x"}),
+])
+def test_hand_edited_checkpoints_name_the_bad_field(tmp_path, field, value):
+    out, ck = _good_checkpoint(tmp_path)
+    ck[field] = value
+    ck.pop("digest")
+    save_checkpoint(out / "last.pt", {k: v for k, v in ck.items() if k not in ("format", "version")})
+    with pytest.raises(CheckpointError, match=repr(field)):
+        load_checkpoint(out)
+
+
+def test_a_flipped_bit_in_a_weight_fails_the_digest(tmp_path):
+    out, ck = _good_checkpoint(tmp_path)
+    w = next(iter(ck["model"].values()))
+    w.view(torch.int32).view(-1)[0] ^= 1
+    torch.save(ck, out / "last.pt")
+    with pytest.raises(CheckpointError, match="integrity"):
+        load_checkpoint(out)
+
+
+@pytest.mark.parametrize("content, match", [(b"", "not a readable checkpoint"), (b"\x00" * 10, "not a readable")])
+def test_empty_and_garbage_last_pt(cli, tmp_path, content, match):
+    (tmp_path / "last.pt").write_bytes(content)
+    code, _, err = cli("train", *TINY, "--epochs", "1", "--resume", tmp_path)
+    _one_line_error(code, err, match=match)
+    assert (tmp_path / "last.pt").read_bytes() == content
+
+
+def test_a_malicious_pickle_is_refused_without_inviting_weights_only_false(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"format": "mixprec-checkpoint", "evil": Evil()}, tmp_path / "last.pt")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert "pickled Python objects" in str(e.value) and "weights_only=False" not in str(e.value)
+
+
+def test_resume_position_past_the_end_of_an_epoch_is_refused(tmp_path):
+    out, ck = _good_checkpoint(tmp_path)
+    ck["batch"] = 99
+    ck.pop("digest")
+    save_checkpoint(out / "last.pt", {k: v for k, v in ck.items() if k not in ("format", "version")})
+    with pytest.raises(CheckpointError, match="past the end"):
+        train(TrainConfig.from_flags(**FLAGS, epochs=2, out=str(out), resume=str(out)))
+
+
+@pytest.mark.parametrize("flags, match", [(["--lr", "0.5"], "--lr"), (["--amp-impl", "scratch"], "--amp-impl"),
+                                          (["--momentum", "0.9"], "--momentum")])
+def test_resume_refuses_changed_numerics_and_names_them(cli, tmp_path, flags, match):
+    out = tmp_path / "o"
+    assert cli("train", *TINY, "--epochs", "1", "--out", out)[0] == 0
+    before = _digest(out / "last.pt")
+    code, _, err = cli("train", *TINY, "--epochs", "2", "--out", out, "--resume", out, *flags)
+    _one_line_error(code, err, match=match)
+    assert _digest(out / "last.pt") == before
+
+
+def test_stale_temporaries_of_killed_saves_are_cleaned(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / ".last.pt.abc123.tmp").write_bytes(b"half")
+    (out / "mine.txt").write_text("keep")
+    train(TrainConfig.from_flags(**FLAGS, epochs=1, out=str(out)))
+    assert sorted(os.listdir(out)) == ["last.pt", "mine.txt"]
+
+
+def test_bf16_mixed_nonfinite_advice_does_not_recommend_itself(cli):
+    code, _, err = cli("train", *TINY, "--precision", "bf16-mixed", "--lr", "1e38", "--epochs", "2")
+    assert code == 1 and "Traceback" not in err
+    assert "try bf16-mixed" not in err and "--precision bf16-mixed" not in err
+
+
+def test_metrics_json_write_failure_is_one_line(cli, tmp_path, monkeypatch):
+    import mixprec.train.report as report_mod
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report_mod.tempfile, "mkstemp", full)
+    code, _, err = cli("train", *TINY, "--epochs", "1", "--metrics-json", tmp_path / "m.json")
+    _one_line_error(code, err, expect_code=1, match="No space left")
+
+
+@pytest.mark.slow
+def test_train_py_shim_gets_the_same_errors(tmp_path):
+    r = run_cli_subprocess("train", *TINY, "--epochs", "1", "--resume", "")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--resume is empty" in r.stderr
+    assert json.dumps  # the shim is exercised in test_train_cli; this guards the subprocess path
