@@ -8,7 +8,6 @@ operands, and against native fp16 with an fp16 tolerance.
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
@@ -18,10 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.autocast import autocast, autocast_dtype, is_autocast_active
+from mixprec.autocast.frame import STATE
 from mixprec.policy import CastPolicy, default_policy
-
-# the module, not the class that mixprec/__init__ re-exports under the same name
-autocast_module = importlib.import_module("mixprec.autocast")
 
 LOWS = [torch.bfloat16, torch.float16]
 LOW_IDS = ["bf16", "fp16"]
@@ -40,23 +37,25 @@ def r16(t, low=torch.float16):
     return t.to(low).to(torch.float32)
 
 
-def assert_clean_state():
+def _global_hooks() -> int:
+    return (len(nn.modules.module._global_forward_pre_hooks)
+            + len(nn.modules.module._global_forward_hooks))
+
+
+def assert_clean_state(global_hooks: int = 0):
     """Nothing of any autocast is left behind in this thread."""
-    state = autocast_module._state
     assert torch._C._len_torch_function_stack() == 0
-    assert state.frames == [] and state.mode is None
-    assert not any(state.cache.values())  # no cached casts
+    assert STATE.frames == [] and STATE.mode is None
+    assert not any(STATE.cache.values())  # no cached casts
     assert not is_autocast_active() and autocast_dtype() is None
-    global_hooks = [*nn.modules.module._global_forward_pre_hooks.values(),
-                    *nn.modules.module._global_forward_hooks.values()]
-    assert not [h for h in global_hooks
-                if isinstance(getattr(h, "__self__", None), autocast_module._KeepFp32Hooks)]
+    assert _global_hooks() == global_hooks  # keep_fp32's global hooks are gone
 
 
 @pytest.fixture(autouse=True)
 def _clean_state_after_each_test():
+    hooks_before = _global_hooks()
     yield
-    assert_clean_state()
+    assert_clean_state(hooks_before)
 
 
 class Record(TorchDispatchMode):
@@ -408,14 +407,14 @@ def test_keep_fp32_errors_name_the_fix():
 def test_exception_inside_a_kept_module_restores_state():
     class Boom(nn.Module):
         def forward(self, x):
-            assert autocast_module._state.frames[-1].kinds["linear"].value == "fp32"
+            assert STATE.frames[-1].kinds["linear"].value == "fp32"
             raise KeyError("boom")
 
     model = nn.Sequential(nn.Linear(4, 4), Boom())
     with scratch(keep_fp32=[Boom], model=model):
         with pytest.raises(KeyError):
             model(torch.randn(1, 4))
-        assert len(autocast_module._state.frames) == 1  # the always_call hook popped its frame
+        assert len(STATE.frames) == 1  # the always_call hook popped its frame
         assert model[0](torch.randn(1, 4)).dtype == torch.bfloat16
 
 
@@ -456,15 +455,17 @@ def test_tensors_on_other_devices_are_left_alone():
 @pytest.mark.parametrize("depth", [1, 2])
 def test_exception_restores_all_state(depth):
     lin = nn.Linear(4, 4)
+    hooks_before = _global_hooks()
     with pytest.raises(RuntimeError, match="inside"):
         with scratch(keep_fp32=[nn.LayerNorm]):  # global hooks too
+            assert _global_hooks() == hooks_before + 2
             lin(torch.randn(2, 4))
-            assert any(autocast_module._state.cache.values())
+            assert any(STATE.cache.values())
             if depth == 2:
                 with scratch(torch.float16):
                     raise RuntimeError("inside")
             raise RuntimeError("inside")
-    assert_clean_state()
+    assert_clean_state(hooks_before)
     assert lin(torch.randn(2, 4)).dtype == torch.float32
 
 
@@ -521,7 +522,7 @@ def test_cache_casts_a_shared_weight_once(cache_enabled):
 def test_cache_lives_for_the_outermost_context():
     model, x = Tied(), torch.randn(2, 8)
     def cached():
-        return sum(len(entries) for entries in autocast_module._state.cache.values())
+        return sum(len(entries) for entries in STATE.cache.values())
 
     with scratch():
         model(x)

@@ -1,0 +1,46 @@
+"""Composites: functions whose inner ops must meet the policy one by one.
+
+Inside ``__torch_function__`` the mode is popped, so a Python function such as
+``F.multi_head_attention_forward`` would run its inner linears/softmax unseen. For the policy's
+``composite`` names the mode re-enters itself and runs :func:`body` of the function: a copy whose
+own ``has_torch_function`` check is disabled (the inner calls keep theirs), so every inner op follows
+the policy.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["body"]
+
+
+def _never(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+_CHECKS = frozenset({"has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"})
+_NO_CHECKS = dict.fromkeys(_CHECKS, _never)
+
+
+def _unchecked(func: Any) -> Callable | None:
+    """A copy of the Python function ``func`` whose top-level has_torch_function* checks are off.
+
+    The copy gets a fresh snapshot of ``func``'s module globals with the check names bound to a
+    function returning False; functions it calls keep their own (real) globals, so their checks
+    still route them through the mode. Built per call (~2 us), so it never goes stale.
+    """
+    code = getattr(func, "__code__", None)
+    if code is None or _CHECKS.isdisjoint(code.co_names):
+        return None
+    g = dict(func.__globals__)
+    g.update(_NO_CHECKS)
+    copy = types.FunctionType(code, g, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
+def body(func: Any) -> Callable | None:
+    """What to run, with the mode re-entered, for the composite ``func``; None: call ``func`` itself."""
+    return _unchecked(func)
