@@ -106,7 +106,17 @@ def make_inputs(low: torch.dtype) -> types.SimpleNamespace:
     t.emb = nn.Embedding(10, 8)
     t.prelu = nn.PReLU()
     t.lstm = nn.LSTM(8, 6, batch_first=True)
+    t.h = torch.randn(4, 6, requires_grad=True)  # a hidden state for the RNN cells
+    t.lstm_cell = nn.LSTMCell(8, 6)
+    t.gru_cell = nn.GRUCell(8, 6)
+    t.rnn_tanh_cell = nn.RNNCell(8, 6)
+    t.rnn_relu_cell = nn.RNNCell(8, 6, bias=False, nonlinearity="relu")
     return t
+
+
+# torch._convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+#                    groups, benchmark, deterministic, cudnn_enabled[, allow_tf32])
+_CONV_ARGS = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1, False, False, True)
 
 
 OPS = {
@@ -122,6 +132,19 @@ OPS = {
     "addmm": lambda t: torch.addmm(t.w[0], t.x, t.w),
     "einsum": lambda t: torch.einsum("bij,bjk->bik", t.a, t.b),
     "tensordot": lambda t: torch.tensordot(t.x, t.w, dims=1),
+    "tensordot_dim_lists": lambda t: torch.tensordot(t.a, t.b, dims=([2], [1])),
+    "tensordot_broadcast_dim": lambda t: torch.tensordot(t.a[:, :1], t.c, dims=([0, 1], [0, 1])),
+    "tensordot_low": lambda t: torch.tensordot(t.xl, t.w.detach().to(t.xl.dtype), dims=1),
+    # only the 12-argument (deprecated) overload is on CPU autocast's lower-precision list
+    "_convolution_12_args": lambda t: torch._convolution(t.img, t.conv.weight, t.conv.bias, *_CONV_ARGS),
+    "_convolution_13_args": lambda t: torch._convolution(t.img, t.conv.weight, t.conv.bias, *_CONV_ARGS,
+                                                         True),
+    # C++ composites whose inner linears CPU autocast lowers
+    "lstm_cell_h": lambda t: t.lstm_cell(t.x)[0],
+    "lstm_cell_c": lambda t: t.lstm_cell(t.x, (t.h, t.h * 2))[1],
+    "gru_cell": lambda t: t.gru_cell(t.x, t.h),
+    "rnn_tanh_cell": lambda t: t.rnn_tanh_cell(t.x, t.h),
+    "rnn_relu_cell": lambda t: t.rnn_relu_cell(t.xl),
     "relu_low": lambda t: F.relu(t.xl),
     "gelu_low": lambda t: F.gelu(t.xl),
     "layer_norm_low": lambda t: t.ln(t.xl),
@@ -200,6 +223,21 @@ def test_op_matches_torch_autocast(name, low):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["lstm_cell_c", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+                                  "tensordot_broadcast_dim", "_convolution_13_args"])
+def test_transcribed_composites_run_the_same_aten_ops_as_torch_autocast(name):
+    # the Python transcriptions of C++ composites repeat torch's inner ops, in-place ones included
+    traces = []
+    for ctx in (native(), scratch()):
+        t = make_inputs(torch.bfloat16)
+        with Record() as rec:
+            with ctx:
+                out = OPS[name](t)
+            out.float().sum().backward()
+        traces.append(rec.ops)
+    assert traces[0] == traces[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # Intentional differences from torch.autocast
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +264,16 @@ def test_inference_fast_paths_are_replaced_by_the_slow_path(module):
     assert got.dtype == slow_path.dtype
     torch.testing.assert_close(got, slow_path, rtol=0, atol=0)
     torch.testing.assert_close(got.float(), fast_path.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("low", LOWS, ids=LOW_IDS)
+def test_tensordot_of_mixed_dtypes_raises_as_in_torch(low):
+    # at::tensordot checks that its inputs share a dtype before its inner mm, the op CPU autocast
+    # lowers; casting both inputs up front would hide the error
+    a, b = torch.randn(4, 8), torch.randn(8, 3).to(low)
+    for ctx in (native(low), scratch(low)):
+        with pytest.raises(RuntimeError, match="both inputs should have same dtype"), ctx:
+            torch.tensordot(a, b, dims=1)
 
 
 def test_gru_runs_in_fp32():

@@ -32,7 +32,8 @@ Layout
   frame stack, the weight-cast cache.
 * :mod:`.ops` -- Python call -> ATen op name (``F.cross_entropy`` -> ``cross_entropy_loss``).
 * :mod:`.casts` -- applying a cast to a call's arguments (last first, as torch does), rounding.
-* :mod:`.composites` -- running a composite's body so its inner ops meet the policy.
+* :mod:`.composites` -- running a composite's body so its inner ops meet the policy;
+  :mod:`.cpp_composites` -- Python transcriptions of the C++ composites that need it.
 * :mod:`.keep_fp32` -- per-module fp32 overrides; :mod:`.hooks` -- the forward pre/post hook pair
   they (and :mod:`mixprec.doctor`) install.
 
@@ -42,9 +43,11 @@ ATen ops run forward and backward (casts included) are the same, in the same ord
 
 Differences from ``torch.autocast`` (deliberate or inherent to a function-level hook)
 ------------------------------------------------------------------------------------
-* C++ composites are seen as one call. On CPU torch lowers the gate matmuls inside ``aten::gru``
-  / ``rnn_tanh`` and returns fp32; here GRU/vanilla RNNs run in fp32. ``einsum`` is lowered as a
-  whole (torch lowers it only when the equation contracts through ``bmm``).
+* C++ composites are seen as one call, except those with a Python transcription
+  (:mod:`.cpp_composites`: the RNN cells and ``tensordot`` on CPU). On CPU torch lowers the gate
+  matmuls inside ``aten::gru`` / ``rnn_tanh`` and returns fp32; here the GRU/vanilla RNN *layers*
+  run in fp32 (``nn.GRUCell``/``nn.RNNCell`` match torch). ``einsum`` is lowered as a whole (torch
+  lowers it only when the equation contracts through ``bmm``).
 * Inference fast paths (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` in eval under
   ``no_grad``) are never taken, so they follow the policy op by op as in training; torch.autocast
   on CPU takes them and casts their fused kernels differently (other dtypes/values than in

@@ -4,7 +4,8 @@ Inside ``__torch_function__`` the mode is popped, so a Python function such as
 ``F.multi_head_attention_forward`` would run its inner linears/softmax unseen. For the policy's
 ``composite`` names the mode re-enters itself and runs :func:`body` of the function: a copy whose
 own ``has_torch_function`` check is disabled (the inner calls keep theirs), so every inner op follows
-the policy.
+the policy. A C++ composite (``lstm_cell``, ``tensordot`` on CPU) has no Python body; for those
+listed in :mod:`.cpp_composites` the body is a Python transcription of the C++ code.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from typing import Any
+
+from .casts import iter_tensors
+from .cpp_composites import TRANSCRIPTIONS
 
 __all__ = ["body"]
 
@@ -41,6 +45,15 @@ def _unchecked(func: Any) -> Callable | None:
     return copy
 
 
-def body(func: Any) -> Callable | None:
-    """What to run, with the mode re-entered, for the composite ``func``; None: call ``func`` itself."""
-    return _unchecked(func)
+def body(func: Any, args: tuple, kwargs: dict, eligible: Callable[[Any], bool]) -> Callable | None:
+    """What to run, with the mode re-entered, for the composite ``func``; None: call ``func`` itself.
+
+    A transcription is used only when some tensor argument is ``eligible`` (on the autocast's device).
+    """
+    python_body = _unchecked(func)
+    if python_body is not None:
+        return python_body
+    transcription = TRANSCRIPTIONS.get(getattr(func, "__name__", None))
+    if transcription is not None and any(eligible(t) for t in iter_tensors(args, kwargs)):
+        return transcription
+    return None

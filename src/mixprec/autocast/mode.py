@@ -104,7 +104,7 @@ class PolicyMode(TorchFunctionMode):
             return func(*args, **kwargs)
 
         if kind is _COMPOSITE:
-            body = composites.body(func)
+            body = composites.body(func, args, kwargs, frame.eligible)
             if body is None:
                 return func(*args, **kwargs)
             with self:  # re-enter: the body's inner calls come back through this mode

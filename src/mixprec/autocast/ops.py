@@ -4,7 +4,11 @@
 (``F.linear`` -> ``linear``, ``Tensor.bmm`` -> ``bmm``). The rest are renamed here, either by a fixed
 name (``F.cross_entropy`` -> ``cross_entropy_loss``, ``x @ y`` -> ``matmul``) or by a function of the
 call's arguments when the Python function reaches different ATen ops depending on them
-(``F.pad(mode="reflect")`` on a 4-D input -> ``reflection_pad2d``).
+(``F.pad(mode="reflect")`` on a 4-D input -> ``reflection_pad2d``; ``torch._convolution`` with 12
+arguments -> its ``deprecated`` overload, the only one CPU autocast lowers).
+
+An overload-specific policy entry is written ``name.overload`` (``_convolution.deprecated``), as
+``torch._C._dispatch_get_registrations_for_dispatch_key`` lists it.
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ def _max_pool3d_op(args: tuple, kwargs: Mapping) -> str:
     return "max_pool3d_with_indices" if _arg(args, kwargs, 6, "return_indices", False) else "max_pool3d"
 
 
+def _convolution_op(args: tuple, kwargs: Mapping) -> str:
+    # aten::_convolution takes 13 arguments (the last is allow_tf32); its `deprecated` overload
+    # takes the first 12. Neither has defaults, so the count tells them apart.
+    return "_convolution.deprecated" if len(args) + len(kwargs) == 12 else "_convolution"
+
+
 #: Python function ``__name__`` -> ATen name (a str), or a function of the call's arguments.
 RENAME: dict[str, str | Callable[[tuple, Mapping], str]] = {
     "cross_entropy": "cross_entropy_loss",
@@ -74,6 +84,7 @@ RENAME: dict[str, str | Callable[[tuple, Mapping], str]] = {
     "pad": _pad_op,
     "interpolate": _interpolate_op,
     "max_pool3d": _max_pool3d_op,
+    "_convolution": _convolution_op,
 }
 
 #: Why a banned op is banned, and what to use instead (by Python function name).
