@@ -397,6 +397,69 @@ def test_emulate_caches_the_rounded_weight():
     assert rec.count("_to_copy") - n == 4
 
 
+# emulate=True with low-precision parameters (fp16-master): the activations are fp32 carriers of
+# fp16 values, the parameters real fp16 tensors; where the two meet, the parameters are widened
+# (exactly) so that the op computes in fp32 as it would on fp32 copies of the parameters.
+NORMS = {
+    "layer_norm": lambda: nn.LayerNorm(8),
+    "batch_norm": lambda: nn.BatchNorm1d(8),
+    "group_norm": lambda: nn.GroupNorm(2, 8),
+    "linear_then_layer_norm": lambda: nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_emulate_widens_low_params_that_meet_fp32_activations(name):
+    import copy
+
+    torch.manual_seed(0)
+    module = NORMS[name]()
+    for p in module.parameters():  # not 1/0: give the affine parameters fp16 rounding work
+        nn.init.normal_(p)
+    reference = copy.deepcopy(module).half().float()  # fp32 copy of the fp16 values
+    module.half()
+    x = r16(torch.randn(4, 8))
+    with scratch(torch.float16, emulate=True):
+        got = module(x)
+    want = reference(x) if name != "linear_then_layer_norm" else reference[1](r16(reference[0](x)))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.sum().backward()
+    want.sum().backward()
+    for p, q in zip(module.parameters(), reference.parameters()):
+        assert p.grad.dtype == torch.float16  # the gradient reaches the fp16 parameter in fp16
+        torch.testing.assert_close(p.grad, q.grad.half(), rtol=0, atol=0)
+    for b, c in zip(module.buffers(), reference.buffers()):  # BatchNorm's running statistics
+        assert b.dtype == (torch.float16 if b.is_floating_point() else torch.int64)
+        torch.testing.assert_close(b, c.to(b.dtype), rtol=0, atol=0)
+
+
+def test_emulate_writes_in_place_updates_of_widened_tensors_back():
+    buf = torch.zeros(3, dtype=torch.float16)
+    with scratch(torch.float16, emulate=True):
+        out = buf.add_(torch.full((3,), 1.5))
+        only_low = buf * buf  # no fp32 operand: nothing to widen, fp16 arithmetic as in torch
+    assert out is buf and buf.dtype == torch.float16
+    torch.testing.assert_close(buf, torch.full((3,), 1.5, dtype=torch.float16), rtol=0, atol=0)
+    assert only_low.dtype == torch.float16
+
+
+@pytest.mark.parametrize("model_name", ["cnn", "transformer"])
+def test_emulated_fp16_params_are_close_to_native_fp16(model_name):
+    from mixprec.train.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_name, input_shape=(1, 8, 8), num_classes=5, channels=4, d_model=16,
+                        n_heads=2, n_layers=1).half()
+    x, y = torch.randn(3, 1, 8, 8), torch.tensor([0, 3, 4])
+    with native(torch.float16):
+        want = F.cross_entropy(model(x), y)
+    with scratch(torch.float16, emulate=True):
+        got = F.cross_entropy(model(x), y)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+
+
 # ---------------------------------------------------------------------------------------------
 # keep_fp32
 # ---------------------------------------------------------------------------------------------
@@ -435,6 +498,21 @@ def test_keep_fp32_by_type(spec, with_model):
     assert normed.dtype == torch.float32  # CPU autocast would have left layer_norm in bf16
     torch.testing.assert_close(normed, model[1](h.float()), rtol=0, atol=0)
     assert not model[1]._forward_pre_hooks
+
+
+def test_keep_fp32_widens_the_low_precision_params_of_a_kept_module():
+    # bf16-master keeps the parameters in bf16; a kept LayerNorm gets fp32 inputs from its pre hook
+    # and must compute on fp32 copies of its bf16 weights (CPU layer_norm refuses to mix them)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).bfloat16()
+    x = torch.randn(2, 8).bfloat16()
+    with scratch(keep_fp32=[nn.LayerNorm], model=model):
+        hidden = model[0](x)
+        out = model(x)
+    ln = model[1]
+    assert out.dtype == torch.float32 and ln.weight.dtype == torch.bfloat16
+    want = F.layer_norm(hidden.float(), (8,), ln.weight.float(), ln.bias.float())
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_keep_fp32_inside_a_disabled_region_does_nothing():

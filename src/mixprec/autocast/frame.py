@@ -33,10 +33,11 @@ from .casts import F32
 from .ops import RENAME
 
 __all__ = ["Frame", "STATE", "frame_for", "clear_cache", "is_autocast_active", "autocast_dtype",
-           "RESOLVE", "UNSEEN"]
+           "RESOLVE", "WIDEN", "UNSEEN"]
 
 MAX_MEMO = 4096  # bound on memo tables keyed by objects the user may create per step
 RESOLVE = object()  # a kind: the op name depends on the call's arguments (see ops.RENAME)
+WIDEN = object()  # a kind: an unlisted op in a widening frame (see widen.py)
 UNSEEN = object()  # Frame.by_func's default
 _STABLE_FUNCTION_TYPES = (
     types.BuiltinFunctionType, types.FunctionType, types.MethodDescriptorType,
@@ -161,14 +162,18 @@ class Frame:
     """What the mode does while this frame is on top of the thread's frame stack.
 
     ``by_func`` memoizes the cast kind of each torch function seen (looked up for every call in
-    the context): a :class:`CastKind`, None (leave alone) or :data:`RESOLVE`.
+    the context): a :class:`CastKind`, None (leave alone), :data:`RESOLVE` or :data:`WIDEN`.
+
+    A *widening* frame (emulating, or running a keep_fp32 module in fp32) computes in fp32 ops
+    that mix fp32 with real fp16/bf16 tensors, e.g. low-precision parameters (:mod:`.widen`).
     """
 
     __slots__ = ("enabled", "kinds", "dtype", "device_type", "emulate", "cache_enabled", "policy",
-                 "eligible", "to_low", "to_fp32", "by_func", "_forced")
+                 "widen", "eligible", "to_low", "to_fp32", "by_func", "_forced")
 
     def __init__(self, enabled: bool, policy: CastPolicy, kinds: Mapping[str, CastKind],
-                 dtype: torch.dtype, emulate: bool, cache_enabled: bool) -> None:
+                 dtype: torch.dtype, emulate: bool, cache_enabled: bool,
+                 widen: bool | None = None) -> None:
         self.enabled = enabled
         self.policy = policy
         self.kinds = kinds
@@ -176,6 +181,7 @@ class Frame:
         self.device_type = policy.device_type
         self.emulate = emulate
         self.cache_enabled = cache_enabled
+        self.widen = enabled and (emulate if widen is None else widen)
         self.by_func: dict[Any, Any] = {}
         self._forced: Frame | None = None
         self.eligible, self.to_fp32, self.to_low = _make_casts(
@@ -187,7 +193,7 @@ class Frame:
             return self
         if self._forced is None:
             self._forced = Frame(True, self.policy, _fp32_table(self.policy), self.dtype, False,
-                                 False)
+                                 False, widen=True)
         return self._forced
 
     def kind_of(self, func: Any) -> Any:
@@ -203,6 +209,8 @@ class Frame:
         else:
             kind = RESOLVE
         if type(func) in _STABLE_FUNCTION_TYPES:  # not e.g. the fresh method-wrapper of a getter
+            if kind is None and self.widen:  # never an attribute access: those are unstable
+                kind = WIDEN
             if len(self.by_func) >= MAX_MEMO:
                 self.by_func.clear()
             self.by_func[func] = kind

@@ -22,8 +22,9 @@ from mixprec.policy import CastKind
 
 from . import composites
 from .casts import F32, iter_tensors, map_args, map_tensors, round_result
-from .frame import RESOLVE, STATE, UNSEEN
+from .frame import RESOLVE, STATE, UNSEEN, WIDEN
 from .ops import BANNED_MESSAGE, RENAME
+from .widen import call_widened
 
 __all__ = ["PolicyMode"]
 
@@ -34,6 +35,7 @@ _LOW, _FP32, _FP32_OUT, _PROMOTE, _BANNED, _COMPOSITE = (
 _state = STATE
 _UNSEEN = UNSEEN
 _RESOLVE = RESOLVE
+_WIDEN = WIDEN
 _F32 = F32
 _map_args = map_args
 _map_tensors = map_tensors
@@ -65,9 +67,13 @@ class PolicyMode(TorchFunctionMode):
             kwargs = {}
         elif kwargs.get("out") is not None:  # out= overloads: not autocast, as in torch
             return func(*args, **kwargs)
+        if kind is _WIDEN:  # an unlisted op in an emulating or kept-fp32 frame
+            return call_widened(func, args, kwargs, frame.eligible)
         if kind is _RESOLVE:
             kind = frame.kinds.get(RENAME[func.__name__](args, kwargs))
             if kind is None:
+                if frame.widen:
+                    return call_widened(func, args, kwargs, frame.eligible)
                 return func(*args, **kwargs)
 
         if kind is _LOW:
