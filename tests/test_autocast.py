@@ -397,6 +397,56 @@ def test_emulate_caches_the_rounded_weight():
     assert rec.count("_to_copy") - n == 4
 
 
+def test_emulate_rounds_a_low_format_value_again_after_an_in_place_change():
+    # the result of a low op is marked as a low-format value and not rounded again as an operand
+    # of the next low op -- unless an in-place op has changed it since
+    torch.manual_seed(0)
+    lin, x = nn.Linear(8, 8), torch.randn(2, 8)
+    with scratch(torch.float16, emulate=True):
+        h = lin(x).view(2, 8)
+        h.add_(torch.randn(2, 8) * 0.01)
+        out = lin(h)
+    assert not torch.equal(h, r16(h))  # h is no longer an fp16 value...
+    want = r16(F.linear(r16(h), r16(lin.weight), r16(lin.bias)))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)  # ...so it was rounded again
+
+
+@pytest.mark.parametrize("params", ["fp32", "fp16"])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_emulate_skips_rounding_low_format_operands_without_changing_a_bit(model_name, params,
+                                                                         monkeypatch):
+    from mixprec.autocast import rounded
+    from mixprec.train.models import build_model
+
+    def step():
+        torch.manual_seed(0)
+        model = build_model(model_name, input_shape=(1, 8, 8), num_classes=5, width=32, channels=4,
+                            d_model=16, n_heads=2, n_layers=1)
+        if params == "fp16":  # fp16-master
+            model.half()
+        x, y = torch.randn(3, 1, 8, 8), torch.tensor([0, 3, 4])
+        with Record() as rec:
+            with scratch(torch.float16, emulate=True):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        return rec.count("_to_copy"), loss, [p.grad for p in model.parameters()]
+
+    casts, loss, grads = step()
+    monkeypatch.setattr(rounded, "SKIP_ROUNDED_OPERANDS", False)
+    STATE.frame_cache.clear()  # frames read the switch when they are built
+    try:
+        casts_every_operand, want_loss, want_grads = step()
+    finally:
+        STATE.frame_cache.clear()
+    # q, k, v and the out-projection's input: 4 operands x (2 casts forward + 2 backward)
+    saved = {"simplenet": 0, "mlp": 0, "cnn": 0, "transformer": 16}[model_name]
+    assert casts_every_operand - casts == saved
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
+    for g, w in zip(grads, want_grads):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 # emulate=True with low-precision parameters (fp16-master): the activations are fp32 carriers of
 # fp16 values, the parameters real fp16 tensors; where the two meet, the parameters are widened
 # (exactly) so that the op computes in fp32 as it would on fp32 copies of the parameters.
@@ -635,6 +685,17 @@ def _weight_casts(ctx) -> int:
     with Record() as rec, ctx:
         model(x)
     return sum(op == "_to_copy" for op, _ in rec.ops)
+
+
+def test_emulate_widens_a_low_precision_weight_once_per_context():
+    # fp16-master: the fp16 parameters' fp32 carriers are cached like fp32 parameters' roundings
+    model, x = Tied().half(), torch.randn(2, 8)
+    counts = []
+    for cache_enabled in (True, False):
+        with Record() as rec, scratch(torch.float16, emulate=True, cache_enabled=cache_enabled):
+            model(x)
+        counts.append(rec.count("_to_copy"))
+    assert counts[1] - counts[0] == 2  # the second use of the weight and of the bias
 
 
 @pytest.mark.parametrize("cache_enabled", [True, False])

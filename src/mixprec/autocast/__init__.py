@@ -24,7 +24,9 @@ what loss scaling exists for. This gives fp16 *numerics* at fp32 *speed* on CPUs
 fp16 kernels; ops off the low list run in exact fp32 (slightly more accurate than native fp16
 autocast, where e.g. a gelu after a matmul runs in fp16). Real fp16 tensors -- the parameters of
 an fp16 model under ``fp16-master`` -- are widened (exactly) where they meet the fp32 carriers, so
-a LayerNorm with fp16 weights computes in fp32 on their values (:mod:`.widen`).
+a LayerNorm with fp16 weights computes in fp32 on their values (:mod:`.widen`). An operand that
+already holds low-format values (a view or relu of a low op's rounded result) is not rounded again
+(:mod:`.rounded`).
 
 Layout
 ------
@@ -33,7 +35,8 @@ Layout
 * :mod:`.frame` -- frames (one per configuration: the policy table and the casts), the per-thread
   frame stack, the weight-cast cache.
 * :mod:`.ops` -- Python call -> ATen op name (``F.cross_entropy`` -> ``cross_entropy_loss``).
-* :mod:`.casts` -- applying a cast to a call's arguments (last first, as torch does), rounding;
+* :mod:`.casts` -- applying a cast to a call's arguments (last first, as torch does);
+  :mod:`.rounded` -- emulation's rounding, and skipping it for values already rounded;
   :mod:`.widen` -- fp16/bf16 tensors meeting emulation's fp32 carriers.
 * :mod:`.composites` -- running a composite's body so its inner ops meet the policy;
   :mod:`.cpp_composites` -- Python transcriptions of the C++ composites that need it.

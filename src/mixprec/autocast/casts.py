@@ -1,4 +1,4 @@
-"""Applying a per-tensor cast to a call's arguments, and rounding results (emulation).
+"""Applying a per-tensor cast to a call's arguments.
 
 The mode casts only what it must and allocates only when something changed: the argument tuple
 and the keyword dict are copied on the first tensor that a cast replaces, never otherwise.
@@ -6,44 +6,21 @@ and the keyword dict are copied on the first tensor that a cast replaces, never 
 Order: last argument first. torch's C++ autocast kernels cast their arguments in a parameter-pack
 expansion, which GCC evaluates right to left; matching that order makes the cast ops (and so the
 autograd graph's node order and the backward op sequence) identical to torch's.
-
-Rounding (``emulate=True``): ``x.to(low).to(float32)`` rounds an fp32 value to the nearest value of
-the low format with round-to-nearest-even, bit-exactly as a real cast would, and widens it back;
-fp16's overflow to inf above 65504 and its subnormals come with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 
-__all__ = ["F32", "round_to", "round_result", "map_args", "map_tensors", "iter_tensors"]
+__all__ = ["F32", "map_args", "map_tensors", "iter_tensors"]
 
 F32 = torch.float32
 _Tensor = torch.Tensor
 _SEQUENCES = (list, tuple)
 
 Cast = Callable[[torch.Tensor], torch.Tensor]
-
-
-def round_to(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
-    """Round to the nearest value of the ``low`` format (RNE), returned as float32."""
-    if t.dtype is low:
-        return t.float()
-    # .bfloat16()/.half()/.float() run the same aten::_to_copy as .to(dtype) but skip the
-    # overload resolution of Tensor.to in the Python binding (about 3 us less per cast)
-    return (t.bfloat16() if low is torch.bfloat16 else t.half()).float()
-
-
-def round_result(out: Any, low: torch.dtype) -> Any:
-    """``out`` (a tensor or a list/tuple of them) with every fp32 tensor rounded to ``low``."""
-    if isinstance(out, torch.Tensor):
-        return round_to(out, low) if out.dtype is F32 else out
-    if type(out) in _SEQUENCES:
-        return type(out)(round_result(o, low) for o in out)
-    return out
 
 
 def _map_seq(seq: list | tuple, fn: Cast) -> list | tuple:

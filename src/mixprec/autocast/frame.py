@@ -29,15 +29,17 @@ import torch
 
 from mixprec.policy import CastKind, CastPolicy
 
+from . import rounded
 from .casts import F32
 from .ops import RENAME
 
 __all__ = ["Frame", "STATE", "frame_for", "clear_cache", "is_autocast_active", "autocast_dtype",
-           "RESOLVE", "WIDEN", "UNSEEN"]
+           "RESOLVE", "WIDEN", "EXACT", "UNSEEN"]
 
 MAX_MEMO = 4096  # bound on memo tables keyed by objects the user may create per step
 RESOLVE = object()  # a kind: the op name depends on the call's arguments (see ops.RENAME)
 WIDEN = object()  # a kind: an unlisted op in a widening frame (see widen.py)
+EXACT = object()  # a kind: an unlisted op that keeps low-format values so (see rounded.py)
 UNSEEN = object()  # Frame.by_func's default
 _STABLE_FUNCTION_TYPES = (
     types.BuiltinFunctionType, types.FunctionType, types.MethodDescriptorType,
@@ -104,6 +106,13 @@ def _fp32_table(policy: CastPolicy) -> Mapping[str, CastKind]:
 Cast = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _weight_cache(dtype: torch.dtype, emulate: bool) -> tuple[dict, dict]:
+    """This thread's cast caches for the frame's dtype and mode: (with grad, without grad)."""
+    cache = STATE.cache
+    return (cache.setdefault((dtype, emulate, True), {}),
+            cache.setdefault((dtype, emulate, False), {}))
+
+
 def _make_casts(dtype: torch.dtype, device_type: str, emulate: bool, cache_enabled: bool
                 ) -> tuple[Callable[[torch.Tensor], bool], Cast, Cast]:
     """``(eligible, to_fp32, to_low)`` for a frame: closures over its settings (the hot path)."""
@@ -121,16 +130,20 @@ def _make_casts(dtype: torch.dtype, device_type: str, emulate: bool, cache_enabl
             return t
         return t.float()
 
-    low = dtype
+    make = _emulated_to_low if emulate else _to_low
+    return eligible, to_fp32, make(dtype, dev, cache_enabled)
+
+
+def _to_low(low: torch.dtype, dev: str, cache_enabled: bool) -> Cast:
+    eligible_dtypes = _ELIGIBLE_DTYPES
+    on_cpu = dev == "cpu"
     bf16 = low is torch.bfloat16
     if cache_enabled:
-        cache = STATE.cache
-        with_grad = cache.setdefault((low, emulate, True), {})
-        without_grad = cache.setdefault((low, emulate, False), {})
+        with_grad, without_grad = _weight_cache(low, False)
     is_grad_enabled = torch.is_grad_enabled
 
     def to_low(t: torch.Tensor) -> torch.Tensor:
-        """``t`` in the low dtype (emulating: rounded to it, kept fp32), via the weight cache."""
+        """``t`` in the low dtype, via the weight cache."""
         dt = t.dtype
         if dt is F32:  # the common case first: fp32 is always eligible
             if not (t.is_cpu if on_cpu else t.device.type == dev):
@@ -141,35 +154,66 @@ def _make_casts(dtype: torch.dtype, device_type: str, emulate: bool, cache_enabl
                 hit = entries.get(id(t))
                 if hit is not None and hit[0] is t:
                     return hit[1]
-                out = t.bfloat16() if bf16 else t.half()
-                if emulate:
-                    out = out.float()
-                entries[id(t)] = (t, out)  # holding t keeps id(t) unique while cached
-                return out
-            out = t.bfloat16() if bf16 else t.half()
-            return out.float() if emulate else out
-        if (dt is low and not emulate) or dt not in eligible_dtypes or not (
+                out = entries[id(t)] = (t, t.bfloat16() if bf16 else t.half())
+                return out[1]  # holding t keeps id(t) unique while cached
+            return t.bfloat16() if bf16 else t.half()
+        if dt is low or dt not in eligible_dtypes or not (
                 t.is_cpu if on_cpu else t.device.type == dev):
             return t
-        if emulate:
-            return t.float() if dt is low else (t.bfloat16() if bf16 else t.half()).float()
         return t.bfloat16() if bf16 else t.half()
 
-    return eligible, to_fp32, to_low
+    return to_low
+
+
+def _emulated_to_low(low: torch.dtype, dev: str, cache_enabled: bool) -> Cast:
+    eligible_dtypes = _ELIGIBLE_DTYPES
+    on_cpu = dev == "cpu"
+    bf16 = low is torch.bfloat16
+    if cache_enabled:
+        with_grad, without_grad = _weight_cache(low, True)
+    is_grad_enabled = torch.is_grad_enabled
+    skip_rounded = rounded.SKIP_ROUNDED_OPERANDS
+    tag = rounded.TAG
+
+    def to_low(t: torch.Tensor) -> torch.Tensor:
+        """``t`` rounded to the low dtype and kept fp32 (a real low tensor widened), cached."""
+        dt = t.dtype
+        if dt is not F32 and dt not in eligible_dtypes:
+            return t
+        if not (t.is_cpu if on_cpu else t.device.type == dev):
+            return t
+        # parameters (fp32 leaves; low ones under the *-master recipes): once per context
+        if cache_enabled and t.requires_grad and t.is_leaf and not t._is_view():
+            entries = with_grad if is_grad_enabled() else without_grad
+            hit = entries.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+            out = entries[id(t)] = (t, rounded.round_to(t, low))
+            return out[1]  # holding t keeps id(t) unique while cached
+        if dt is F32 and skip_rounded:
+            mark = getattr(t, tag, None)  # already a low-format value (see rounded.py)?
+            if mark is not None and mark[0] is low and mark[1] == t._version:
+                return t
+        if dt is low:
+            return t.float()
+        return (t.bfloat16() if bf16 else t.half()).float()
+
+    return to_low
 
 
 class Frame:
     """What the mode does while this frame is on top of the thread's frame stack.
 
     ``by_func`` memoizes the cast kind of each torch function seen (looked up for every call in
-    the context): a :class:`CastKind`, None (leave alone), :data:`RESOLVE` or :data:`WIDEN`.
+    the context): a :class:`CastKind`, None (leave alone), :data:`RESOLVE`, :data:`WIDEN` or
+    :data:`EXACT`.
 
     A *widening* frame (emulating, or running a keep_fp32 module in fp32) computes in fp32 ops
     that mix fp32 with real fp16/bf16 tensors, e.g. low-precision parameters (:mod:`.widen`).
     """
 
     __slots__ = ("enabled", "kinds", "dtype", "device_type", "emulate", "cache_enabled", "policy",
-                 "widen", "eligible", "to_low", "to_fp32", "by_func", "_forced")
+                 "widen", "skip_rounded", "eligible", "to_low", "to_fp32", "by_func", "_forced")
 
     def __init__(self, enabled: bool, policy: CastPolicy, kinds: Mapping[str, CastKind],
                  dtype: torch.dtype, emulate: bool, cache_enabled: bool,
@@ -182,6 +226,7 @@ class Frame:
         self.emulate = emulate
         self.cache_enabled = cache_enabled
         self.widen = enabled and (emulate if widen is None else widen)
+        self.skip_rounded = rounded.SKIP_ROUNDED_OPERANDS
         self.by_func: dict[Any, Any] = {}
         self._forced: Frame | None = None
         self.eligible, self.to_fp32, self.to_low = _make_casts(
@@ -210,7 +255,8 @@ class Frame:
             kind = RESOLVE
         if type(func) in _STABLE_FUNCTION_TYPES:  # not e.g. the fresh method-wrapper of a getter
             if kind is None and self.widen:  # never an attribute access: those are unstable
-                kind = WIDEN
+                kind = EXACT if self.emulate and self.skip_rounded and name in rounded.EXACT_OPS \
+                    else WIDEN
             if len(self.by_func) >= MAX_MEMO:
                 self.by_func.clear()
             self.by_func[func] = kind

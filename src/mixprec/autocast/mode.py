@@ -21,9 +21,10 @@ from torch.overrides import TorchFunctionMode
 from mixprec.policy import CastKind
 
 from . import composites
-from .casts import F32, iter_tensors, map_args, map_tensors, round_result
-from .frame import RESOLVE, STATE, UNSEEN, WIDEN
+from .casts import F32, iter_tensors, map_args, map_tensors
+from .frame import EXACT, RESOLVE, STATE, UNSEEN, WIDEN
 from .ops import BANNED_MESSAGE, RENAME
+from .rounded import call_exact, round_result
 from .widen import call_widened
 
 __all__ = ["PolicyMode"]
@@ -36,6 +37,7 @@ _state = STATE
 _UNSEEN = UNSEEN
 _RESOLVE = RESOLVE
 _WIDEN = WIDEN
+_EXACT = EXACT
 _F32 = F32
 _map_args = map_args
 _map_tensors = map_tensors
@@ -69,6 +71,8 @@ class PolicyMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind is _WIDEN:  # an unlisted op in an emulating or kept-fp32 frame
             return call_widened(func, args, kwargs, frame.eligible)
+        if kind is _EXACT:  # emulating: a view/relu of a value already in the low format stays so
+            return call_exact(func, args, kwargs, frame.dtype)
         if kind is _RESOLVE:
             kind = frame.kinds.get(RENAME[func.__name__](args, kwargs))
             if kind is None:
