@@ -14,7 +14,9 @@ Weight-cast cache: the low-precision copy of an fp32 leaf that requires grad (a 
 once and reused until the outermost context exits, like ``torch.autocast``'s cache. It is keyed by
 ``(low dtype, emulate, grad mode)``: a cast made under ``no_grad`` has no autograd history and must
 not be reused with grad enabled, and nested contexts of different dtypes do not share casts. The
-cached entry holds the parameter itself, which keeps its ``id`` unique while cached.
+cached entry holds the parameter itself, which keeps its ``id`` unique while cached. Emulating
+frames cache the rounded fp32 copy instead, and for a low-precision parameter (``*-master``
+recipes) its fp32 carrier.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ __all__ = ["Frame", "STATE", "frame_for", "clear_cache", "is_autocast_active", "
 MAX_MEMO = 4096  # bound on memo tables keyed by objects the user may create per step
 RESOLVE = object()  # a kind: the op name depends on the call's arguments (see ops.RENAME)
 WIDEN = object()  # a kind: an unlisted op in a widening frame (see widen.py)
-EXACT = object()  # a kind: an unlisted op that keeps low-format values so (see rounded.py)
+EXACT = object()  # a kind: an unlisted op whose output keeps its input's low-format values (rounded.py)
 UNSEEN = object()  # Frame.by_func's default
 _STABLE_FUNCTION_TYPES = (
     types.BuiltinFunctionType, types.FunctionType, types.MethodDescriptorType,
@@ -242,7 +244,8 @@ class Frame:
         return self._forced
 
     def kind_of(self, func: Any) -> Any:
-        """func's CastKind, None (leave alone), or RESOLVE (depends on the call's arguments)."""
+        """func's CastKind, None (leave alone), RESOLVE (depends on the call's arguments), WIDEN or
+        EXACT (unlisted, in a widening frame)."""
         name = getattr(func, "__name__", None)
         rename = RENAME.get(name)
         if not self.enabled:  # a disabled frame leaves every function alone

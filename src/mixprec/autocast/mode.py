@@ -71,7 +71,7 @@ class PolicyMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind is _WIDEN:  # an unlisted op in an emulating or kept-fp32 frame
             return call_widened(func, args, kwargs, frame.eligible)
-        if kind is _EXACT:  # emulating: a view/relu of a value already in the low format stays so
+        if kind is _EXACT:  # emulating: a view of a value already in the low format stays so
             return call_exact(func, args, kwargs, frame.dtype)
         if kind is _RESOLVE:
             kind = frame.kinds.get(RENAME[func.__name__](args, kwargs))
