@@ -8,7 +8,6 @@ operands, and against native fp16 with an fp16 tolerance.
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
@@ -18,10 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.autocast import autocast, autocast_dtype, is_autocast_active
+from mixprec.autocast.frame import STATE
 from mixprec.policy import CastPolicy, default_policy
-
-# the module, not the class that mixprec/__init__ re-exports under the same name
-autocast_module = importlib.import_module("mixprec.autocast")
 
 LOWS = [torch.bfloat16, torch.float16]
 LOW_IDS = ["bf16", "fp16"]
@@ -40,23 +37,25 @@ def r16(t, low=torch.float16):
     return t.to(low).to(torch.float32)
 
 
-def assert_clean_state():
+def _global_hooks() -> int:
+    return (len(nn.modules.module._global_forward_pre_hooks)
+            + len(nn.modules.module._global_forward_hooks))
+
+
+def assert_clean_state(global_hooks: int = 0):
     """Nothing of any autocast is left behind in this thread."""
-    state = autocast_module._state
     assert torch._C._len_torch_function_stack() == 0
-    assert state.frames == [] and state.mode is None
-    assert not any(state.cache.values())  # no cached casts
+    assert STATE.frames == [] and STATE.mode is None
+    assert not any(STATE.cache.values())  # no cached casts
     assert not is_autocast_active() and autocast_dtype() is None
-    global_hooks = [*nn.modules.module._global_forward_pre_hooks.values(),
-                    *nn.modules.module._global_forward_hooks.values()]
-    assert not [h for h in global_hooks
-                if isinstance(getattr(h, "__self__", None), autocast_module._KeepFp32Hooks)]
+    assert _global_hooks() == global_hooks  # keep_fp32's global hooks are gone
 
 
 @pytest.fixture(autouse=True)
 def _clean_state_after_each_test():
+    hooks_before = _global_hooks()
     yield
-    assert_clean_state()
+    assert_clean_state(hooks_before)
 
 
 class Record(TorchDispatchMode):
@@ -107,7 +106,17 @@ def make_inputs(low: torch.dtype) -> types.SimpleNamespace:
     t.emb = nn.Embedding(10, 8)
     t.prelu = nn.PReLU()
     t.lstm = nn.LSTM(8, 6, batch_first=True)
+    t.h = torch.randn(4, 6, requires_grad=True)  # a hidden state for the RNN cells
+    t.lstm_cell = nn.LSTMCell(8, 6)
+    t.gru_cell = nn.GRUCell(8, 6)
+    t.rnn_tanh_cell = nn.RNNCell(8, 6)
+    t.rnn_relu_cell = nn.RNNCell(8, 6, bias=False, nonlinearity="relu")
     return t
+
+
+# torch._convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+#                    groups, benchmark, deterministic, cudnn_enabled[, allow_tf32])
+_CONV_ARGS = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1, False, False, True)
 
 
 OPS = {
@@ -123,6 +132,19 @@ OPS = {
     "addmm": lambda t: torch.addmm(t.w[0], t.x, t.w),
     "einsum": lambda t: torch.einsum("bij,bjk->bik", t.a, t.b),
     "tensordot": lambda t: torch.tensordot(t.x, t.w, dims=1),
+    "tensordot_dim_lists": lambda t: torch.tensordot(t.a, t.b, dims=([2], [1])),
+    "tensordot_broadcast_dim": lambda t: torch.tensordot(t.a[:, :1], t.c, dims=([0, 1], [0, 1])),
+    "tensordot_low": lambda t: torch.tensordot(t.xl, t.w.detach().to(t.xl.dtype), dims=1),
+    # only the 12-argument (deprecated) overload is on CPU autocast's lower-precision list
+    "_convolution_12_args": lambda t: torch._convolution(t.img, t.conv.weight, t.conv.bias, *_CONV_ARGS),
+    "_convolution_13_args": lambda t: torch._convolution(t.img, t.conv.weight, t.conv.bias, *_CONV_ARGS,
+                                                         True),
+    # C++ composites whose inner linears CPU autocast lowers
+    "lstm_cell_h": lambda t: t.lstm_cell(t.x)[0],
+    "lstm_cell_c": lambda t: t.lstm_cell(t.x, (t.h, t.h * 2))[1],
+    "gru_cell": lambda t: t.gru_cell(t.x, t.h),
+    "rnn_tanh_cell": lambda t: t.rnn_tanh_cell(t.x, t.h),
+    "rnn_relu_cell": lambda t: t.rnn_relu_cell(t.xl),
     "relu_low": lambda t: F.relu(t.xl),
     "gelu_low": lambda t: F.gelu(t.xl),
     "layer_norm_low": lambda t: t.ln(t.xl),
@@ -201,6 +223,21 @@ def test_op_matches_torch_autocast(name, low):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["lstm_cell_c", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+                                  "tensordot_broadcast_dim", "_convolution_13_args"])
+def test_transcribed_composites_run_the_same_aten_ops_as_torch_autocast(name):
+    # the Python transcriptions of C++ composites repeat torch's inner ops, in-place ones included
+    traces = []
+    for ctx in (native(), scratch()):
+        t = make_inputs(torch.bfloat16)
+        with Record() as rec:
+            with ctx:
+                out = OPS[name](t)
+            out.float().sum().backward()
+        traces.append(rec.ops)
+    assert traces[0] == traces[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # Intentional differences from torch.autocast
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +264,16 @@ def test_inference_fast_paths_are_replaced_by_the_slow_path(module):
     assert got.dtype == slow_path.dtype
     torch.testing.assert_close(got, slow_path, rtol=0, atol=0)
     torch.testing.assert_close(got.float(), fast_path.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("low", LOWS, ids=LOW_IDS)
+def test_tensordot_of_mixed_dtypes_raises_as_in_torch(low):
+    # at::tensordot checks that its inputs share a dtype before its inner mm, the op CPU autocast
+    # lowers; casting both inputs up front would hide the error
+    a, b = torch.randn(4, 8), torch.randn(8, 3).to(low)
+    for ctx in (native(low), scratch(low)):
+        with pytest.raises(RuntimeError, match="both inputs should have same dtype"), ctx:
+            torch.tensordot(a, b, dims=1)
 
 
 def test_gru_runs_in_fp32():
@@ -350,6 +397,119 @@ def test_emulate_caches_the_rounded_weight():
     assert rec.count("_to_copy") - n == 4
 
 
+def test_emulate_rounds_a_low_format_value_again_after_an_in_place_change():
+    # the result of a low op is marked as a low-format value and not rounded again as an operand
+    # of the next low op -- unless an in-place op has changed it since
+    torch.manual_seed(0)
+    lin, x = nn.Linear(8, 8), torch.randn(2, 8)
+    with scratch(torch.float16, emulate=True):
+        h = lin(x).view(2, 8)
+        h.add_(torch.randn(2, 8) * 0.01)
+        out = lin(h)
+    assert not torch.equal(h, r16(h))  # h is no longer an fp16 value...
+    want = r16(F.linear(r16(h), r16(lin.weight), r16(lin.bias)))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)  # ...so it was rounded again
+
+
+@pytest.mark.parametrize("params", ["fp32", "fp16"])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_emulate_skips_rounding_low_format_operands_without_changing_a_bit(model_name, params,
+                                                                         monkeypatch):
+    from mixprec.autocast import rounded
+    from mixprec.train.models import build_model
+
+    def step():
+        torch.manual_seed(0)
+        model = build_model(model_name, input_shape=(1, 8, 8), num_classes=5, width=32, channels=4,
+                            d_model=16, n_heads=2, n_layers=1)
+        if params == "fp16":  # fp16-master
+            model.half()
+        x, y = torch.randn(3, 1, 8, 8), torch.tensor([0, 3, 4])
+        with Record() as rec:
+            with scratch(torch.float16, emulate=True):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        return rec.count("_to_copy"), loss, [p.grad for p in model.parameters()]
+
+    casts, loss, grads = step()
+    monkeypatch.setattr(rounded, "SKIP_ROUNDED_OPERANDS", False)
+    STATE.frame_cache.clear()  # frames read the switch when they are built
+    try:
+        casts_every_operand, want_loss, want_grads = step()
+    finally:
+        STATE.frame_cache.clear()
+    # q, k, v and the out-projection's input: 4 operands x (2 casts forward + 2 backward)
+    saved = {"simplenet": 0, "mlp": 0, "cnn": 0, "transformer": 16}[model_name]
+    assert casts_every_operand - casts == saved
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
+    for g, w in zip(grads, want_grads):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# emulate=True with low-precision parameters (fp16-master): the activations are fp32 carriers of
+# fp16 values, the parameters real fp16 tensors; where the two meet, the parameters are widened
+# (exactly) so that the op computes in fp32 as it would on fp32 copies of the parameters.
+NORMS = {
+    "layer_norm": lambda: nn.LayerNorm(8),
+    "batch_norm": lambda: nn.BatchNorm1d(8),
+    "group_norm": lambda: nn.GroupNorm(2, 8),
+    "linear_then_layer_norm": lambda: nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_emulate_widens_low_params_that_meet_fp32_activations(name):
+    import copy
+
+    torch.manual_seed(0)
+    module = NORMS[name]()
+    for p in module.parameters():  # not 1/0: give the affine parameters fp16 rounding work
+        nn.init.normal_(p)
+    reference = copy.deepcopy(module).half().float()  # fp32 copy of the fp16 values
+    module.half()
+    x = r16(torch.randn(4, 8))
+    with scratch(torch.float16, emulate=True):
+        got = module(x)
+    want = reference(x) if name != "linear_then_layer_norm" else reference[1](r16(reference[0](x)))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.sum().backward()
+    want.sum().backward()
+    for p, q in zip(module.parameters(), reference.parameters()):
+        assert p.grad.dtype == torch.float16  # the gradient reaches the fp16 parameter in fp16
+        torch.testing.assert_close(p.grad, q.grad.half(), rtol=0, atol=0)
+    for b, c in zip(module.buffers(), reference.buffers()):  # BatchNorm's running statistics
+        assert b.dtype == (torch.float16 if b.is_floating_point() else torch.int64)
+        torch.testing.assert_close(b, c.to(b.dtype), rtol=0, atol=0)
+
+
+def test_emulate_writes_in_place_updates_of_widened_tensors_back():
+    buf = torch.zeros(3, dtype=torch.float16)
+    with scratch(torch.float16, emulate=True):
+        out = buf.add_(torch.full((3,), 1.5))
+        only_low = buf * buf  # no fp32 operand: nothing to widen, fp16 arithmetic as in torch
+    assert out is buf and buf.dtype == torch.float16
+    torch.testing.assert_close(buf, torch.full((3,), 1.5, dtype=torch.float16), rtol=0, atol=0)
+    assert only_low.dtype == torch.float16
+
+
+@pytest.mark.parametrize("model_name", ["cnn", "transformer"])
+def test_emulated_fp16_params_are_close_to_native_fp16(model_name):
+    from mixprec.train.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_name, input_shape=(1, 8, 8), num_classes=5, channels=4, d_model=16,
+                        n_heads=2, n_layers=1).half()
+    x, y = torch.randn(3, 1, 8, 8), torch.tensor([0, 3, 4])
+    with native(torch.float16):
+        want = F.cross_entropy(model(x), y)
+    with scratch(torch.float16, emulate=True):
+        got = F.cross_entropy(model(x), y)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
+
+
 # ---------------------------------------------------------------------------------------------
 # keep_fp32
 # ---------------------------------------------------------------------------------------------
@@ -390,6 +550,21 @@ def test_keep_fp32_by_type(spec, with_model):
     assert not model[1]._forward_pre_hooks
 
 
+def test_keep_fp32_widens_the_low_precision_params_of_a_kept_module():
+    # bf16-master keeps the parameters in bf16; a kept LayerNorm gets fp32 inputs from its pre hook
+    # and must compute on fp32 copies of its bf16 weights (CPU layer_norm refuses to mix them)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).bfloat16()
+    x = torch.randn(2, 8).bfloat16()
+    with scratch(keep_fp32=[nn.LayerNorm], model=model):
+        hidden = model[0](x)
+        out = model(x)
+    ln = model[1]
+    assert out.dtype == torch.float32 and ln.weight.dtype == torch.bfloat16
+    want = F.layer_norm(hidden.float(), (8,), ln.weight.float(), ln.bias.float())
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 def test_keep_fp32_inside_a_disabled_region_does_nothing():
     model = nn.Sequential(nn.Linear(8, 8))
     with scratch(keep_fp32=["0"], model=model), scratch(enabled=False):
@@ -408,14 +583,14 @@ def test_keep_fp32_errors_name_the_fix():
 def test_exception_inside_a_kept_module_restores_state():
     class Boom(nn.Module):
         def forward(self, x):
-            assert autocast_module._state.frames[-1].kinds["linear"].value == "fp32"
+            assert STATE.frames[-1].kinds["linear"].value == "fp32"
             raise KeyError("boom")
 
     model = nn.Sequential(nn.Linear(4, 4), Boom())
     with scratch(keep_fp32=[Boom], model=model):
         with pytest.raises(KeyError):
             model(torch.randn(1, 4))
-        assert len(autocast_module._state.frames) == 1  # the always_call hook popped its frame
+        assert len(STATE.frames) == 1  # the always_call hook popped its frame
         assert model[0](torch.randn(1, 4)).dtype == torch.bfloat16
 
 
@@ -456,15 +631,17 @@ def test_tensors_on_other_devices_are_left_alone():
 @pytest.mark.parametrize("depth", [1, 2])
 def test_exception_restores_all_state(depth):
     lin = nn.Linear(4, 4)
+    hooks_before = _global_hooks()
     with pytest.raises(RuntimeError, match="inside"):
         with scratch(keep_fp32=[nn.LayerNorm]):  # global hooks too
+            assert _global_hooks() == hooks_before + 2
             lin(torch.randn(2, 4))
-            assert any(autocast_module._state.cache.values())
+            assert any(STATE.cache.values())
             if depth == 2:
                 with scratch(torch.float16):
                     raise RuntimeError("inside")
             raise RuntimeError("inside")
-    assert_clean_state()
+    assert_clean_state(hooks_before)
     assert lin(torch.randn(2, 4)).dtype == torch.float32
 
 
@@ -510,6 +687,17 @@ def _weight_casts(ctx) -> int:
     return sum(op == "_to_copy" for op, _ in rec.ops)
 
 
+def test_emulate_widens_a_low_precision_weight_once_per_context():
+    # fp16-master: the fp16 parameters' fp32 carriers are cached like fp32 parameters' roundings
+    model, x = Tied().half(), torch.randn(2, 8)
+    counts = []
+    for cache_enabled in (True, False):
+        with Record() as rec, scratch(torch.float16, emulate=True, cache_enabled=cache_enabled):
+            model(x)
+        counts.append(rec.count("_to_copy"))
+    assert counts[1] - counts[0] == 2  # the second use of the weight and of the bias
+
+
 @pytest.mark.parametrize("cache_enabled", [True, False])
 def test_cache_casts_a_shared_weight_once(cache_enabled):
     got = _weight_casts(scratch(cache_enabled=cache_enabled))
@@ -521,7 +709,7 @@ def test_cache_casts_a_shared_weight_once(cache_enabled):
 def test_cache_lives_for_the_outermost_context():
     model, x = Tied(), torch.randn(2, 8)
     def cached():
-        return sum(len(entries) for entries in autocast_module._state.cache.values())
+        return sum(len(entries) for entries in STATE.cache.values())
 
     with scratch():
         model(x)

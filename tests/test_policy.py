@@ -10,20 +10,22 @@ import torch.nn.functional as F
 from mixprec.policy import CastKind, CastPolicy, default_policy
 
 
-def _registered(dispatch_key: str) -> set[str]:
-    """Op names (overload dropped) with a kernel registered for an autocast dispatch key."""
+def _registered(dispatch_key: str, *, overloads: bool = False) -> set[str]:
+    """Op names with a kernel registered for an autocast dispatch key (``name.overload`` or ``name``)."""
     regs = torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)
-    return {r.split("::", 1)[1].split(".")[0] for r in regs if r.startswith("aten::")}
+    names = {r.split("::", 1)[1] for r in regs if r.startswith("aten::")}
+    return names if overloads else {n.split(".")[0] for n in names}
 
 
 # Listed on purpose although torch registers no kernel under that name on that device
 # (the reasons are in policy.py).
-CPU_EXTRAS = {"einsum", "tensordot", "inner", "linalg_multi_dot", "chain_matmul", "lstm"}
+CPU_EXTRAS = {"einsum", "inner", "linalg_multi_dot", "chain_matmul", "lstm"}
 CUDA_EXTRAS = {"lstm", "gru", "rnn_tanh", "rnn_relu", "cross_entropy_loss", "linalg_norm"}
 
 
 def _listed(policy: CastPolicy) -> set[str]:
-    return set(policy.table) - set(policy.composite)
+    """Listed op names, overloads dropped (composites are entered, not cast)."""
+    return {op.split(".")[0] for op in set(policy.table) - set(policy.composite)}
 
 
 def test_cpu_lists_are_exactly_torchs_autocast_cpu_registrations():
@@ -41,6 +43,21 @@ def test_cuda_lists_cover_torchs_autocast_cuda_registrations():
     assert listed - registered == CUDA_EXTRAS
 
 
+@pytest.mark.parametrize("device_type, key", [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])
+def test_overload_entries_name_registered_overloads(device_type, key):
+    entries = {op for op in default_policy(device_type).table if "." in op}
+    assert "_convolution.deprecated" in entries
+    assert entries <= _registered(key, overloads=True)
+
+
+def test_cpu_lowers_only_the_deprecated_convolution_overload():
+    # aten::_convolution (13 args, with allow_tf32) has no AutocastCPU kernel; .deprecated (12) has
+    assert "_convolution" not in _registered("AutocastCPU", overloads=True)
+    assert default_policy("cpu").kind("_convolution") is None
+    assert default_policy("cpu").kind("_convolution.deprecated") is CastKind.LOW
+    assert default_policy("cuda").kind("_convolution") is CastKind.LOW
+
+
 # One op per kind that can be called with a single floating tensor: under torch.autocast("cpu")
 # a low op turns fp32 into the low dtype and an fp32 op turns the low dtype into fp32.
 CPU_LOW_PROBES = {
@@ -50,7 +67,13 @@ CPU_LOW_PROBES = {
     "linear": lambda t: F.linear(t, t),
     "addmm": lambda t: torch.addmm(t, t, t),
     "einsum": lambda t: torch.einsum("ij,jk->ik", t, t),
+}
+# C++ composites that CPU autocast lowers inside (their inner linear/mm), which the policy
+# transcribes instead of casting their inputs
+CPU_COMPOSITE_PROBES = {
     "tensordot": lambda t: torch.tensordot(t, t, dims=1),
+    "rnn_tanh_cell": lambda t: torch.rnn_tanh_cell(t, t, t, t),
+    "rnn_relu_cell": lambda t: torch.rnn_relu_cell(t, t, t, t),
 }
 CPU_FP32_PROBES = {
     "mse_loss": lambda t: F.mse_loss(t, t),
@@ -69,6 +92,14 @@ def test_cpu_low_ops_are_lowered_by_torch_autocast(op):
     assert default_policy("cpu").kind(op) is CastKind.LOW
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert CPU_LOW_PROBES[op](torch.randn(4, 4)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("op", sorted(CPU_COMPOSITE_PROBES))
+def test_cpu_composites_are_lowered_inside_by_torch_autocast(op):
+    assert default_policy("cpu").kind(op) is CastKind.COMPOSITE
+    assert op not in _registered("AutocastCPU")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert CPU_COMPOSITE_PROBES[op](torch.randn(4, 4)).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("op", sorted(CPU_FP32_PROBES))

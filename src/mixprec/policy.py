@@ -21,9 +21,11 @@ The cast kinds are those of ``aten/src/ATen/autocast_mode.{h,cpp}``:
 * ``PROMOTE`` -- cast every floating input to the widest floating input dtype (``cat``,
   ``stack``, ``index_put``, ``addcmul``...), so mixing an fp32 and a low-precision tensor works.
 * ``BANNED`` -- refuse with an explanation (``binary_cross_entropy`` on CUDA).
-* ``COMPOSITE`` -- a Python function that a function-level hook sees as one call (e.g.
-  ``F.multi_head_attention_forward``); the autocast runs its body with the policy active so its
-  inner linears/softmax follow the lists above.
+* ``COMPOSITE`` -- a function that a function-level hook sees as one call: a Python function
+  (``F.multi_head_attention_forward``), whose body the autocast runs with the policy active so its
+  inner linears/softmax follow the lists above, or a C++ composite that the autocast runs as a Python
+  transcription of its C++ code for the same reason (``lstm_cell``, ``tensordot`` on CPU; the
+  transcriptions are in :mod:`mixprec.autocast.cpp_composites`).
 
 Everything else runs untouched in whatever dtype its inputs have (``relu``, ``gelu``, ``add``,
 ``dropout``, ``view``...), with PyTorch's ordinary type promotion.
@@ -34,8 +36,14 @@ on CPU ``softmax``, ``log_softmax``, ``layer_norm``, ``group_norm``, ``exp``/``l
 ``sum`` are *not* forced to fp32 (bf16 has fp32's exponent range, and CPU kernels accumulate
 reductions in fp32 internally), while pooling/padding ops that lack fast bf16 kernels are.
 A few ops are added to the CPU low list that torch lowers *inside* a C++ composite rather than by
-name (``einsum``/``tensordot``/``inner``/``linalg_multi_dot`` run through ``bmm``/``mm``; ``lstm``
-through ``mkldnn_rnn_layer``), so that the function-level autocast lands on the same dtypes.
+name (``einsum``/``inner``/``linalg_multi_dot`` run through ``bmm``/``mm``; ``lstm`` through
+``mkldnn_rnn_layer``), so that the function-level autocast lands on the same dtypes. Where that
+shortcut would differ from torch, the composite is listed as ``composite`` and transcribed instead:
+the RNN cells (torch lowers their two inner linears and returns what the fp32 hidden state makes of
+them) and ``tensordot`` (which refuses inputs of different dtypes before its inner ``mm``).
+
+An entry ``name.overload`` applies to one overload of an ATen op: CPU autocast lowers only the
+12-argument ``_convolution.deprecated``, not the 13-argument ``_convolution``.
 To keep, say, softmax in fp32 on CPU as well: ``default_policy("cpu").with_ops(CastKind.FP32_OUT,
 ["softmax", "log_softmax"])``.
 """
@@ -164,13 +172,18 @@ _COMPOSITE_ALL = frozenset({"multi_head_attention_forward"})
 
 _CPU_LOW = frozenset({
     "conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm",
-    "_addmm_activation", "addbmm", "linear", "_convolution", "matmul", "conv_tbc",
+    "_addmm_activation", "addbmm", "linear", "_convolution.deprecated", "matmul", "conv_tbc",
     "mkldnn_rnn_layer", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu",
     "scaled_dot_product_attention", "_native_multi_head_attention",
     # C++ composites that native CPU autocast lowers through their inner bmm/mm/mkldnn_rnn_layer
     # (torch lowers einsum only when the equation contracts, e.g. not "ij,ij->ij").
-    "einsum", "tensordot", "inner", "linalg_multi_dot", "chain_matmul", "lstm",
+    "einsum", "inner", "linalg_multi_dot", "chain_matmul", "lstm",
 })
+
+# C++ composites run as Python transcriptions on CPU (mixprec.autocast.cpp_composites)
+_CPU_COMPOSITE = _COMPOSITE_ALL | {
+    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "tensordot",
+}
 
 _CPU_FP32 = frozenset({
     "avg_pool3d", "binary_cross_entropy", "grid_sampler", "polar", "prod", "quantile",
@@ -199,7 +212,7 @@ _CPU_PROMOTE = frozenset({"stack", "cat", "index_copy"})
 # AT_FORALL_LOWER_PRECISION_FP plus the cuDNN kernels; used for CUDA and every other device
 # (XPU registers the same lists).
 _CUDA_LOW = frozenset({
-    "_convolution", "convolution", "conv1d", "conv2d", "conv3d", "conv_tbc",
+    "_convolution", "_convolution.deprecated", "convolution", "conv1d", "conv2d", "conv3d", "conv_tbc",
     "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu", "addmm", "addmv",
     "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm",
     "bmm", "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
@@ -269,7 +282,7 @@ def _default_policy(device_type: str) -> CastPolicy:
             low=_CPU_LOW,
             fp32=_CPU_FP32,
             promote=_CPU_PROMOTE,
-            composite=_COMPOSITE_ALL,
+            composite=_CPU_COMPOSITE,
         )
     return CastPolicy(
         device_type=device_type,

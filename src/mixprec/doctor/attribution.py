@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..autocast.hooks import ForwardHooks
+
 __all__ = ["ModuleTracker", "OUTSIDE", "display_path"]
 
 OUTSIDE = None
@@ -48,20 +50,16 @@ class ModuleTracker:
                 self._param_owner.setdefault(id(p), name)
         self._stack: list[tuple[str, set[Any]]] = []
         self._node_owner: dict[Any, str] = {}
-        self._handles: list[Any] = []
+        self._hooks = ForwardHooks(self._pre, self._post)
         self.after_backward = False
 
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> ModuleTracker:
-        for m in self.model.modules():
-            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        self._hooks.install(self.model.modules())
         return self
 
     def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._hooks.remove()
         self._stack.clear()
 
     def new_step(self) -> None:

@@ -34,19 +34,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..autocast import autocast as scratch_autocast
+from ..autocast.hooks import ForwardHooks
 from .attribution import ModuleTracker, display_path
 from .nonfinite import NonFiniteEvent, NonFiniteWatch
 from .observer import OpObserver
 
 __all__ = ["Fp32Modules", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult"]
-
-
-def _scratch_disabled() -> contextlib.AbstractContextManager:
-    try:
-        from ..autocast import autocast as scratch_autocast
-    except ImportError:  # the scratch engine is optional for this purpose
-        return contextlib.nullcontext()
-    return scratch_autocast(torch.bfloat16, enabled=False)
 
 
 class Fp32Modules:
@@ -56,13 +50,13 @@ class Fp32Modules:
         self.model = model
         self.names = list(dict.fromkeys(names))
         self.device_type = device_type
-        self._handles: list[Any] = []
+        self._hooks = ForwardHooks(self._pre, self._post)
         self._stacks: list[contextlib.ExitStack] = []
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
         stack = contextlib.ExitStack()
         stack.enter_context(torch.autocast(self.device_type, enabled=False))
-        stack.enter_context(_scratch_disabled())
+        stack.enter_context(scratch_autocast(torch.bfloat16, enabled=False))
         self._stacks.append(stack)
 
         def up(t: Any) -> Any:
@@ -77,17 +71,14 @@ class Fp32Modules:
             self._stacks.pop().close()
 
     def __enter__(self) -> Fp32Modules:
-        for name in self.names:
-            m = self.model.get_submodule(name)
+        modules = [self.model.get_submodule(name) for name in self.names]
+        for m in modules:
             m.float()
-            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        self._hooks.install(modules)
         return self
 
     def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._hooks.remove()
         while self._stacks:
             self._stacks.pop().close()
 

@@ -1,0 +1,65 @@
+"""A forward pre-hook and an always-called forward hook, installed on modules and removed together.
+
+Several parts of mixprec bracket a module's forward: ``autocast(keep_fp32=...)`` pushes an fp32
+frame before the module runs and pops it after; the doctor's module tracker keeps a stack of module
+names; its replay runs chosen modules with autocast off. Each pairs a pre hook that pushes some state
+with a post hook that pops it, and the post hook is registered with ``always_call=True`` so that it
+runs even when the module's forward raises -- otherwise an exception would leave the state pushed.
+
+Hooks go on given modules (:meth:`ForwardHooks.install`) or on every module's forward
+(:meth:`ForwardHooks.install_global`, via ``torch.nn.modules.module``'s global hooks, for modules
+chosen by type when no model is at hand). Either way ``pre(module, args, kwargs)`` returns None
+(inputs unchanged) or ``(args, kwargs)``; a global pre hook cannot replace keyword arguments, so there
+it is called with ``kwargs={}`` and only its new ``args`` are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ForwardHooks"]
+
+PreHook = Callable[[nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
+PostHook = Callable[[nn.Module, tuple, Any], None]
+
+
+class ForwardHooks:
+    """``pre`` before and ``post`` after the forward of the modules it is installed on."""
+
+    def __init__(self, pre: PreHook, post: PostHook) -> None:
+        self.pre = pre
+        self.post = post
+        self._handles: list[Any] = []
+
+    def install(self, modules: Iterable[nn.Module]) -> ForwardHooks:
+        """Hook each of ``modules`` (``pre`` sees and may replace its keyword arguments)."""
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self.pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self.post, always_call=True))
+        return self
+
+    def install_global(self) -> ForwardHooks:
+        """Hook every module's forward in this process (``pre`` gets ``kwargs={}``)."""
+        pre = self.pre
+
+        def pre_args_only(module: nn.Module, args: tuple):
+            replaced = pre(module, args, {})
+            return None if replaced is None else replaced[0]
+
+        self._handles.append(nn.modules.module.register_module_forward_pre_hook(pre_args_only))
+        self._handles.append(
+            nn.modules.module.register_module_forward_hook(self.post, always_call=True))
+        return self
+
+    def remove(self) -> None:
+        """Remove every hook this object installed (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
