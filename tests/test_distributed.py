@@ -278,7 +278,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                              "scaler": type(run.recipe.scaler).__name__}
 
         # fp32 (no loss scaler): a non-finite loss on rank 1 alone stops both ranks at the same step
-        run = build_run(TrainConfig.from_flags(**{**base, "precision": "fp32"}, strategy="ddp"))
+        fp32 = {k: v for k, v in base.items() if k not in ("init_scale", "growth_interval")}  # fp32 has no scaler
+        run = build_run(TrainConfig.from_flags(**{**fp32, "precision": "fp32"}, strategy="ddp"))
         loss_fn, calls = run.loss_fn, []
 
         def bad_loss(logits, y):

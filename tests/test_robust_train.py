@@ -280,3 +280,29 @@ def test_train_py_shim_gets_the_same_errors(tmp_path):
     r = run_cli_subprocess("train", *TINY, "--epochs", "1", "--resume", "")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--resume is empty" in r.stderr
     assert json.dumps  # the shim is exercised in test_train_cli; this guards the subprocess path
+
+
+def test_keep_fp32_naming_a_missing_module_is_one_line(cli):
+    code, _, err = cli("train", *TINY, "--epochs", "1", "--amp-impl", "scratch", "--precision", "bf16-mixed",
+                       "--keep-fp32", "nosuch")
+    _one_line_error(code, err, match="--keep-fp32")
+
+
+def test_autocast_refuses_unknown_devices_and_unpaired_exit():
+    from mixprec.autocast import autocast
+
+    with pytest.raises(ValueError, match="tpu"):
+        autocast(torch.bfloat16, device_type="tpu")
+    with pytest.raises(RuntimeError, match="without a matching __enter__"):
+        autocast(torch.bfloat16, device_type="cpu").__exit__(None, None, None)
+
+
+def test_diagnose_on_cuda_without_cuda_is_a_usage_error():
+    from mixprec.doctor import diagnose
+    from mixprec.errors import UsageError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(UsageError, match="CUDA"):
+        diagnose(torch.nn.Linear(4, 2), (torch.randn(8, 4), torch.randint(0, 2, (8,))), torch.nn.functional.cross_entropy,
+                 device="cuda")

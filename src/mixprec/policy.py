@@ -257,6 +257,10 @@ _CUDA_PROMOTE = frozenset({
 _CUDA_COMPOSITE = _COMPOSITE_ALL | {"normalize", "softmin"}
 
 
+POLICY_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+"""Device types with a built-in policy: the CPU lists, or the CUDA lists (which XPU and MPS share)."""
+
+
 def default_policy(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> CastPolicy:
     """The policy ``torch.autocast(device_type, dtype)`` applies (one shared object per pair).
 
@@ -266,6 +270,11 @@ def default_policy(device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16
     """
     if isinstance(device_type, torch.device):
         device_type = device_type.type
+    if device_type not in POLICY_DEVICE_TYPES:
+        raise ValueError(
+            f"default_policy({device_type!r}): mixprec has cast lists for {', '.join(POLICY_DEVICE_TYPES)}; "
+            "for another device pass policy=CastPolicy(...) with its lists"
+        )
     if dtype not in LOW_DTYPES:
         raise ValueError(
             f"default_policy({device_type!r}, dtype={dtype}): the low dtype must be one of "

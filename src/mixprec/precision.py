@@ -333,6 +333,13 @@ class Recipe:
         model = model.to(self.device)
         if self.spec.param_dtype != torch.float32:
             model = model.to(self.spec.param_dtype)
+        if self.keep_fp32 and self.spec.autocast:
+            from .autocast.keep_fp32 import resolve_keep_fp32
+
+            try:  # a name the model lacks is the user's mistake: say so now, not at the first forward
+                resolve_keep_fp32(self.keep_fp32, model)
+            except (ValueError, TypeError) as e:
+                raise RecipeError(f"--keep-fp32: {e}") from None
         if self.spec.fp8:
             from .fp8 import convert_to_fp8, plan_fp8_conversion
 

@@ -171,6 +171,8 @@ class autocast:  # noqa: N801 -- named like torch.autocast, which it replaces
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self._records:
+            raise RuntimeError(f"{self!r}.__exit__ without a matching __enter__; use `with autocast(...):`")
         record = self._records.pop()
         if record.noop:
             return False
