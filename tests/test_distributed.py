@@ -306,7 +306,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         out["accum_scale"] = run.recipe.loss_scale()
 
         # sharded evaluation (65 test samples: rank 1 pads one) equals a whole-test-set pass
-        acc, loss = evaluate(run.ctx, run.data.x_test, run.data.y_test)
+        acc, loss = evaluate(run.ctx, run.data)
         with torch.no_grad(), run.recipe.autocast():
             logits = distributed.unwrap(run.model)(run.data.x_test)
             full_loss = float(run.loss_fn(logits, run.data.y_test))

@@ -357,7 +357,7 @@ def precision_map(model: nn.Module, batch: Any, loss_fn: Callable, *, precision:
                   amp_impl: str = "auto", device: str | torch.device = "cpu") -> PrecisionMap:
     """The precision map of one training step (forward, backward, optimizer step) of a copy of ``model``."""
     run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
-    x, y = (t.to(run.device) for t in run.train_loader[0])
+    x, y = (t.to(run.device) for t in run.data.batches[0])
     tracker = ModuleTracker(run.model)
     sink = PrecisionMapSink(run.recipe.low_dtype)
     with run.recipe.run_context(), tracker, OpObserver(tracker, [sink]):
@@ -385,7 +385,7 @@ def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable, *, pre
     Returns None when the step is finite. Nothing is trained; ``model`` is not modified.
     """
     run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
-    x, y = (t.to(run.device) for t in run.train_loader[0])
+    x, y = (t.to(run.device) for t in run.data.batches[0])
     with run.recipe.run_context():
         fa = _locate(run, run.model, x, y, _rng_state(x.device), 0, loss_scale, False, bisect=replay, search=replay)
     return None if fa.event is None else fa

@@ -64,16 +64,27 @@ def _recipe_arguments(g, with_precision: bool) -> None:
 
 def _model_and_data_arguments(g) -> None:
     d = _DEFAULTS
-    g.add_argument("--model", default=d["model"], help="simplenet, mlp, cnn or transformer (default simplenet)")
+    g.add_argument("--model", default=d["model"], metavar="NAME|MODULE:CALLABLE",
+                   help="simplenet, mlp, cnn, transformer, gpt, or your own: package.module:factory or "
+                        "path/to/file.py:factory returning an nn.Module (default simplenet)")
     g.add_argument("--width", type=int, default=d["width"], help="mlp hidden width")
     g.add_argument("--depth", type=int, default=d["depth"], help="mlp hidden layers")
     g.add_argument("--channels", type=int, default=d["channels"], help="cnn base channels")
-    g.add_argument("--d-model", type=int, default=d["d_model"], help="transformer width")
-    g.add_argument("--n-heads", type=int, default=d["n_heads"], help="transformer heads")
-    g.add_argument("--n-layers", type=int, default=d["n_layers"], help="transformer blocks")
+    g.add_argument("--d-model", type=int, default=d["d_model"], help="transformer / gpt width")
+    g.add_argument("--n-heads", type=int, default=d["n_heads"], help="transformer / gpt heads")
+    g.add_argument("--n-layers", type=int, default=d["n_layers"], help="transformer / gpt blocks")
     g.add_argument("--patch-size", type=int, default=d["patch_size"], help="transformer patch size")
-    g.add_argument("--dataset", default=d["dataset"], help="fashion-mnist, mnist, digits or synthetic")
+    g.add_argument("--block-size", type=int, default=d["block_size"], help="gpt / text: context length")
+    g.add_argument("--loss", default=d["loss"], metavar="cross-entropy|MODULE:CALLABLE",
+                   help="loss(outputs, targets) -> scalar (default cross-entropy)")
+    g.add_argument("--dataset", default=d["dataset"], metavar="NAME|MODULE:CALLABLE",
+                   help="fashion-mnist, mnist, digits, synthetic, text, or your own: module:factory returning "
+                        "(train, test) datasets or tensor pairs")
     g.add_argument("--data-dir", default=None, help="folder with the IDX files (fashion-mnist, mnist)")
+    g.add_argument("--data-path", default=None, metavar="FILE_OR_DIR",
+                   help="text: UTF-8 file or folder (default: the Debian package fortunes)")
+    g.add_argument("--num-workers", type=int, default=d["num_workers"],
+                   help="DataLoader workers for map-style datasets (default 0)")
     g.add_argument("--synthetic-train", type=int, default=d["synthetic_train"], help="synthetic train samples")
     g.add_argument("--synthetic-test", type=int, default=d["synthetic_test"], help="synthetic test samples")
     g.add_argument("--synthetic-shape", type=_shape, default=tuple(d["synthetic_shape"]),

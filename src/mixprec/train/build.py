@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +26,15 @@ from . import distributed
 from .config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from .data import Dataset, load_dataset
 from .models import build_model
+from .sources import user_data
 from .step import StepContext
+from .usercode import UserCodeError, call_declared, is_reference, load_callable
 
-__all__ = ["Run", "build_run", "optimizer_factory", "load_data", "model_from_config"]
+__all__ = ["Run", "build_run", "optimizer_factory", "load_data", "model_from_config", "loss_from_config",
+           "cross_entropy"]
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -86,19 +91,87 @@ def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
     return make
 
 
-def load_data(config: DataConfig, *, seed: int) -> Dataset:
-    """The built-in dataset a data section names."""
+def load_data(config: DataConfig, *, seed: int, block_size: int = 64) -> Dataset:
+    """The data source a data section names: a built-in dataset, text, or the user's factory."""
+    if is_reference(config.name):
+        return user_data(config.name, seed=seed)
+    if config.name == "text":
+        from .text import text_data
+
+        return text_data(config.data_path, block_size=block_size, limit_test=config.limit_test)
     options = dataclasses.asdict(config)
-    name = options.pop("name")
+    for key in ("name", "data_path", "num_workers"):
+        options.pop(key)
     options["synthetic_shape"] = tuple(options["synthetic_shape"])
-    return load_dataset(name, seed=seed, **options)
+    return load_dataset(config.name, seed=seed, **options)
 
 
 def model_from_config(config: ModelConfig, data: Dataset) -> nn.Module:
-    """The built-in model a model section names, shaped for ``data``."""
+    """The model a model section names (built-in or the user's factory), shaped for ``data``."""
+    vocab = getattr(data, "vocab_size", data.num_classes)
+    offered = {"input_shape": tuple(data.input_shape), "num_classes": data.num_classes, "vocab_size": vocab,
+               "block_size": getattr(data, "block_size", config.block_size)}
+    if is_reference(config.name):
+        model = call_declared(load_callable(config.name, "--model"), offered, ref=config.name, flag="--model")
+        if not isinstance(model, nn.Module):
+            raise UserCodeError(f"--model {config.name!r} returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+    lm = data.task == "language-model"
+    if (config.name == "gpt") != lm:
+        raise ConfigError(f"--model {config.name} and --dataset {data.name} do not go together: gpt is a language "
+                          "model for --dataset text, the other built-in models classify"
+                          + (" (use --model gpt or your own model)" if lm else " (use --dataset text)"))
+    if lm:
+        from .gpt import GPT
+
+        return GPT(vocab, offered["block_size"], n_layers=config.n_layers, n_heads=config.n_heads,
+                   d_model=config.d_model)
     options = dataclasses.asdict(config)
-    name = options.pop("name")
-    return build_model(name, input_shape=data.input_shape, num_classes=data.num_classes, **options)
+    for key in ("name", "block_size", "loss"):
+        options.pop(key)
+    return build_model(config.name, input_shape=data.input_shape, num_classes=data.num_classes, **options)
+
+
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension: (B, C) logits with (B,) labels, or (B, T, V) with (B, T)."""
+    if outputs.dim() > 2:
+        return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(outputs, targets)
+
+
+def loss_from_config(config: ModelConfig) -> LossFn:
+    if config.loss == "cross-entropy":
+        return cross_entropy
+    if is_reference(config.loss):
+        return load_callable(config.loss, "--loss")
+    raise ConfigError(f"unknown --loss {config.loss!r}; use cross-entropy or package.module:callable")
+
+
+def _probe(model: nn.Module, data: Any, loss_fn: LossFn, config: TrainConfig) -> None:
+    """One no-grad forward of two test samples, so user code that does not fit fails now, in one line."""
+    x, y = next(iter(data.eval_batches(torch.arange(min(2, data.n_test)), 2)))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x)
+            if isinstance(out, torch.Tensor) and data.task == "classify" and out.dim() == 2 \
+                    and out.shape[-1] < data.num_classes:
+                raise UserCodeError(f"the labels go up to {data.num_classes - 1} but the model outputs "
+                                    f"{out.shape[-1]} classes; make it output {data.num_classes}")
+            loss = loss_fn(out, y)
+    except UserCodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the user's model or loss does not fit the data
+        raise UserCodeError(f"--model {config.model.name} does not fit --dataset {config.data.name}: inputs of "
+                            f"shape {tuple(x.shape)} (dtype {x.dtype}) gave {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
+    finally:
+        model.train(was_training)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise UserCodeError(f"--loss {config.model.loss} returned {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}; "
+                            "it must return a scalar tensor")
 
 
 @contextlib.contextmanager
@@ -138,15 +211,19 @@ def build_run(
     env, device = distributed.setup(config.run.strategy, hardware.resolve_device(config.run.device))
     recipe = build_recipe(config.recipe, device=device, seed=seed, world_size=env.world_size)
     if data is None:
-        data = load_data(config.data, seed=seed)
+        data = load_data(config.data, seed=seed, block_size=config.model.block_size)
+    loss_fn = loss_fn or loss_from_config(config.model)
     with _allocation_is_a_usage_error(config.model):
         if model is None:
             torch.manual_seed(seed)
             model = model_from_config(config.model, data)
+            if any(is_reference(n) for n in (config.model.name, config.data.name, config.model.loss)):
+                _probe(model, data, loss_fn, config)
         model = recipe.convert_module(model)
     model = distributed.wrap_model(model, recipe, config.run.strategy, device)  # DDP / FSDP2, or as it is
     optimizer = recipe.build_optimizer(model, make_optimizer or optimizer_factory(config.optim))
-    loader = data.loader(config.optim.batch_size, seed=seed, rank=env.rank, world_size=env.world_size)
-    ctx = StepContext(model=model, recipe=recipe, optimizer=optimizer, loss_fn=loss_fn or F.cross_entropy,
+    loader = data.loader(config.optim.batch_size, seed=seed, rank=env.rank, world_size=env.world_size,
+                         num_workers=config.data.num_workers, device=device)
+    ctx = StepContext(model=model, recipe=recipe, optimizer=optimizer, loss_fn=loss_fn,
                       device=device, clip_grad_norm=config.optim.clip_grad_norm)
     return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx)

@@ -31,7 +31,8 @@ STRATEGIES = ("none", "ddp", "fsdp")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = "simplenet"
-    """Built-in model: simplenet, mlp, cnn or transformer (flag ``--model``)."""
+    """A built-in model (simplenet, mlp, cnn, transformer, gpt) or user code, ``package.module:callable`` or
+    ``path/to/file.py:callable`` returning an ``nn.Module`` (flag ``--model``)."""
     width: int = 512
     """mlp: hidden width."""
     depth: int = 2
@@ -46,18 +47,28 @@ class ModelConfig:
     """transformer: encoder blocks."""
     patch_size: int = 7
     """transformer: image patch size."""
+    block_size: int = 64
+    """gpt and text data: context length in tokens."""
+    loss: str = "cross-entropy"
+    """cross-entropy (over the last dimension, so (B, C) and (B, T, V) logits both work) or user code
+    ``module:callable`` taking (outputs, targets) and returning a scalar (flag ``--loss``)."""
 
     def validate(self) -> None:
-        for flag in ("width", "depth", "channels", "d_model", "n_heads", "n_layers", "patch_size"):
+        for flag in ("width", "depth", "channels", "d_model", "n_heads", "n_layers", "patch_size", "block_size"):
             _positive(flag, getattr(self, flag))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     name: str = "fashion-mnist"
-    """fashion-mnist, mnist, digits or synthetic (flag ``--dataset``)."""
+    """fashion-mnist, mnist, digits, synthetic, text, or user code ``module:callable`` returning (train, test)
+    as map-style datasets or (inputs, labels) tensor pairs (flag ``--dataset``)."""
     data_dir: str | None = None
     """Folder with the four IDX files (default for fashion-mnist: the Debian package's folder)."""
+    data_path: str | None = None
+    """text: a UTF-8 file or a folder of them (default: the Debian package fortunes' folder)."""
+    num_workers: int = 0
+    """Map-style datasets: DataLoader worker processes (0 = load in the training process)."""
     synthetic_train: int = 4096
     """synthetic: number of training samples."""
     synthetic_test: int = 1024
@@ -74,6 +85,8 @@ class DataConfig:
             _positive(flag, getattr(self, flag))
         for flag in ("limit_train", "limit_test"):
             _positive(flag, getattr(self, flag), allow_none=True)
+        if not (isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool) and self.num_workers >= 0):
+            raise ConfigError(f"--num-workers must be an integer >= 0, got {self.num_workers!r}")
         if any(d <= 0 for d in self.synthetic_shape):
             raise ConfigError(f"--synthetic-shape must be positive sizes, got {self.synthetic_shape}")
 
@@ -285,8 +298,8 @@ class TrainConfig:
 
 
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "out", "checkpoint_every", "resume", "overwrite", "metrics_json",
-                     "log_every", "progress", "device", "data_dir", "limit_test", "check_consistency",
-                     "max_consecutive_skips")
+                     "log_every", "progress", "device", "data_dir", "data_path", "num_workers", "limit_test",
+                     "check_consistency", "max_consecutive_skips")
 """Flags a resumed run may change: how long to train, where outputs go, what is shown. Every other flag
 (recipe, mechanism, loss scaler, optimizer and its hyperparameters, model, data, seed, processes) must equal
 the checkpoint's, or the resumed run would not be the run that was saved."""

@@ -27,7 +27,9 @@ import gzip
 import math
 import os
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,10 +88,19 @@ class Dataset:
     def n_test(self) -> int:
         return len(self.x_test)
 
-    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1) -> BatchLoader:
+    task = "classify"
+    """``classify`` (logits (B, C), accuracy) or ``language-model`` (logits (B, T, V), perplexity, bits/char)."""
+
+    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, **_: Any) -> BatchLoader:
         """This rank's shuffled training batches (see :class:`BatchLoader`)."""
         return BatchLoader(self.x_train, self.y_train, batch_size, shuffle=True, seed=seed, rank=rank,
                            world_size=world_size)
+
+    def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Test samples ``indices`` (this rank's evaluation shard), ``batch_size`` at a time."""
+        for i in range(0, len(indices), batch_size):
+            idx = indices[i:i + batch_size]
+            yield self.x_test.index_select(0, idx.to(self.x_test.device)), self.y_test.index_select(0, idx)
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,9 +120,20 @@ class UserBatches:
         return sum(len(y) for _, y in self.batches)
 
     n_test = 0
+    task = "classify"
 
-    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1) -> list:
-        return self.batches
+    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, **_: Any) -> FixedBatches:
+        return FixedBatches(self.batches)
+
+
+class FixedBatches(list):
+    """Given batches with the loader interface: the same order every epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def iter_from(self, first: int):
+        return iter(self[first:])
 
 
 # --------------------------------------------------------------------------------------------- IDX
@@ -430,16 +452,23 @@ class BatchLoader:
         return order[self.rank : total : self.world_size].to(self.x.device)
 
     def __iter__(self):
+        return self._batches(0)
+
+    def _batches(self, first: int):
         if self.x.shape[0] == 0:
             return
         indices = self._indices()
         b = self.batch_size
-        for i in range(len(self)):
+        for i in range(first, len(self)):
             if indices is None:
                 yield self.x[i * b : (i + 1) * b], self.y[i * b : (i + 1) * b]
             else:
                 idx = indices[i * b : (i + 1) * b]
                 yield self.x.index_select(0, idx), self.y.index_select(0, idx.to(self.y.device))
+
+    def iter_from(self, first: int):
+        """The epoch's batches from batch ``first`` on (a resumed epoch; the skipped ones are not built)."""
+        return self._batches(first)
 
     def __len__(self) -> int:
         if self.drop_last:

@@ -62,7 +62,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
             state.skipped_total += meter.skipped
             if meter.n_steps == 0:  # an old checkpoint taken at the end of this epoch: go on with the next
                 continue
-            rec = meter.record(epoch, epoch_time, *evaluate(run.ctx, run.data.x_test, run.data.y_test))
+            rec = meter.record(epoch, epoch_time, *evaluate(run.ctx, run.data))
             state.history.append(rec)
             reporter.epoch_done(rec, run.recipe.name)
             stopped = stopped or checkpointer.after_epoch(state, epoch, meter) or StopRules.after_epoch(rec)
@@ -115,9 +115,7 @@ def _step_batches(loader, accum: int, first: int) -> Iterator[tuple[int, list]]:
     """Yield ``(index of the first batch, [accum consecutive batches])`` per optimizer step, from batch
     ``first`` on (the last group of an epoch may be shorter)."""
     group: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for batch_idx, (xb, yb) in enumerate(loader):
-        if batch_idx < first:
-            continue
+    for batch_idx, (xb, yb) in enumerate(loader.iter_from(first), start=first):
         group.append((xb, yb))
         if len(group) == accum:
             yield batch_idx - accum + 1, group

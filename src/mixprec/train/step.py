@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,8 +85,9 @@ def accumulate_step(
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 1000) -> tuple[float, float]:
-    """Accuracy (fraction) and mean loss over ``(x, y)``, under the recipe's autocast.
+def evaluate(ctx: StepContext, data: Any, *, batch_size: int = 1000) -> tuple[float, float]:
+    """Accuracy (fraction; per token for language models) and mean loss over ``data``'s test split, under
+    the recipe's autocast.
 
     Under torchrun each rank evaluates a strided shard (padded so all ranks run the same batches; the
     padding is not counted) and the sums are all-reduced, so every rank returns the whole set's numbers.
@@ -93,19 +95,21 @@ def evaluate(ctx: StepContext, x: torch.Tensor, y: torch.Tensor, *, batch_size: 
     model = ctx.model
     was_training = model.training
     model.eval()
-    idx, n_real = distributed.eval_shard(len(x))
+    idx, n_real = distributed.eval_shard(data.n_test)
     sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # correct, loss sum
-    for i in range(0, len(idx), batch_size):
-        xb = x.index_select(0, idx[i:i + batch_size]).to(ctx.device)
-        yb = y.index_select(0, idx[i:i + batch_size]).to(ctx.device)
-        k = min(max(n_real - i, 0), len(yb))  # real samples in this batch; the rest is padding
+    seen = 0
+    for xb, yb in data.eval_batches(idx, batch_size):
+        xb, yb = xb.to(ctx.device), yb.to(ctx.device)
+        k = min(max(n_real - seen, 0), len(yb))  # real samples in this batch; the rest is padding
+        seen += len(yb)
         with ctx.recipe.autocast():
-            logits = model(xb)[:k]
-            loss = ctx.loss_fn(logits, yb[:k]) if k else None
+            out = model(xb)[:k]
+            loss = ctx.loss_fn(out, yb[:k]) if k else None
         if k:
-            sums[0] += (logits.argmax(dim=1) == yb[:k]).sum()
+            hit = (out.argmax(dim=-1) == yb[:k]).double()
+            sums[0] += hit.reshape(k, -1).mean(dim=1).sum()
             sums[1] += loss.double() * k
     distributed.all_reduce_sum(sums)
     model.train(was_training)
-    n = max(len(x), 1)
+    n = max(data.n_test, 1)
     return sums[0].item() / n, sums[1].item() / n
