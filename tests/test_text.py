@@ -84,7 +84,8 @@ def test_default_path_is_the_fortunes_package(monkeypatch, tmp_path):
     import mixprec.train.text as text_mod
 
     monkeypatch.setattr(text_mod, "DEFAULT_TEXT_PATH", str(tmp_path / "nowhere"))
-    with pytest.raises(DataError, match=r"nowhere: no such file or folder; pass --data-path .*apt-get install fortunes"):
+    match = r"nowhere: no such file or folder; pass --data-path .*apt-get install fortunes"
+    with pytest.raises(DataError, match=match):
         load_text_corpus(None, block_size=8)
 
 
@@ -95,8 +96,9 @@ def test_default_path_is_the_fortunes_package(monkeypatch, tmp_path):
         (lambda p: write(p / "e.txt", ""), r"e.txt: the file is empty"),
         (lambda p: str(p), r"the folder has no text files \(hidden files, sub-folders, \*.dat and \*.u8 are skipped\)"),
         (lambda p: (write(p / "e1", ""), write(p / "e2", ""), str(p))[-1], r"the 2 files are empty"),
-        (lambda p: write(p / "short.txt", "x" * 49 + "\n"), r"50 characters split 45 train / 5 test, but each split needs "
-                                                       r"at least block_size \+ 1 = 9; use --block-size 4 or less"),
+        (lambda p: write(p / "short.txt", "x" * 49 + "\n"),
+         r"50 characters split 45 train / 5 test, but each split needs at least block_size \+ 1 = 9; "
+         r"use --block-size 4 or less"),
         (lambda p: write(p / "one.txt", "\n"), r"1 characters split 0 train / 1 test.*; use more text"),
     ],
     ids=["missing", "empty-file", "empty-folder", "empty-files", "too-short", "one-char"],
