@@ -1,0 +1,181 @@
+"""A small GPT: the decoder-only transformer language model, shaped like nanoGPT / GPT-2.
+
+``GPT(vocab_size, block_size, n_layers=, n_heads=, d_model=)`` maps token ids ``idx`` of shape
+``(B, T)``, ``T <= block_size``, to next-token logits ``(B, T, vocab_size)``:
+
+    x = wte[idx] + wpe[0..T-1]                          token + learned position embeddings
+    for each block:
+        x = x + proj(attention(qkv(ln1(x))))            causal self-attention, pre-norm
+        x = x + down(gelu(up(ln2(x))))                  MLP, 4 * d_model hidden features
+    logits = ln_f(x) @ wte.T                            head weight-tied to the token embedding
+
+Attention is ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``: softmax(q k^T / sqrt(d_head))
+with everything above the diagonal masked, so the logits at position t depend only on tokens 0..t
+(the test checks this exactly). One fused ``qkv`` Linear (d_model -> 3 d_model) feeds all heads.
+
+Initialisation follows nanoGPT (after GPT-2): every Linear and Embedding weight ~ N(0, 0.02), biases 0,
+and the two projections that write into the residual stream (``attn.proj``, ``mlp.down``) get std
+``0.02 / sqrt(2 * n_layers)``, so the residual stream's variance does not grow with depth (each block
+adds two such terms). With weights this small the logits at init are near zero and the loss is close to
+``ln(vocab_size)``, the loss of a uniform guess. Only the global RNG is used: ``torch.manual_seed(s)``
+before construction fixes the weights.
+
+Mixed precision: with ``d_model`` a multiple of 16 every Linear in the blocks (qkv: d -> 3d, proj: d -> d,
+up: d -> 4d, down: 4d -> d) has both dimensions a multiple of 16, so ``convert_to_fp8`` swaps all of them.
+The head is not a separate Linear weight: it is named ``head`` (kept out of FP8 by the default filter,
+as for every classifier head: the logits are the most sensitive GEMM) and its weight *is* ``wte.weight``.
+Tying halves the embedding parameters and survives ``model.to(dtype)``, because ``Module.to`` converts
+each Parameter in place and a shared Parameter is visited once. :func:`lm_loss` computes the
+cross-entropy in fp32 whatever the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .models import ModelError
+
+__all__ = ["GPT", "lm_loss"]
+
+INIT_STD = 0.02  # GPT-2 / nanoGPT
+
+
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: fused qkv projection, SDPA with ``is_causal=True``, output proj."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.resid_drop = _dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        # (B, T, C) -> (B, heads, T, C / heads): heads become a batch dimension for SDPA
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)  # heads side by side again
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """d_model -> 4 d_model -> GELU -> d_model. Named ``up``/``down``: ``fc`` would be kept out of FP8."""
+
+    def __init__(self, d_model: int, dropout: float):
+        super().__init__()
+        self.up = nn.Linear(d_model, 4 * d_model)
+        self.act = nn.GELU()
+        self.down = nn.Linear(4 * d_model, d_model)
+        self.drop = _dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(self.act(self.up(x))))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm decoder block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def _check_sizes(vocab_size, block_size, n_layers, n_heads, d_model, dropout) -> None:
+    sizes = {"vocab_size": vocab_size, "block_size": block_size, "n_layers": n_layers, "n_heads": n_heads,
+             "d_model": d_model}
+    for flag, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelError(f"gpt: --{flag.replace('_', '-')} {value!r} must be a positive integer")
+    if d_model % n_heads:
+        raise ModelError(
+            f"gpt: --d-model {d_model} must be divisible by --n-heads {n_heads} "
+            f"(each head gets d_model / n_heads features); e.g. --n-heads {math.gcd(d_model, n_heads)}"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise ModelError(f"gpt: --dropout {dropout} must be in [0, 1)")
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model (see the module docstring).
+
+    Raises:
+        ModelError: a non-positive size, ``d_model % n_heads != 0``, or dropout outside [0, 1);
+            at forward time, input that is not ``(B, T)`` or longer than ``block_size``.
+    """
+
+    def __init__(self, vocab_size: int, block_size: int, *, n_layers: int, n_heads: int, d_model: int,
+                 dropout: float = 0.0):
+        super().__init__()
+        _check_sizes(vocab_size, block_size, n_layers, n_heads, d_model, dropout)
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.wpe = nn.Embedding(block_size, d_model)
+        self.drop = _dropout(dropout)
+        self.blocks = nn.ModuleList(GPTBlock(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # weight tying: one Parameter, used twice
+        self._init_weights(n_layers)
+
+    def _init_weights(self, n_layers: int) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = INIT_STD / math.sqrt(2 * n_layers)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.ndim != 2:
+            raise ModelError(f"gpt takes token ids of shape (batch, time), got shape {tuple(idx.shape)}")
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ModelError(
+                f"gpt: sequence length {t} is longer than block_size {self.block_size} (the number of learned "
+                f"positions); feed at most {self.block_size} tokens or build the model with block_size >= {t}"
+            )
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats per token) of ``logits`` (B, T, V) against ``targets`` (B, T).
+
+    The logits are flattened to ``(B*T, V)`` and cast to fp32 first. Under ``torch.autocast`` (and
+    mixprec's autocast) that cast changes nothing, because ``cross_entropy`` is on the fp32 list and runs in
+    fp32 anyway. It matters where there is no autocast but the model itself is low precision
+    (``bf16-true``, ``fp16-master``, ``bf16-master`` recipes): the head then returns bf16/fp16 logits, and a
+    log-softmax in bf16 (8 significant bits) rounds the loss and the softmax probabilities that make its
+    gradient to about 3 significant decimal digits, and returns the mean loss rounded to bf16 as well.
+    The gradient flows back through the cast, so the head still receives it in its own dtype.
+    """
+    if logits.ndim != 3 or targets.shape != logits.shape[:2]:
+        raise ModelError(
+            f"lm_loss takes logits (B, T, V) and targets (B, T), got {tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,310 @@
+"""A character-level text corpus for the language-model case, and a loader of random windows.
+
+Nothing is downloaded. The default corpus is the Debian package ``fortunes`` (``apt-get install
+fortunes``): ``DEFAULT_TEXT_PATH`` = /usr/share/games/fortunes, about 2.6 million characters of
+'%'-separated quotations in some forty plain-text files.
+
+Reading (:func:`load_text_corpus`): ``path`` is one text file or a folder. From a folder every regular
+file directly inside it is read (not sub-folders: the Debian ``fortunes-off`` package puts its rot13
+files in ``off/``), in name order, except hidden files, ``*.dat`` (strfile's binary index of offsets
+into the text file of the same name) and ``*.u8`` (in the fortunes package, symbolic links to the file
+of the same name, so they would be read twice); a file reached twice through links is read once, and
+empty files add nothing. Every file must be UTF-8: a file that is not is an error naming the file and
+the byte offset, never silently skipped, because a skipped file would change the corpus without a word.
+The text is kept as is ('%' separators, blank lines, the backspaces of the ``art`` file's overstrikes);
+files are joined in name order, with a newline added after a file that does not end with one.
+
+Split and vocabulary: the first ``TRAIN_FRACTION`` = 90% of the characters (by position, so the split
+is the same for every seed and every run) are the training split, the rest the test split. The
+vocabulary is the sorted set of characters of the *training split only*, so nothing about the test text
+leaks into the model's shape; token ids are ``1..V-1`` in code-point order and id ``UNK_ID`` = 0 is
+reserved for characters of the test split (or of :meth:`TextCorpus.encode`'s input) that the training
+split never contains. ``vocab_size`` counts it. Tokens are stored as uint8 (vocab <= 256), int16 or int32.
+
+Training batches (:class:`TextWindowLoader`): each "epoch" is a fixed number of batches of windows at
+random start positions ``i``, uniform over the ``N - T`` valid ones: ``x = tokens[i : i+T]``,
+``y = tokens[i+1 : i+T+1]`` (the target at each position is the next character). The positions come
+from a ``torch.Generator`` seeded by ``(seed, epoch)`` (mixed through ``numpy.random.SeedSequence``, so
+seed 0 epoch 1 and seed 1 epoch 0 differ), drawn one global batch of ``world_size * batch_size``
+positions at a time, of which rank ``r`` takes columns ``r, r + world_size, ...`` (as
+``BatchLoader`` strides its permutation). Batch ``k`` of an epoch is therefore the same on every run and
+every run with the same seed and world size, and a resumed run that skips the first ``k`` batches sees
+exactly the batches the interrupted run would have seen next.
+
+Test set: the test split cut into consecutive non-overlapping windows (window ``j`` starts at ``j*T``),
+optionally capped to ``max_test_windows`` evenly spaced ones. It depends on neither the seed nor the batch
+size, so test losses are comparable across runs; ``x_test``/``y_test`` are ``(windows, T)`` int64 tensors
+that the ordinary unshuffled :class:`~mixprec.train.data.BatchLoader` can batch.
+
+Metrics: the loss is the mean cross-entropy in nats per character, ``perplexity = exp(loss)``,
+``bits_per_char = loss / ln 2``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .data import DataError
+
+__all__ = [
+    "DEFAULT_TEXT_PATH",
+    "TRAIN_FRACTION",
+    "UNK_ID",
+    "TextCorpus",
+    "TextWindowLoader",
+    "bits_per_char",
+    "load_text_corpus",
+    "perplexity",
+]
+
+DEFAULT_TEXT_PATH = "/usr/share/games/fortunes"  # Debian package fortunes
+TRAIN_FRACTION = 0.9
+UNK_ID = 0
+UNK_CHAR = "\ufffd"  # how decode() shows UNK_ID: U+FFFD REPLACEMENT CHARACTER
+SKIP_SUFFIXES = (".dat", ".u8")
+_HOW_TO_GET = f"pass --data-path FILE_OR_FOLDER of UTF-8 text, or `apt-get install fortunes` for {DEFAULT_TEXT_PATH}"
+
+
+@dataclass(frozen=True, eq=False)
+class TextCorpus:
+    """A character-level corpus in memory. ``eq=False``: compared by identity, not by tensors."""
+
+    train: torch.Tensor = field(repr=False)  # token ids of the training split, (N_train,)
+    test: torch.Tensor = field(repr=False)  # token ids of the test split, (N_test,)
+    x_test: torch.Tensor = field(repr=False)  # int64 (windows, block_size): fixed test windows
+    y_test: torch.Tensor = field(repr=False)  # int64 (windows, block_size): their next characters
+    itos: tuple[str, ...] = field(repr=False)  # itos[id] is the character of token id; itos[UNK_ID] == UNK_CHAR
+    block_size: int
+    source: str
+    files: tuple[str, ...] = field(repr=False)
+    test_unknown: int  # characters of the test split mapped to UNK_ID
+    name: str = "text"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    @property
+    def num_classes(self) -> int:
+        """Same as ``vocab_size``: the model predicts one of them at each position."""
+        return len(self.itos)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample: ``(block_size,)`` token ids."""
+        return (self.block_size,)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Token ids (int64) of ``text``; characters outside the vocabulary become ``UNK_ID``."""
+        return torch.from_numpy(_encode(_codepoints(text), _vocab_codepoints(self.itos))).long()
+
+    def decode(self, ids) -> str:
+        """The text of token ids; ``UNK_ID`` shows as U+FFFD."""
+        return "".join(self.itos[int(i)] for i in ids)
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` for a mean cross-entropy in nats; ``inf`` where that overflows a float."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def bits_per_char(loss: float) -> float:
+    """A mean cross-entropy in nats per character, in bits per character: ``loss / ln 2``."""
+    return loss / math.log(2)
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def _text_files(path: str) -> list[str]:
+    """The files to read for ``path`` (a file, or a folder's plain text files; see the module docstring)."""
+    if not os.path.exists(path):
+        raise DataError(f"text corpus {path}: no such file or folder; {_HOW_TO_GET}")
+    if not os.path.isdir(path):
+        return [path]
+    files, seen = [], set()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name.startswith(".") or name.endswith(SKIP_SUFFIXES) or not os.path.isfile(full):
+            continue
+        real = os.path.realpath(full)
+        if real not in seen:
+            seen.add(real)
+            files.append(full)
+    if not files:
+        raise DataError(
+            f"text corpus {path}: the folder has no text files (hidden files, sub-folders, *.dat and *.u8 are "
+            f"skipped); {_HOW_TO_GET}"
+        )
+    return files
+
+
+def _read_utf8(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataError(f"text corpus {path}: cannot read: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"text corpus {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
+            "convert it (e.g. `iconv -f latin1 -t utf-8`) or remove it from the corpus"
+        ) from None
+
+
+def _read_corpus(path: str) -> tuple[str, list[str]]:
+    files = _text_files(path)
+    parts = []
+    for f in files:
+        text = _read_utf8(f)
+        if text and not text.endswith("\n"):
+            text += "\n"  # keep the last line of one file and the first of the next apart
+        parts.append(text)
+    text = "".join(parts)
+    if not text:
+        what = "file is" if len(files) == 1 else f"{len(files)} files are"
+        raise DataError(f"text corpus {path}: the {what} empty; {_HOW_TO_GET}")
+    return text, files
+
+
+# ----------------------------------------------------------------------------------------- encoding
+
+
+def _codepoints(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+
+
+def _vocab_codepoints(itos: tuple[str, ...]) -> np.ndarray:
+    return np.array([ord(c) for c in itos[1:]], dtype=np.uint32)
+
+
+def _encode(codepoints: np.ndarray, vocab: np.ndarray) -> np.ndarray:
+    """Ids ``1 + position in the sorted vocab``, or ``UNK_ID`` for code points not in it (int64)."""
+    pos = np.searchsorted(vocab, codepoints)
+    found = vocab[np.minimum(pos, len(vocab) - 1)] == codepoints
+    return np.where(found, pos + 1, UNK_ID).astype(np.int64)
+
+
+def _token_dtype(vocab_size: int) -> torch.dtype:
+    if vocab_size <= 256:
+        return torch.uint8
+    return torch.int16 if vocab_size <= 2**15 else torch.int32
+
+
+def _test_windows(test: torch.Tensor, block_size: int, cap: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive non-overlapping windows of the test split, or ``cap`` evenly spaced ones of them."""
+    n_windows = (len(test) - 1) // block_size
+    chosen = torch.arange(n_windows)
+    if cap is not None and cap < n_windows:
+        chosen = torch.arange(cap) * n_windows // cap
+    idx = chosen[:, None] * block_size + torch.arange(block_size + 1)
+    windows = test.long()[idx]
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DataError(f"--{name.replace('_', '-')} {value!r} must be a positive integer")
+
+
+def load_text_corpus(path: str | None = None, *, block_size: int, max_test_windows: int | None = None) -> TextCorpus:
+    """Read, split, build the vocabulary of and encode a character-level corpus (see the module docstring).
+
+    Args:
+        path: a UTF-8 text file or a folder of them; None for ``DEFAULT_TEXT_PATH`` (package fortunes).
+        block_size: the context length T; both splits need at least T + 1 characters.
+        max_test_windows: keep only this many evenly spaced test windows (None: all of them).
+
+    Raises:
+        DataError: missing path, no text files, empty text, a file that is not UTF-8 (file and byte
+            offset), a split shorter than ``block_size + 1``, a non-positive size. One line naming the fix.
+    """
+    _check_positive(block_size=block_size, max_test_windows=max_test_windows)
+    path = os.path.expanduser(DEFAULT_TEXT_PATH if path is None else os.fspath(path))
+    text, files = _read_corpus(path)
+    codes = _codepoints(text)
+    n_train = int(len(codes) * TRAIN_FRACTION)
+    n_test = len(codes) - n_train
+    if min(n_train, n_test) < block_size + 1:
+        longest = min(n_train, n_test) - 1
+        fix = f"use --block-size {longest} or less, or more text" if longest >= 1 else "use more text"
+        raise DataError(
+            f"text corpus {path}: {len(codes)} characters split {n_train} train / {n_test} test, but each split "
+            f"needs at least block_size + 1 = {block_size + 1}; {fix}"
+        )
+    vocab = np.unique(codes[:n_train])  # sorted code points of the training split only
+    itos = (UNK_CHAR, *(chr(c) for c in vocab))
+    ids = torch.from_numpy(_encode(codes, vocab)).to(_token_dtype(len(itos)))
+    train, test = ids[:n_train], ids[n_train:]
+    x_test, y_test = _test_windows(test, block_size, max_test_windows)
+    return TextCorpus(train=train, test=test, x_test=x_test, y_test=y_test, itos=itos, block_size=block_size,
+                      source=os.path.abspath(path), files=tuple(files),
+                      test_unknown=int((test == UNK_ID).sum()))
+
+
+# ------------------------------------------------------------------------------------------- loader
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit generator seed that is a pure function of ``(seed, epoch)``, distinct for distinct pairs."""
+    state = np.random.SeedSequence([seed % 2**64, epoch % 2**64]).generate_state(1, dtype=np.uint64)
+    return int(state[0]) >> 1
+
+
+class TextWindowLoader:
+    """Seeded random windows of a token sequence, with :class:`~mixprec.train.data.BatchLoader`'s interface.
+
+    Yields ``steps_per_epoch`` batches ``(x, y)``, both int64 ``(batch_size, block_size)`` on the device of
+    ``tokens`` (move the tokens once, before building the loader). ``steps_per_epoch`` defaults to
+    ``(N - T) // (batch_size * T * world_size)`` (at least 1): all ranks together then read about as many
+    characters per epoch as the sequence holds. Call ``set_epoch(epoch)`` before each epoch, or every epoch
+    repeats the same windows. See the module docstring for the sampling and the rank striding.
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, *, seed: int = 0,
+                 steps_per_epoch: int | None = None, rank: int = 0, world_size: int = 1):
+        _check_positive(block_size=block_size, batch_size=batch_size, steps_per_epoch=steps_per_epoch)
+        if tokens.ndim != 1:
+            raise DataError(f"TextWindowLoader: tokens must be one sequence (1-D), got shape {tuple(tokens.shape)}")
+        if len(tokens) < block_size + 1:
+            raise DataError(
+                f"TextWindowLoader: {len(tokens)} tokens cannot hold one window of block_size + 1 = "
+                f"{block_size + 1}; use --block-size {max(len(tokens) - 1, 1)} or less, or more text"
+            )
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise DataError(f"TextWindowLoader: rank={rank} must satisfy 0 <= rank < world_size={world_size}")
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.epoch = 0
+        self.n_starts = len(tokens) - block_size  # valid starts 0 .. N-T-1: y needs tokens[i+T]
+        if steps_per_epoch is None:
+            steps_per_epoch = max(1, self.n_starts // (batch_size * block_size * world_size))
+        self.steps_per_epoch = steps_per_epoch
+        self._offsets = torch.arange(block_size + 1, device=tokens.device)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the windows of ``epoch``; the same ``(seed, epoch)`` gives the same batches."""
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
+        global_batch = self.world_size * self.batch_size
+        for _ in range(self.steps_per_epoch):
+            starts = torch.randint(0, self.n_starts, (global_batch,), generator=g)
+            mine = starts[self.rank :: self.world_size].to(self.tokens.device)
+            windows = self.tokens[mine[:, None] + self._offsets].long()  # (B, T + 1)
+            yield windows[:, :-1], windows[:, 1:]
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
