@@ -87,10 +87,27 @@ def _assert_identical(a, b):
 # ------------------------------------------------------------------------------------------ launch checks
 
 
-def test_several_processes_without_a_strategy_exit_2(cli, monkeypatch):
+def test_several_processes_with_strategy_none_exit_2(cli, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    code, _, err = cli("train", "--dataset", "digits", "--max-steps", "1")
-    assert code == 2 and "--strategy ddp" in err and "--strategy fsdp" in err and "Traceback" not in err
+    code, _, err = cli("train", "--dataset", "digits", "--max-steps", "1", "--strategy", "none")
+    assert code == 2 and "--strategy ddp" in err and "fsdp" in err and "Traceback" not in err
+
+
+def test_auto_strategy_is_ddp_under_torchrun_and_none_alone(monkeypatch):
+    from mixprec.train import distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert distributed.resolve_strategy("auto") == "none"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert distributed.resolve_strategy("auto") == "ddp" and distributed.resolve_strategy("fsdp") == "fsdp"
+
+
+@pytest.mark.slow
+def test_torchrun_without_a_strategy_trains_with_ddp(tmp_path):
+    r = _torchrun(*SYNTH, "--max-steps", "3", "--out", tmp_path / "o")
+    assert "strategy ddp" in r.stdout
+    ck = torch.load(tmp_path / "o" / "last.pt", weights_only=True)
+    assert ck["world_size"] == 2 and ck["config"]["run"]["strategy"] == "ddp"
 
 
 def test_a_strategy_without_torchrun_exits_2(cli, monkeypatch):

@@ -66,12 +66,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def bench_main(args: argparse.Namespace) -> int:
     """``mixprec bench``: plan, measure the machine, execute the matrix, report. Exit 0, 1 (a run failed) or 2."""
-    from .runner import execute_matrix
-
     p = plan(args)
     machine = measure_machine(p)
-    results = execute_matrix(p.specs, p.out_dir, timeout=args.timeout, on_done=_progress_line)
-    return report(p, machine, results)
+    return report(p, machine, execute_matrix_for(p))[0]
+
+
+def execute_matrix_for(p: Plan) -> list[dict[str, Any]]:
+    """Run the planned matrix, one line per finished run."""
+    from .runner import execute_matrix
+
+    return execute_matrix(p.specs, p.out_dir, timeout=p.args.timeout, on_done=_progress_line)
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -129,7 +133,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.log_every:
         raise ConfigError("--log-every: bench keeps logging and .item() out of the timed steps; drop the flag "
                           "(each run's output is in OUT/logs/)")
-    if args.strategy != "none":
+    if args.strategy not in ("auto", "none"):
         raise ConfigError(f"--strategy {args.strategy}: bench runs single-process; drop --strategy "
                           "(run `torchrun ... mixprec train --strategy ...` per recipe instead)")
 
@@ -201,9 +205,9 @@ def measure_machine(p: Plan) -> Machine:
     from .measure import measure_matmul_peak
 
     ref = p.reference
-    n = min(p.base.optim.batch_size, ref.data.n_train)
-    flops = count_step_flops(ref.model, ref.data.x_train[:n].to(ref.device), ref.data.y_train[:n].to(ref.device),
-                             ref.loss_fn)  # one micro-batch; an optimizer step runs `accum` of them
+    ref.train_loader.set_epoch(0)
+    xb, yb = next(iter(ref.train_loader))  # one micro-batch; an optimizer step runs `accum` of them
+    flops = count_step_flops(ref.model, xb.to(ref.device), yb.to(ref.device), ref.loss_fn)
     peaks = {}
     for dt in dict.fromkeys(c.matmul_dtype for c in p.checks.values()):
         dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dt]
@@ -263,8 +267,8 @@ def _progress_line(i: int, n: int, r: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ reporting
 
 
-def report(p: Plan, machine: Machine, results: list[dict[str, Any]]) -> int:
-    """Print the table, write results.json / results.md / plots; returns the exit status."""
+def report(p: Plan, machine: Machine, results: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """Print the table, write results.json / results.md / plots; returns the exit status and the document."""
     from ..train.report import write_json
     from .report import COLUMNS, aggregate, markdown_report, table
 
@@ -308,4 +312,4 @@ def report(p: Plan, machine: Machine, results: list[dict[str, Any]]) -> int:
     failed = sum(r["status"] != "ok" for r in results)
     if failed:
         _say(f"mixprec bench: {failed} of {len(results)} runs failed; their rows and {p.out_dir}/logs/ say why")
-    return 1 if failed else 0
+    return (1 if failed else 0), doc

@@ -44,7 +44,7 @@ def doctor_main(args: argparse.Namespace) -> int:
     if args.grad_accum != 1:
         raise ConfigError("mixprec doctor observes one batch per optimizer step; drop --grad-accum "
                           f"{args.grad_accum} (a smaller --batch-size shows the same numerics)")
-    if args.strategy != "none":
+    if args.strategy not in ("auto", "none"):
         raise ConfigError(f"mixprec doctor runs in one process; drop --strategy {args.strategy} (the numerics of "
                           "one rank are what it diagnoses)")
     # --out is the doctor's folder here, not the trainer's checkpoint folder

@@ -117,7 +117,8 @@ def _run_arguments(g) -> None:
     g.add_argument("--progress", default=d["progress"], choices=("auto", "on", "off"),
                    help="progress bar (auto: only on a terminal)")
     g.add_argument("--strategy", default=d["strategy"], choices=STRATEGIES,
-                   help="multi-process strategy under torchrun: ddp (replicate) or fsdp (shard)")
+                   help="multi-process strategy under torchrun: auto (default: ddp with several processes), "
+                        "ddp (replicate), fsdp (shard), none (one process only)")
     g.add_argument("--check-consistency", type=int, default=None, metavar="N",
                    help="every N steps, check that all ranks hold the same loss scale, skipped-step count "
                         "and parameters; stop on divergence (debug)")

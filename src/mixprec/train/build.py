@@ -207,6 +207,7 @@ def build_run(
             model is used as it is (not re-seeded); it is converted and wrapped like a built-in one.
     """
     config.validate()
+    config = config.with_flags(strategy=distributed.resolve_strategy(config.run.strategy))
     seed = config.run.seed
     env, device = distributed.setup(config.run.strategy, hardware.resolve_device(config.run.device))
     recipe = build_recipe(config.recipe, device=device, seed=seed, world_size=env.world_size)

@@ -25,7 +25,7 @@ __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig
            "RESUME_MAY_CHANGE"]
 
 OPTIMIZERS = ("sgd", "adamw")
-STRATEGIES = ("none", "ddp", "fsdp")
+STRATEGIES = ("auto", "none", "ddp", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,8 +141,9 @@ class RunConfig:
     """Seed for initial weights, data order and stochastic rounding."""
     device: str = "auto"
     """auto, cpu or cuda."""
-    strategy: str = "none"
-    """Multi-process strategy under torchrun: none, ddp or fsdp."""
+    strategy: str = "auto"
+    """Multi-process strategy: auto (ddp when torchrun started several processes, else none), none (one
+    process only), ddp or fsdp. A built run holds the resolved one."""
     log_every: int = 100
     """Print the tutorial's log line every N batches (0 = never)."""
     progress: str = "auto"

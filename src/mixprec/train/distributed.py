@@ -90,6 +90,7 @@ __all__ = [
     "DistEnv",
     "RankDivergenceError",
     "setup",
+    "resolve_strategy",
     "teardown",
     "wrap_model",
     "unwrap",
@@ -134,6 +135,16 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
 
 
+def resolve_strategy(strategy: str) -> str:
+    """``auto`` → ``ddp`` when torchrun started several processes (as Lightning's and accelerate's "auto"
+    do), else ``none``; any other strategy as given."""
+    if strategy != "auto":
+        return strategy
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else _env_int("WORLD_SIZE", 1)
+    return "ddp" if world > 1 else "none"
+
+
 def setup(strategy: str, device: torch.device) -> tuple[DistEnv, torch.device]:
     """Join torchrun's process group (or reuse one that exists) and pick this rank's device.
 
@@ -148,8 +159,9 @@ def setup(strategy: str, device: torch.device) -> tuple[DistEnv, torch.device]:
         if world > 1:
             raise ConfigError(
                 f"{world} processes were started (WORLD_SIZE={world}) but --strategy is none, so each would "
-                "train its own copy of the model; add --strategy ddp (replicate the model, average gradients) "
-                "or --strategy fsdp (shard params, gradients and optimizer state)"
+                "train its own copy of the model; drop --strategy (several processes use ddp), or pass "
+                "--strategy ddp (replicate the model, average gradients) or fsdp (shard params, gradients and "
+                "optimizer state)"
             )
         return DistEnv(), device
     if not initialized:

@@ -178,6 +178,9 @@ def summarize(run: Run, state: TrainState, stopped: str | None) -> dict[str, Any
         "cuda_peak_allocated_bytes": cuda_peak or None,
         "avg_epoch_time_s": sum(times) / len(times) if times else math.nan,
         "test_accuracy": last.get("test_accuracy", math.nan),
+        "test_loss": last.get("test_loss", math.nan),
+        **({"test_perplexity": last["test_perplexity"], "bits_per_char": last["bits_per_char"]}
+           if last.get("bits_per_char") is not None else {}),
         "final_train_loss": last.get("train_loss", math.nan),
         "skipped_steps": state.skipped_total,
         "final_loss_scale": last.get("loss_scale", math.nan),

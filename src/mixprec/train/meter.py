@@ -7,6 +7,7 @@ epoch record reads them once at the end. Step times are wall-clock differences b
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,16 @@ from . import distributed
 if TYPE_CHECKING:
     from .build import Run
 
-__all__ = ["EpochMeter"]
+__all__ = ["EpochMeter", "test_metrics"]
+
+
+def test_metrics(task: str, accuracy: float, loss: float) -> dict[str, Any]:
+    """Classification: accuracy. Language models: perplexity and bits per character (token accuracy kept
+    apart, under its own name)."""
+    if task != "language-model":
+        return {"test_accuracy": accuracy}
+    return {"test_accuracy": None, "test_token_accuracy": accuracy,
+            "test_perplexity": math.exp(loss) if loss < 700 else math.inf, "bits_per_char": loss / math.log(2)}
 
 
 class EpochMeter:
@@ -114,7 +124,7 @@ class EpochMeter:
             "steps": self.n_steps,
             "train_loss": distributed.mean_over_ranks(self.loss_sum).item() / self.n_steps,
             "test_loss": test_loss,
-            "test_accuracy": test_accuracy,
+            **test_metrics(run.data.task, test_accuracy, test_loss),
             "epoch_time_s": epoch_time,
             "samples_per_s": self.n_steps * samples_per_step / epoch_time,
             "step_times_s": self.step_times,

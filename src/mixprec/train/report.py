@@ -69,8 +69,8 @@ class Reporter:
     def epoch_done(self, rec: dict[str, Any], recipe: str) -> None:
         mem = rec.get("memory") or {}
         self._print(
-            f"[{recipe}] epoch {rec['epoch']}: train loss {rec['train_loss']:.4f}, test accuracy "
-            f"{100 * rec['test_accuracy']:.2f}%, {rec['epoch_time_s']:.2f} s ({rec['samples_per_s']:,.0f} samples/s), "
+            f"[{recipe}] epoch {rec['epoch']}: train loss {rec['train_loss']:.4f}, {quality(rec)}, "
+            f"{rec['epoch_time_s']:.2f} s ({rec['samples_per_s']:,.0f} samples/s), "
             f"memory {format_bytes(mem.get('total'))}, skipped steps {rec['skipped_steps']}, "
             f"loss scale {rec['loss_scale']:g}"
         )
@@ -99,9 +99,21 @@ class Reporter:
             self._progress = None
 
 
+def quality(rec: dict[str, Any]) -> str:
+    """How good the model is, in the task's terms: accuracy, or a language model's loss and bits per char."""
+    if rec.get("bits_per_char") is not None:
+        return (f"test loss {rec['test_loss']:.4f}, perplexity {rec['test_perplexity']:.2f}, "
+                f"{rec['bits_per_char']:.3f} bits/char")
+    acc = rec.get("test_accuracy")
+    return f"test accuracy {100 * acc:.2f}%" if _finite(acc) else "test accuracy —"
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    """The tutorial's comparison table: recipe | peak memory | avg epoch time | test accuracy | skipped | scale."""
-    head = ["recipe", "peak memory", "avg epoch time", "test accuracy", "skipped steps", "final loss scale"]
+    """The tutorial's comparison table: recipe | peak memory | avg epoch time | test accuracy (language models:
+    test loss / bits per char) | skipped | scale."""
+    lm = any(r.get("bits_per_char") is not None for r in rows)
+    head = ["recipe", "peak memory", "avg epoch time", "test loss / bits per char" if lm else "test accuracy",
+            "skipped steps", "final loss scale"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         peak = r.get("peak_memory_bytes")
@@ -112,7 +124,8 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             str(r["recipe"]),
             mem,
             f"{r['avg_epoch_time_s']:.2f} s" if _finite(r.get("avg_epoch_time_s")) else "—",
-            f"{100 * acc:.2f}%" if _finite(acc) else "—",
+            (f"{r['test_loss']:.4f} / {r['bits_per_char']:.3f}" if _finite(r.get("bits_per_char")) else "—") if lm
+            else f"{100 * acc:.2f}%" if _finite(acc) else "—",
             str(r.get("skipped_steps", 0)),
             f"{r.get('final_loss_scale', 1.0):g}",
         ]) + " |")

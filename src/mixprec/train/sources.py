@@ -32,7 +32,7 @@ from torch.utils.data import Dataset as TorchDataset
 from .data import DataError, Dataset
 from .usercode import UserCodeError, call_declared, load_callable
 
-__all__ = ["MapData", "MapLoader", "user_data", "infer_num_classes"]
+__all__ = ["MapData", "MapLoader", "user_data", "data_from_splits", "infer_num_classes"]
 
 
 class _FromSample(DistributedSampler):
@@ -139,12 +139,17 @@ def user_data(ref: str, *, seed: int) -> Dataset | MapData:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise UserCodeError(f"{flag} {ref!r} returned {type(out).__name__}; return (train, test): two "
                             "torch.utils.data.Dataset objects or two (inputs, labels) tensor pairs")
-    train, test = out
+    return data_from_splits(out, ref)
+
+
+def data_from_splits(splits: Any, ref: str) -> Dataset | MapData:
+    """The data source of a ``(train, test)`` pair of datasets or of ``(inputs, labels)`` tensor pairs."""
+    train, test = splits
     if _is_tensor_pair(train) and _is_tensor_pair(test):
         return _tensor_data(ref, train, test)
     if _is_map_dataset(train) and _is_map_dataset(test):
         return _map_data(ref, train, test)
-    raise UserCodeError(f"{flag} {ref!r} returned ({type(train).__name__}, {type(test).__name__}); each split must "
+    raise UserCodeError(f"--dataset {ref!r} gave ({type(train).__name__}, {type(test).__name__}); each split must "
                         "be a map-style torch.utils.data.Dataset or an (inputs, labels) pair of equal-length tensors")
 
 

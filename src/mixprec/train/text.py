@@ -59,6 +59,7 @@ __all__ = [
     "TextWindowLoader",
     "bits_per_char",
     "load_text_corpus",
+    "text_data",
     "perplexity",
 ]
 
@@ -99,6 +100,28 @@ class TextCorpus:
         """The shape of one sample: ``(block_size,)`` token ids."""
         return (self.block_size,)
 
+    # -- the data-source protocol of mixprec.train.data.Dataset -------------------------------------------
+    task = "language-model"
+
+    @property
+    def n_train(self) -> int:
+        """Characters of the training split."""
+        return len(self.train)
+
+    @property
+    def n_test(self) -> int:
+        """Test windows."""
+        return len(self.x_test)
+
+    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, **_) -> TextWindowLoader:
+        return TextWindowLoader(self.train, self.block_size, batch_size, seed=seed, rank=rank,
+                                world_size=world_size)
+
+    def eval_batches(self, indices: torch.Tensor, batch_size: int):
+        for i in range(0, len(indices), batch_size):
+            idx = indices[i:i + batch_size]
+            yield self.x_test.index_select(0, idx), self.y_test.index_select(0, idx)
+
     def encode(self, text: str) -> torch.Tensor:
         """Token ids (int64) of ``text``; characters outside the vocabulary become ``UNK_ID``."""
         return torch.from_numpy(_encode(_codepoints(text), _vocab_codepoints(self.itos))).long()
@@ -106,6 +129,11 @@ class TextCorpus:
     def decode(self, ids) -> str:
         """The text of token ids; ``UNK_ID`` shows as U+FFFD."""
         return "".join(self.itos[int(i)] for i in ids)
+
+
+def text_data(path: str | None, *, block_size: int, limit_test: int | None = None) -> TextCorpus:
+    """``--dataset text``: the corpus at ``path`` (default: package fortunes), ``limit_test`` test windows."""
+    return load_text_corpus(path, block_size=block_size, max_test_windows=limit_test)
 
 
 def perplexity(loss: float) -> float:
@@ -298,10 +326,16 @@ class TextWindowLoader:
         self.epoch = epoch
 
     def __iter__(self):
+        return self.iter_from(0)
+
+    def iter_from(self, first: int):
+        """The epoch's batches from batch ``first`` on; the skipped ones' positions are drawn, not gathered."""
         g = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
         global_batch = self.world_size * self.batch_size
-        for _ in range(self.steps_per_epoch):
+        for k in range(self.steps_per_epoch):
             starts = torch.randint(0, self.n_starts, (global_batch,), generator=g)
+            if k < first:
+                continue
             mine = starts[self.rank :: self.world_size].to(self.tokens.device)
             windows = self.tokens[mine[:, None] + self._offsets].long()  # (B, T + 1)
             yield windows[:, :-1], windows[:, 1:]
