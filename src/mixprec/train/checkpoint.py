@@ -314,6 +314,8 @@ class Checkpointer:
                            history=list(ck.get("history") or []), partial=ck.get("partial"),
                            skipped_total=counters.get("skipped_total", 0),
                            consecutive_skips=counters.get("consecutive_skips", 0))
+        if state.partial is not None and state.history and state.history[-1]["epoch"] == state.epoch:
+            state.history.pop()  # the interrupted epoch's record: the resumed epoch records all its steps again
         return state, (f"resumed from {path} at epoch {state.epoch}, batch {state.batch} "
                        f"(step {state.global_step})")
 
