@@ -1,0 +1,24 @@
+"""The examples in examples/ run as the README says (the transformers one only where it is installed)."""
+
+import pytest
+
+from conftest import ROOT
+
+EX = ROOT / "examples"
+
+
+def test_own_model_example_trains_from_the_cli(cli):
+    f = EX / "own_model.py"
+    code, out, err = cli("train", "--model", f"{f}:make_model", "--dataset", f"{f}:make_data", "--max-steps", "4",
+                         "--epochs", "1", "--log-every", "0", "--progress", "off", "--precision", "bf16-mixed")
+    assert code == 0, err
+
+
+def test_hf_example_trains_gpt2_on_text(cli):
+    pytest.importorskip("transformers")
+    f = EX / "hf_transformer.py"
+    code, out, err = cli("train", "--model", f"{f}:make_gpt2", "--dataset", "text", "--block-size", "32",
+                         "--max-steps", "3", "--epochs", "1", "--limit-test", "8", "--log-every", "0",
+                         "--progress", "off", "--precision", "bf16-mixed", "--optimizer", "adamw", "--lr", "1e-3")
+    assert code == 0, err
+    assert "bits/char" in out
