@@ -6,6 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+FORTUNES := /usr/share/games/fortunes/fortunes
 
 .PHONY: demo test setup data clean
 
@@ -24,11 +25,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-data: $(FMNIST)
+data: $(FMNIST) $(FORTUNES)
 
 $(FMNIST):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
+
+# real English text for the language-model case (--model gpt --dataset text)
+$(FORTUNES):
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq fortunes
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
