@@ -311,6 +311,15 @@ class Recipe:
         gather = s.compute_dtype if low and not self.emulate and not for_norm else None
         return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=torch.float32, output_dtype=None)
 
+    def check_compile(self) -> None:
+        """Refuse ``--compile`` where it cannot help: under ``torch.compile`` the scratch autocast's
+        TorchFunctionMode breaks the graph at every op (nothing fuses) and emulated fp16 rounds differently."""
+        if self.spec.autocast and self.impl == "scratch":
+            raise RecipeError(
+                f"--compile with {self.name} [scratch]: torch.compile breaks its graph at every op of mixprec's "
+                "autocast (no fusion, different fp16 rounding); use --amp-impl native"
+                + (" — on this CPU fp16 is only fast emulated, so compile bf16-mixed instead" if self.emulate else ""))
+
     # -- hooks ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def run_context(self) -> Iterator[None]:

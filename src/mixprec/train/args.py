@@ -119,6 +119,9 @@ def _run_arguments(g) -> None:
     g.add_argument("--strategy", default=d["strategy"], choices=STRATEGIES,
                    help="multi-process strategy under torchrun: auto (default: ddp with several processes), "
                         "ddp (replicate), fsdp (shard), none (one process only)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (inductor; needs a C++ compiler on CPU); compile time is "
+                        "reported apart from epoch times")
     g.add_argument("--check-consistency", type=int, default=None, metavar="N",
                    help="every N steps, check that all ranks hold the same loss scale, skipped-step count "
                         "and parameters; stop on divergence (debug)")

@@ -222,6 +222,9 @@ def build_run(
                 _probe(model, data, loss_fn, config)
         model = recipe.convert_module(model)
     model = distributed.wrap_model(model, recipe, config.run.strategy, device)  # DDP / FSDP2, or as it is
+    if config.run.compile:
+        recipe.check_compile()
+        model.compile()  # in place: state-dict keys and the module object stay the same
     optimizer = recipe.build_optimizer(model, make_optimizer or optimizer_factory(config.optim))
     loader = data.loader(config.optim.batch_size, seed=seed, rank=env.rank, world_size=env.world_size,
                          num_workers=config.data.num_workers, device=device)

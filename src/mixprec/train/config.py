@@ -158,6 +158,8 @@ class RunConfig:
     """Allow replacing a checkpoint in ``out`` that this run did not resume from."""
     metrics_json: str | None = None
     """Write per-epoch records and the summary as JSON here."""
+    compile: bool = False
+    """``torch.compile`` the model (inductor); the compile time is reported apart, not in epoch times."""
     max_consecutive_skips: int = 100
     """Stop when this many optimizer steps in a row are skipped for inf/nan gradients."""
     check_consistency: int | None = None

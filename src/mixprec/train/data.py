@@ -135,6 +135,10 @@ class FixedBatches(list):
     def iter_from(self, first: int):
         return iter(self[first:])
 
+    @property
+    def num_samples(self) -> int:
+        return sum(len(y) for _, y in self)
+
 
 # --------------------------------------------------------------------------------------------- IDX
 

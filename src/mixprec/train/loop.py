@@ -26,7 +26,7 @@ from .config import TrainConfig
 from .meter import EpochMeter
 from .outputs import check_outputs
 from .report import Reporter, summary_table
-from .step import accumulate_step, evaluate
+from .step import accumulate_step, compile_warmup, evaluate
 from .stops import StopRules
 
 __all__ = ["train", "TrainResult", "summarize"]
@@ -53,6 +53,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
     total = _total_steps(run)
     stopped: str | None = None
     run.model.train()
+    compile_time = _compile(run, reporter) if config.run.compile else None
     with run.recipe.run_context(), reporter.progress_bar(total=total, completed=state.global_step) as bar:
         for epoch in range(state.epoch, config.optim.epochs):
             if state.global_step >= total:
@@ -70,7 +71,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
                 break
     if stopped:
         reporter.error(stopped)
-    summary = summarize(run, state, stopped)
+    summary = {**summarize(run, state, stopped), "compile_time_s": compile_time}
     reporter.summary(summary_table([summary]))
     _write_metrics(run, state.history, summary)
     return TrainResult(history=state.history, summary=summary, stopped=stopped)
@@ -109,6 +110,22 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
         if stop:
             return meter, stop
     return meter, None
+
+
+def _compile(run: Run, reporter: Reporter) -> float:
+    """Compile before the clock starts: the first batch's shape, and the epoch's last (smaller) one."""
+    loader, batch_size = run.train_loader, run.config.optim.batch_size
+    loader.set_epoch(0)
+    xb, yb = next(iter(loader))
+    shapes = [(xb, yb)]
+    rest = loader.num_samples % batch_size
+    if rest and rest < len(yb):
+        shapes.append((xb[:rest], yb[:rest]))
+    with run.recipe.run_context():
+        seconds = compile_warmup(run.ctx, shapes)
+    reporter.info(f"torch.compile: {seconds:.1f} s to compile {len(shapes)} batch shape(s), not counted in "
+                  "epoch times")
+    return seconds
 
 
 def _step_batches(loader, accum: int, first: int) -> Iterator[tuple[int, list]]:

@@ -57,6 +57,8 @@ class MapLoader:
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
                                  pin_memory=pin_memory, persistent_workers=num_workers > 0)
         self._n = math.ceil(self.sampler.num_samples / batch_size)
+        self.num_samples = self.sampler.num_samples
+        """Samples per epoch on this rank (padding included)."""
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..memory import SavedTensorTracker
 from ..precision import Recipe, StepResult
 from . import distributed
 
-__all__ = ["StepContext", "train_step", "accumulate_step", "evaluate"]
+__all__ = ["StepContext", "train_step", "accumulate_step", "evaluate", "compile_warmup"]
 
 
 @dataclasses.dataclass
@@ -113,3 +114,36 @@ def evaluate(ctx: StepContext, data: Any, *, batch_size: int = 1000) -> tuple[fl
     model.train(was_training)
     n = max(data.n_test, 1)
     return sums[0].item() / n, sums[1].item() / n
+
+
+def compile_warmup(ctx: StepContext, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Trigger ``torch.compile``'s compilation of forward and backward for each batch shape, and leave no trace.
+
+    Runs forward and backward under the recipe's autocast, then restores what they touched — gradients
+    (dropped), buffers (BatchNorm statistics) and the RNG (dropout) — so the run that follows is the one it
+    would have been without the warm-up. Returns the wall time: the compile time, reported apart.
+    """
+    from .. import hardware
+
+    model = ctx.model
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None
+    hardware.synchronize(ctx.device)
+    t0 = time.perf_counter()
+    for xb, yb in batches:
+        with ctx.recipe.autocast():
+            loss = ctx.loss_fn(model(xb.to(ctx.device)), yb.to(ctx.device))
+        loss.backward()
+    hardware.synchronize(ctx.device)
+    elapsed = time.perf_counter() - t0
+    ctx.optimizer.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.grad = None
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    torch.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state(cuda_rng, ctx.device)
+    return elapsed

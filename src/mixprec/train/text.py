@@ -342,3 +342,8 @@ class TextWindowLoader:
 
     def __len__(self) -> int:
         return self.steps_per_epoch
+
+    @property
+    def num_samples(self) -> int:
+        """Windows per epoch on this rank (every batch is full)."""
+        return self.steps_per_epoch * self.batch_size
