@@ -37,28 +37,53 @@ power of two. The exponent is clamped to [-126, 126] so ``s`` and ``1/s`` are bo
 (``_scaled_mm`` takes fp32 scales). An all-zero tensor gets ``s = 2**126`` (any scale is exact for 0).
 A non-finite amax (an inf or NaN anywhere in the tensor) gives ``s = NaN``, so the GEMM result is NaN
 and the recipe's non-finite-loss check stops the run, instead of the e4m3 cast silently saturating
-inf to 448. Computing amax reads the whole tensor once but keeps it on the device: no host sync.
+inf to 448. amax is ``max(t.amax(), -t.amin())``: two read-only passes, no ``|t|`` temporary. On CPU the
+exponent is then computed on the host (free there, and a dozen 0-dim tensor ops cost ~25 us); on GPUs it
+stays on the device: no host sync.
 
 Emulated and real paths
 -----------------------
-*Emulated* (every CPU, and GPUs below compute capability 8.9): operands are cast to the FP8 dtype
-and back to fp32 (bit-exact RNE, the same rounding :func:`mixprec.formats.quantize` gives), the GEMM
-runs in **fp32** on the scaled values and its result is multiplied by the two inverse scales -- what
-``torch._scaled_mm`` does in hardware. fp32 rather than bf16 because (1) FP8 tensor cores accumulate
-in fp32, so fp32 is the faithful model; (2) FP8 values are exact in both, so bf16 would add nothing
-but a rounding of the output before the scales are applied; (3) on CPUs without AVX512-BF16/AMX a
-bf16 GEMM is slower than fp32. The output is then rounded once to the output dtype.
+*Emulated* (every CPU, and GPUs below compute capability 8.9): every e4m3 and e5m2 value is exactly a
+bf16 value (3 or 2 mantissa bits in bf16's 7; their exponents, -9..8 and -16..15, inside bf16's fp32
+range), and the *scaled* operands are FP8 values, so the emulated GEMM is a **bf16 GEMM** on them: the
+products of two bf16 numbers are exact in fp32 and oneDNN accumulates them in fp32 -- what FP8 tensor
+cores do -- at bf16 speed (on this project's CPU 4-6x faster than the fp32 GEMM the former emulation ran on
+the same values; tests and benchmarks/fp8_gemm.py keep that one as the "reference" path).
+
+The operands are rounded to the FP8 grid without the FP8 dtype (on CPU its casts are slow: ~1 ms to
+decode 200k values, where the GEMM takes 0.5 ms): with ``v = t * scale`` (exact) and
+``M = 1.5 * 2**(max(e, emin) + 23 - m)`` for ``e`` v's exponent, ``m`` the format's mantissa bits and
+``emin`` its smallest normal exponent, fp32's spacing around ``M`` is exactly v's FP8 spacing and
+``|v| < M / 3``, so the fp32 addition ``v + M`` rounds v to the FP8 grid (ties to even: fp32's RNE,
+and ``M``'s last mantissa bit is even) and ``(v + M) - M`` is exact. ``M`` is built from v's exponent
+bits. Nothing saturates because the scale keeps ``|v| <= fp8 max``; a NaN scale gives NaN. The result
+equals ``v.to(fp8).to(bf16)`` for every input (tests: all FP8 values, all ties, random and subnormal
+inputs), signed zeros aside. Autograd saves these bf16 operands (2 bytes per element; the real path
+saves 1-byte FP8).
+
+The bf16 GEMM rounds its fp32 sum once, to bf16, and the power-of-two unscale is exact. For a bf16
+output (``y`` under the recipe's autocast, ``dx`` of bf16 activations) that is exactly the one rounding
+the real path does. fp32 outputs (``dW`` always; ``y``/``dx`` outside bf16 autocast) carry that bf16
+rounding too: relative error <= 2**-9, ~55 dB below the signal and 25-30 dB below FP8's own noise, so
+the SQNR of y, dx and dW against fp32 moves by < 0.01 dB (measured; the tests allow 0.1 dB) -- the
+rounding bf16-mixed applies to all its GEMM results, dW included. CPU PyTorch has no bf16 GEMM with an
+fp32 output at bf16 speed (``torch.mm(..., out_dtype=)`` is CUDA-only; ``torch._scaled_mm`` on CPU
+takes FP8 inputs and is exact, but tens of times slower; oneDNN's fp32 matmul with
+``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` is exact on these operands but 2-2.5x slower
+than the bf16 GEMM, and is a process-wide flag). fp16 outputs (3 more mantissa bits than bf16) take
+the exact fp32 GEMM.
 
 *Real* (CUDA, compute capability >= 8.9, chosen automatically): ``torch._scaled_mm`` with the FP8
 tensors, their fp32 inverse scales and ``use_fast_accum=False`` (full fp32 accumulation in all three
 GEMMs). It needs every GEMM dimension divisible by 16; a GEMM whose token count (batch x sequence)
-is not falls back to the emulated GEMM for that call. The real path is not exercised on CPU.
+is not falls back to an fp32 GEMM on the same FP8 operands for that call. The real path is not exercised on CPU.
 
 Dtypes: the output dtype is the autocast dtype when an autocast (``torch.autocast`` or mixprec's) is
 active, else the input's dtype. The GEMMs run with every autocast disabled, so neither autocast re-casts
 the FP8 operands: the autograd Function handles its dtypes explicitly. ``dx`` comes back in ``x``'s
-dtype, ``dW`` and ``db`` in the parameters' dtype (fp32). The quantized x and W (1 byte per element)
-and their scales are what autograd saves for backward, so backward uses the same operands as forward.
+dtype, ``dW`` and ``db`` in the parameters' dtype (fp32). The quantized x and W (FP8, or their bf16
+copies when emulated) and their scales are what autograd saves for backward, so backward uses the same
+operands as forward.
 
 Which layers
 ------------
@@ -76,6 +101,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -107,11 +134,30 @@ GEMM_MULTIPLE = 16
 SKIP_NAMES = ("head", "fc")
 """Final classifier names kept out of FP8 by default (see the module docstring)."""
 _EXP_LIMIT = 126  # |log2 scale| <= 126: the scale and its inverse are both normal fp32
+_FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 
 
 def fp8_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Power-of-two scale ``2**floor(log2(fp8_max / amax))`` as a 0-dim fp32 tensor; NaN if amax isn't finite."""
-    ratio = torch.finfo(fp8_dtype).max / amax.double().clamp(min=2.0**-1000)
+    """Power-of-two scale ``2**floor(log2(fp8_max / amax))`` as a 0-dim fp32 tensor; NaN if amax isn't finite.
+
+    On CPU the exponent is computed on the host (reading a CPU scalar costs nothing, where the dozen 0-dim
+    tensor ops of :func:`_device_scale` cost ~25 us, a GEMM's worth on small layers); elsewhere on the device
+    (no host sync). Both compute the same float64 ratio and read its exponent exactly.
+    """
+    if amax.device.type == "cpu":
+        return torch.tensor(_host_scale(float(amax), fp8_dtype), dtype=torch.float32)
+    return _device_scale(amax, fp8_dtype)
+
+
+def _host_scale(amax: float, fp8_dtype: torch.dtype) -> float:
+    if not math.isfinite(amax):
+        return math.nan
+    _, e = math.frexp(_FP8_MAX[fp8_dtype] / max(amax, 2.0**-1000))  # float64; ratio = m * 2**e, 0.5 <= m < 1
+    return 2.0 ** min(max(e - 1, -_EXP_LIMIT), _EXP_LIMIT)
+
+
+def _device_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    ratio = _FP8_MAX[fp8_dtype] / amax.double().clamp(min=2.0**-1000)
     _, e = torch.frexp(ratio)  # ratio = m * 2**e, 0.5 <= m < 1, so floor(log2(ratio)) = e - 1 exactly
     scale = (((e - 1).clamp(-_EXP_LIMIT, _EXP_LIMIT).to(torch.int64) + 1023) << 52).view(torch.float64)  # exact 2**k
     return torch.where(torch.isfinite(amax), scale, torch.nan).float()
@@ -123,14 +169,83 @@ def to_fp8(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch
     ``fp8.float() * inv_scale`` dequantizes; the only rounding is the cast to FP8 (RNE).
     """
     t32 = t.detach().float()
-    scale = fp8_scale(t32.abs().amax(), fp8_dtype)
+    scale = fp8_scale(_amax(t32), fp8_dtype)
     return (t32 * scale).to(fp8_dtype), scale.reciprocal()
 
 
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """``max |t|`` in two read-only passes and no temporary (``t.abs().amax()`` writes ``|t|`` first); NaN if any."""
+    return torch.maximum(t.amax(), t.amin().neg())
+
+
+_MANTISSA_BITS = {E4M3: 3, E5M2: 2}
+_MIN_NORMAL_EXP = {E4M3: -6, E5M2: -14}
+
+
+def to_fp8_as_bf16(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`to_fp8` with the FP8 values returned as bf16 (exact): ``(q, inv_scale)`` with
+    ``q == to_fp8(t)[0].to(torch.bfloat16)``, equal as values (a negative number that rounds to zero gives +0,
+    not -0). The emulated GEMMs' operands, computed without the FP8 dtype (see "Emulated path").
+    """
+    t = t.detach()
+    scale = fp8_scale(_amax(t).float(), fp8_dtype)
+    m, emin = _MANTISSA_BITS[fp8_dtype], _MIN_NORMAL_EXP[fp8_dtype]
+    v = torch.mul(t, scale, out=_scratch(t, 0).view(torch.float32))  # exact: a power of two, |v| <= fp8 max
+    # M = 1.5 * 2**(max(e, emin) + 23 - m), e = v's exponent: fp32's ulp at M is v's FP8 ulp and |v| < M / 3,
+    # so (v + M) - M is v rounded to the FP8 grid, ties to even (module docstring)
+    magic = torch.bitwise_and(v.view(torch.int32), 0x7F800000, out=_scratch(t, 1))
+    magic.clamp_(min=(127 + emin) << 23)  # FP8 subnormals: the spacing stops shrinking at 2**(emin - m)
+    magic += ((23 - m) << 23) | 0x400000
+    magic_f = magic.view(torch.float32)
+    v += magic_f
+    q = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device)
+    return torch.sub(v, magic_f, out=q), scale.reciprocal()
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(like: torch.Tensor, slot: int) -> torch.Tensor:
+    """An int32 work buffer shaped like ``like``; on CPU reused across calls (per thread and slot).
+
+    glibc returns freed blocks this large to the OS, so a fresh one page-faults on first touch: measured ~1000
+    faults and ~2 ms per emulated layer step of the MLP, more than the arithmetic. Holds 2 x 4 bytes per element
+    of the largest operand seen, per thread. Other devices have caching allocators.
+    """
+    if like.device.type != "cpu":
+        return torch.empty(like.shape, dtype=torch.int32, device=like.device)
+    key = slot
+    cache = _SCRATCH.__dict__.setdefault("buffers", {})
+    buf = cache.get(key)
+    if buf is None or buf.numel() < like.numel():
+        buf = cache[key] = torch.empty(like.numel(), dtype=torch.int32, device=like.device)
+    return buf[:like.numel()].view(like.shape)
+
+
+def _emulated_gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a @ b) * a_inv * b_inv`` for bf16 ``a`` (M, K), ``b`` (K, N) holding FP8 values (exact in bf16).
+
+    A bf16 GEMM: exact products, fp32 accumulation, the sum rounded once to bf16; the power-of-two unscale is
+    exact. fp16 outputs (3 more mantissa bits than bf16) take the fp32 GEMM instead (module docstring).
+    """
+    if out_dtype == torch.float16:
+        return (torch.mm(a.float(), b.float()) * (a_inv * b_inv)).to(out_dtype)
+    out = torch.mm(a, b)
+    return out.mul_(a_inv * b_inv) if out_dtype == torch.bfloat16 else out.to(out_dtype).mul_(a_inv * b_inv)
+
+
 def _gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
-          out_dtype: torch.dtype, real: bool) -> torch.Tensor:
-    """``(a @ b) * a_inv * b_inv`` for 2-D FP8 ``a`` (M, K) and ``b`` (K, N), returned in ``out_dtype``."""
-    if real and all(d % GEMM_MULTIPLE == 0 for d in (*a.shape, b.shape[1])):
+          out_dtype: torch.dtype, mode: str) -> torch.Tensor:
+    """``(a @ b) * a_inv * b_inv`` for 2-D ``a`` (M, K) and ``b`` (K, N), returned in ``out_dtype``.
+
+    ``mode``: ``"real"`` (FP8 ``a``, ``b``: ``torch._scaled_mm``), ``"emulated"`` (bf16 ``a``, ``b`` from
+    :func:`to_fp8_as_bf16`) or ``"reference"`` (FP8 ``a``, ``b``, fp32 GEMM: the former emulation, kept as the
+    checked reference).
+    """
+    if mode == "emulated":
+        return _emulated_gemm(a, a_inv, b, b_inv, out_dtype)
+    if mode == "real" and all(d % GEMM_MULTIPLE == 0 for d in (*a.shape, b.shape[1])):
         # cuBLAS layout: a row-major, b column-major
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_inv, scale_b=b_inv,
                                 out_dtype=out_dtype, use_fast_accum=False)
@@ -148,33 +263,37 @@ def _no_autocast(device_type: str):
         yield
 
 
+def _quantize(t: torch.Tensor, fp8_dtype: torch.dtype, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return to_fp8_as_bf16(t, fp8_dtype) if mode == "emulated" else to_fp8(t, fp8_dtype)
+
+
 class _Fp8Matmul(torch.autograd.Function):
     """``x @ W^T`` (+ bias) with the three GEMMs in FP8; x is 2-D (tokens, in_features)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, real):
+    def forward(ctx, x, weight, bias, out_dtype, mode):
         with _no_autocast(x.device.type):
-            x8, x_inv = to_fp8(x, E4M3)
-            w8, w_inv = to_fp8(weight, E4M3)
-            y = _gemm(x8, x_inv, w8.t(), w_inv, out_dtype, real)
+            xq, x_inv = _quantize(x, E4M3, mode)
+            wq, w_inv = _quantize(weight, E4M3, mode)
+            y = _gemm(xq, x_inv, wq.t(), w_inv, out_dtype, mode)
             if bias is not None:
                 y = y + bias.to(out_dtype)
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        ctx.save_for_backward(xq, x_inv, wq, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.real = real
+        ctx.mode = mode
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dx = dw = db = None
         with _no_autocast(dy.device.type):
-            dy8, dy_inv = to_fp8(dy, E5M2)
+            dyq, dy_inv = _quantize(dy, E5M2, ctx.mode)
             if ctx.needs_input_grad[0]:
-                dx = _gemm(dy8, dy_inv, w8, w_inv, x_dtype, ctx.real)
+                dx = _gemm(dyq, dy_inv, wq, w_inv, x_dtype, ctx.mode)
             if ctx.needs_input_grad[1]:
-                dw = _gemm(dy8.t(), dy_inv, x8, x_inv, w_dtype, ctx.real)
+                dw = _gemm(dyq.t(), dy_inv, xq, x_inv, w_dtype, ctx.mode)
             if b_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy.float().sum(0).to(b_dtype)
         return dx, dw, db, None, None
@@ -197,8 +316,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             f"fp8_linear(..., emulate=False) needs FP8 matmuls (CUDA compute capability 8.9+), but {x.device} has "
             "none; use emulate=None (auto) or emulate=True"
         )
-    real = real and not emulate
-    out = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, bias, _output_dtype(x), real)
+    return _linear(x, weight, bias, "real" if real and not emulate else "emulated")
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """:func:`fp8_linear` with the GEMM path chosen (``mode`` as in :func:`_gemm`; tests and benchmarks)."""
+    out = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, bias, _output_dtype(x), mode)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
