@@ -334,6 +334,121 @@ def test_state_dict_of_a_converted_model_loads_into_a_plain_one_and_back():
     assert sqnr(plain(x).detach(), converted(x).detach()) >= FLOOR["y"] - 6  # two FP8 layers in a row
 
 
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D, copied verbatim (transformers is not a dependency): GPT-2's linear layer,
+    weight stored transposed, (in, out)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.nx = nx
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def __repr__(self) -> str:
+        return "Conv1D(nf={nf}, nx={nx})".format(**self.__dict__)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        x = x.view(size_out)
+        return x
+
+
+class _Gpt2Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc = Conv1D(128, 32)
+        self.c_proj = Conv1D(32, 128)
+        self.odd = Conv1D(10, 32)  # 10 outputs: not a multiple of 16
+
+    def forward(self, x):
+        return self.odd(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+def test_hf_conv1d_layers_are_converted_with_their_stored_layout_and_numerics():
+    torch.manual_seed(0)
+    model, plain = _Gpt2Mlp(), _Gpt2Mlp()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    plain.load_state_dict(model.state_dict())
+    params = dict(model.named_parameters())
+    plan = plan_fp8_conversion(model)
+    assert plan.converted == ("c_fc", "c_proj")
+    assert dict(plan.skipped).keys() == {"odd"} and "multiples of 16" in dict(plan.skipped)["odd"]
+    convert_to_fp8(model, emulate=True)
+    fc = model.c_fc
+    assert type(fc) is fp8.Fp8AdaptedLinear and (fc.in_features, fc.out_features) == (32, 128)
+    assert (fc.nf, fc.nx) == (128, 32) and type(model.odd) is Conv1D
+    assert dict(model.named_parameters()) == params  # the same Parameter objects, stored (in, out)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(plain.state_dict(), strict=True)
+
+    # exactly an Fp8Linear holding the transposed weight: the same FP8 operands (amax ignores the layout)
+    x = torch.randn(4, 6, 32)
+    lin = Fp8Linear(32, 128, emulate=True)
+    with torch.no_grad():
+        lin.weight.copy_(fc.weight.t())
+        lin.bias.copy_(fc.bias)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = fc(xa), lin(xb)
+    torch.testing.assert_close(ya, yb, rtol=0, atol=0)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert fc.weight.grad.shape == (32, 128)
+    torch.testing.assert_close(fc.weight.grad, lin.weight.grad.t(), rtol=0, atol=0)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=0, atol=0)
+    # and x @ W + b of the original layer, to FP8 accuracy
+    assert sqnr(plain.c_fc(x).detach(), fc(x).detach()) >= FLOOR["y"]
+
+
+def test_register_linear_adapter_teaches_convert_a_new_layer_class():
+    class Packed(nn.Module):  # weight stored (in, out) as Conv1D, under another name
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(32, 48))
+            self.bias = None
+
+        def forward(self, x):
+            return x @ self.weight
+
+    model = nn.Sequential(Packed(), nn.ReLU())
+    assert plan_fp8_conversion(model).converted == ()
+    adapter = fp8.register_linear_adapter(Packed, torch.t)
+    try:
+        convert_to_fp8(model, emulate=True)
+        assert type(model[0]) is fp8.Fp8AdaptedLinear and model[0].out_features == 48
+        x = torch.randn(8, 32)
+        ref = fp8_linear(x, model[0].weight.t().contiguous(), None, emulate=True)
+        torch.testing.assert_close(model(x), F.relu(ref), rtol=0, atol=0)
+    finally:
+        fp8.unregister_linear_adapter(adapter)
+    assert plan_fp8_conversion(nn.Sequential(Packed())).converted == ()
+
+
+def test_gpt2_from_transformers_converts_every_conv1d():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    conv1d = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    plan = plan_fp8_conversion(model)
+    assert len(conv1d) == 8 and set(plan.converted) == conv1d
+    assert dict(plan.skipped).keys() == {"lm_head"}  # 50 outputs
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_to_fp8(model, emulate=True)
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items()) and sd.keys() == model.state_dict().keys()
+    ids = torch.randint(0, 50, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=ids)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_emulate_false_without_fp8_hardware_says_what_to_do():
     if hardware.has_fp8_matmul(torch.device("cpu")):
         pytest.skip("unreachable: CPUs have no FP8 matmuls")

@@ -94,6 +94,13 @@ the logits feed the softmax/loss directly, so their error is not averaged away b
 is the most sensitive to quantization, while the layer is a tiny share of the FLOPs. Subclasses of
 ``nn.Linear`` (e.g. ``MultiheadAttention.out_proj``, whose weight its parent uses directly) are left
 alone. :class:`Fp8Linear` keeps ``nn.Linear``'s parameters, so state_dicts load either way.
+
+Linear layers that are not ``nn.Linear`` are converted through a small adapter registry
+(:func:`register_linear_adapter`): a predicate that recognises the class and a view of its weight as
+``(out, in)``. Built in: Hugging Face's ``Conv1D`` (GPT, GPT-2), a linear layer whose weight is stored
+transposed, ``(in, out)``, with ``y = x @ W + b``; recognised by duck typing (class name, ``nf``, weight
+shape) so transformers is never imported. It becomes an :class:`Fp8AdaptedLinear` that keeps the stored
+layout and Parameter names (state_dicts and optimizers unaffected) and runs ``fp8_linear(x, W.T, b)``.
 """
 
 from __future__ import annotations
@@ -114,13 +121,18 @@ from .autocast import autocast, autocast_dtype, is_autocast_active
 __all__ = [
     "E4M3",
     "E5M2",
+    "Fp8AdaptedLinear",
     "Fp8Conversion",
     "Fp8Linear",
+    "LinearAdapter",
     "convert_to_fp8",
     "fp8_linear",
     "fp8_scale",
     "plan_fp8_conversion",
+    "register_linear_adapter",
     "to_fp8",
+    "to_fp8_as_bf16",
+    "unregister_linear_adapter",
 ]
 
 log = logging.getLogger(__name__)
@@ -352,40 +364,144 @@ class Fp8Linear(nn.Linear):
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAdapter:
+    """How to run a module that is a linear layer but not an ``nn.Linear`` with FP8 GEMMs.
+
+    The module must hold ``weight`` (a 2-D Parameter) and ``bias`` (a Parameter of ``out_features``, or None)
+    and compute ``x @ weight_as_linear(weight).T + bias`` over the last dimension of ``x``.
+    """
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    weight_as_linear: Callable[[torch.Tensor], torch.Tensor]
+    """The stored weight as an ``(out_features, in_features)`` tensor: a differentiable view (``torch.t``)."""
+
+
+def _is_hf_conv1d(m: nn.Module) -> bool:
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT, GPT-2, ...), recognised without importing
+    transformers: a class named Conv1D with an int ``nf`` and a 2-D weight stored ``(in, out) = (nx, nf)``."""
+    w, b, nf = getattr(m, "weight", None), getattr(m, "bias", None), getattr(m, "nf", None)
+    return (type(m).__name__ == "Conv1D" and isinstance(nf, int) and isinstance(w, nn.Parameter) and w.dim() == 2
+            and w.shape[1] == nf and (b is None or (isinstance(b, nn.Parameter) and tuple(b.shape) == (nf,))))
+
+
+_ADAPTERS: list[LinearAdapter] = [LinearAdapter("Conv1D (Hugging Face; weight stored (in, out))", _is_hf_conv1d,
+                                                torch.t)]
+
+
+def register_linear_adapter(cls_or_match: type | Callable[[nn.Module], bool],
+                            weight_as_linear: Callable[[torch.Tensor], torch.Tensor], *,
+                            name: str | None = None) -> LinearAdapter:
+    """Teach :func:`convert_to_fp8` another linear layer class; returns the adapter (for
+    :func:`unregister_linear_adapter`). Checked before the built-in ones.
+
+    Args:
+        cls_or_match: a class (matched exactly, not its subclasses) or a predicate ``module -> bool``.
+        weight_as_linear: the stored weight as ``(out_features, in_features)``, e.g. ``torch.t`` for a
+            weight stored ``(in, out)`` like Hugging Face's Conv1D (which is built in).
+    """
+    if isinstance(cls_or_match, type):
+        cls = cls_or_match
+        adapter = LinearAdapter(name or cls.__name__, lambda m: type(m) is cls, weight_as_linear)
+    else:
+        adapter = LinearAdapter(name or getattr(cls_or_match, "__name__", "adapter"), cls_or_match,
+                                weight_as_linear)
+    _ADAPTERS.insert(0, adapter)
+    return adapter
+
+
+def unregister_linear_adapter(adapter: LinearAdapter) -> None:
+    _ADAPTERS.remove(adapter)
+
+
+def _adapter_for(m: nn.Module) -> LinearAdapter | None:
+    if isinstance(m, (nn.Linear, Fp8AdaptedLinear)):
+        return None
+    return next((a for a in _ADAPTERS if a.matches(m)), None)
+
+
+class Fp8AdaptedLinear(nn.Module):
+    """A linear layer of a registered class (:func:`register_linear_adapter`; Hugging Face's Conv1D built in)
+    with FP8 GEMMs: ``y = x @ weight_as_linear(weight).T + bias`` through :func:`fp8_linear`.
+
+    It keeps the original module's Parameter objects under the same names, in their stored layout (Conv1D's
+    weight stays ``(in, out)``), so state_dicts load both ways -- a Hugging Face checkpoint into a converted
+    model, a converted model's into a plain one -- and an optimizer built before keeps stepping them. The
+    layout costs nothing: the FP8 scale (amax) ignores it and the quantized copy is laid out afresh anyway.
+    Plain attributes of the original (Conv1D's ``nf``, ``nx``) are carried over for code that reads them.
+    """
+
+    def __init__(self, module: nn.Module, adapter: LinearAdapter, *, emulate: bool | None = None) -> None:
+        super().__init__()
+        for k, v in vars(module).items():
+            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str)):
+                setattr(self, k, v)
+        self.weight = module.weight
+        self.bias = module.bias
+        self.adapter = adapter
+        self.out_features, self.in_features = adapter.weight_as_linear(module.weight).shape
+        self.emulate = emulate
+        self.train(module.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.adapter.weight_as_linear(self.weight), self.bias, emulate=self.emulate)
+
+    def extra_repr(self) -> str:
+        return (f"{self.adapter.name}: in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, emulate={self.emulate}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Fp8Conversion:
     """What :func:`convert_to_fp8` does to a model."""
 
     converted: tuple[str, ...]
-    """Qualified names of the ``nn.Linear`` modules swapped for :class:`Fp8Linear`."""
+    """Qualified names of the linear layers swapped for :class:`Fp8Linear` (``nn.Linear``) or
+    :class:`Fp8AdaptedLinear` (a registered linear class, e.g. Hugging Face's Conv1D)."""
     skipped: tuple[tuple[str, str], ...]
-    """``(qualified name, reason)`` of every ``nn.Linear`` (or subclass) left as it was."""
+    """``(qualified name, reason)`` of every linear layer (``nn.Linear``, a subclass, or an adapted class) left
+    as it was."""
 
 
 def _default_filter(module: nn.Module, fqn: str) -> bool:
     return fqn.rsplit(".", 1)[-1] not in SKIP_NAMES
 
 
+def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, str], bool] | None) -> str | None:
+    """Why linear layer ``m`` stays as it is, or None to convert it."""
+    adapter = _adapter_for(m)
+    if adapter is None and type(m) is not nn.Linear:
+        return (f"{type(m).__name__} is a subclass of nn.Linear (its parent may use the weight directly, e.g. "
+                "MultiheadAttention.out_proj)")
+    out_f, in_f = adapter.weight_as_linear(m.weight).shape if adapter else (m.out_features, m.in_features)
+    if in_f % GEMM_MULTIPLE or out_f % GEMM_MULTIPLE:
+        return f"in_features={in_f}, out_features={out_f}: FP8 GEMMs need multiples of {GEMM_MULTIPLE}"
+    if not (module_filter_fn or _default_filter)(m, fqn):
+        return ("final classifier, kept out of FP8 (logits are the most sensitive layer)" if module_filter_fn is None
+                else "excluded by module_filter_fn")
+    return None
+
+
 def plan_fp8_conversion(
     module: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None
 ) -> Fp8Conversion:
     """Which linear layers :func:`convert_to_fp8` would swap, and why the others are skipped."""
-    keep = module_filter_fn or _default_filter
     converted, skipped = [], []
     for fqn, m in module.named_modules():
-        if not isinstance(m, nn.Linear) or isinstance(m, Fp8Linear):
+        if isinstance(m, (Fp8Linear, Fp8AdaptedLinear)) or not (isinstance(m, nn.Linear) or _adapter_for(m)):
             continue
-        if type(m) is not nn.Linear:
-            skipped.append((fqn, f"{type(m).__name__} is a subclass of nn.Linear (its parent may use the weight "
-                                 "directly, e.g. MultiheadAttention.out_proj)"))
-        elif m.in_features % GEMM_MULTIPLE or m.out_features % GEMM_MULTIPLE:
-            skipped.append((fqn, f"in_features={m.in_features}, out_features={m.out_features}: FP8 GEMMs need "
-                                 f"multiples of {GEMM_MULTIPLE}"))
-        elif not keep(m, fqn):
-            skipped.append((fqn, "final classifier, kept out of FP8 (logits are the most sensitive layer)"
-                            if module_filter_fn is None else "excluded by module_filter_fn"))
-        else:
+        reason = _skip_reason(m, fqn, module_filter_fn)
+        if reason is None:
             converted.append(fqn)
+        else:
+            skipped.append((fqn, reason))
     return Fp8Conversion(tuple(converted), tuple(skipped))
+
+
+def _to_fp8_module(m: nn.Module, emulate: bool | None) -> nn.Module:
+    adapter = _adapter_for(m)
+    return Fp8Linear.from_linear(m, emulate=emulate) if adapter is None else Fp8AdaptedLinear(m, adapter,
+                                                                                                emulate=emulate)
 
 
 def convert_to_fp8(
@@ -394,22 +510,23 @@ def convert_to_fp8(
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     emulate: bool | None = None,
 ) -> nn.Module:
-    """Swap eligible ``nn.Linear`` layers of ``module`` for :class:`Fp8Linear`, in place; returns the module
-    (a new one when ``module`` itself is a converted linear layer). Skipped layers are logged at INFO;
-    :func:`plan_fp8_conversion` returns the same decisions.
+    """Swap eligible linear layers of ``module`` for FP8 ones, in place: ``nn.Linear`` for :class:`Fp8Linear`,
+    a registered linear class (Hugging Face's Conv1D; :func:`register_linear_adapter`) for
+    :class:`Fp8AdaptedLinear`. Returns the module (a new one when ``module`` itself is a converted linear
+    layer). Skipped layers are logged at INFO; :func:`plan_fp8_conversion` returns the same decisions.
 
     Args:
         module_filter_fn: ``(module, qualified_name) -> bool``, True to convert; replaces the default rule
             (skip layers named ``head``/``fc``). The multiple-of-16 rule always applies.
-        emulate: passed to every :class:`Fp8Linear` (None: real FP8 where the device has it).
+        emulate: passed to every converted layer (None: real FP8 where the device has it).
     """
     plan = plan_fp8_conversion(module, module_filter_fn=module_filter_fn)
     for fqn, reason in plan.skipped:
         log.info("convert_to_fp8: kept %s in its precision: %s", fqn or "<root>", reason)
     for fqn in plan.converted:
         if not fqn:
-            return Fp8Linear.from_linear(module, emulate=emulate)
+            return _to_fp8_module(module, emulate)
         parent_name, _, child = fqn.rpartition(".")
         parent = module.get_submodule(parent_name)
-        setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child), emulate=emulate))
+        setattr(parent, child, _to_fp8_module(getattr(parent, child), emulate))
     return module
