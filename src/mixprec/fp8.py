@@ -200,9 +200,12 @@ def to_fp8_as_bf16(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tenso
     not -0). The emulated GEMMs' operands, computed without the FP8 dtype (see "Emulated path").
     """
     t = t.detach()
-    scale = fp8_scale(_amax(t).float(), fp8_dtype)
+    v = _scratch(t, 0).view(torch.float32)
+    if t.dtype != torch.float32:  # bf16 reductions are 3x slower than fp32 ones: convert first
+        t = v.copy_(t)
+    scale = fp8_scale(_amax(t), fp8_dtype)
     m, emin = _MANTISSA_BITS[fp8_dtype], _MIN_NORMAL_EXP[fp8_dtype]
-    v = torch.mul(t, scale, out=_scratch(t, 0).view(torch.float32))  # exact: a power of two, |v| <= fp8 max
+    torch.mul(t, scale, out=v)  # exact: a power of two, |v| <= fp8 max
     # M = 1.5 * 2**(max(e, emin) + 23 - m), e = v's exponent: fp32's ulp at M is v's FP8 ulp and |v| < M / 3,
     # so (v + M) - M is v rounded to the FP8 grid, ties to even (module docstring)
     magic = torch.bitwise_and(v.view(torch.int32), 0x7F800000, out=_scratch(t, 1))
@@ -210,8 +213,7 @@ def to_fp8_as_bf16(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tenso
     magic += ((23 - m) << 23) | 0x400000
     magic_f = magic.view(torch.float32)
     v += magic_f
-    q = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device)
-    return torch.sub(v, magic_f, out=q), scale.reciprocal()
+    return v.sub_(magic_f).to(torch.bfloat16), scale.reciprocal()
 
 
 _SCRATCH = threading.local()
@@ -235,33 +237,42 @@ def _scratch(like: torch.Tensor, slot: int) -> torch.Tensor:
 
 
 def _emulated_gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """``(a @ b) * a_inv * b_inv`` for bf16 ``a`` (M, K), ``b`` (K, N) holding FP8 values (exact in bf16).
+                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(a @ b) * a_inv * b_inv (+ bias)`` for bf16 ``a`` (M, K), ``b`` (K, N) holding FP8 values (exact in bf16).
 
     A bf16 GEMM: exact products, fp32 accumulation, the sum rounded once to bf16; the power-of-two unscale is
-    exact. fp16 outputs (3 more mantissa bits than bf16) take the fp32 GEMM instead (module docstring).
+    exact, so fusing it with the bias add rounds as ``y * s + bias`` would. fp16 outputs (3 more mantissa bits
+    than bf16) take the fp32 GEMM instead (module docstring).
     """
     if out_dtype == torch.float16:
-        return (torch.mm(a.float(), b.float()) * (a_inv * b_inv)).to(out_dtype)
-    out = torch.mm(a, b)
-    return out.mul_(a_inv * b_inv) if out_dtype == torch.bfloat16 else out.to(out_dtype).mul_(a_inv * b_inv)
+        out = (torch.mm(a.float(), b.float()) * (a_inv * b_inv)).to(out_dtype)
+    else:
+        out = torch.mm(a, b)
+        if out_dtype != torch.bfloat16:
+            out = out.to(out_dtype)
+        if bias is not None:
+            return torch.addcmul(bias.to(out_dtype), out, a_inv * b_inv)
+        out = out.mul_(a_inv * b_inv)
+    return out if bias is None else out + bias.to(out_dtype)
 
 
 def _gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
-          out_dtype: torch.dtype, mode: str) -> torch.Tensor:
-    """``(a @ b) * a_inv * b_inv`` for 2-D ``a`` (M, K) and ``b`` (K, N), returned in ``out_dtype``.
+          out_dtype: torch.dtype, mode: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(a @ b) * a_inv * b_inv (+ bias)`` for 2-D ``a`` (M, K) and ``b`` (K, N), returned in ``out_dtype``.
 
     ``mode``: ``"real"`` (FP8 ``a``, ``b``: ``torch._scaled_mm``), ``"emulated"`` (bf16 ``a``, ``b`` from
     :func:`to_fp8_as_bf16`) or ``"reference"`` (FP8 ``a``, ``b``, fp32 GEMM: the former emulation, kept as the
     checked reference).
     """
     if mode == "emulated":
-        return _emulated_gemm(a, a_inv, b, b_inv, out_dtype)
+        return _emulated_gemm(a, a_inv, b, b_inv, out_dtype, bias)
     if mode == "real" and all(d % GEMM_MULTIPLE == 0 for d in (*a.shape, b.shape[1])):
         # cuBLAS layout: a row-major, b column-major
-        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_inv, scale_b=b_inv,
-                                out_dtype=out_dtype, use_fast_accum=False)
-    return (torch.mm(a.float(), b.float()) * (a_inv * b_inv)).to(out_dtype)
+        out = torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_inv, scale_b=b_inv,
+                               out_dtype=out_dtype, use_fast_accum=False)
+    else:
+        out = (torch.mm(a.float(), b.float()) * (a_inv * b_inv)).to(out_dtype)
+    return out if bias is None else out + bias.to(out_dtype)
 
 
 @contextlib.contextmanager
@@ -287,9 +298,7 @@ class _Fp8Matmul(torch.autograd.Function):
         with _no_autocast(x.device.type):
             xq, x_inv = _quantize(x, E4M3, mode)
             wq, w_inv = _quantize(weight, E4M3, mode)
-            y = _gemm(xq, x_inv, wq.t(), w_inv, out_dtype, mode)
-            if bias is not None:
-                y = y + bias.to(out_dtype)
+            y = _gemm(xq, x_inv, wq.t(), w_inv, out_dtype, mode, bias)
         ctx.save_for_backward(xq, x_inv, wq, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mode = mode
@@ -307,7 +316,7 @@ class _Fp8Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = _gemm(dyq.t(), dy_inv, xq, x_inv, w_dtype, ctx.mode)
             if b_dtype is not None and ctx.needs_input_grad[2]:
-                db = dy.float().sum(0).to(b_dtype)
+                db = dy.sum(0, dtype=torch.float32).to(b_dtype)
         return dx, dw, db, None, None
 
 
