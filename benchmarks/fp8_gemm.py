@@ -80,7 +80,7 @@ def _step_fn(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, with
     return step
 
 
-def measure(what: str, rounds: int, iters: int, with_opt: bool) -> dict[str, list[float]]:
+def measure(what: str, rounds: int, iters: int, with_opt: bool) -> dict[str, dict[str, list[float]]]:
     models = _models(what)
     g = torch.Generator().manual_seed(0)
     if what == "linear":
@@ -91,25 +91,29 @@ def measure(what: str, rounds: int, iters: int, with_opt: bool) -> dict[str, lis
     for s in steps.values():  # warm-up: oneDNN primitive caches, allocator
         for _ in range(3):
             s()
-    times: dict[str, list[float]] = {n: [] for n in VARIANTS}
+    times: dict[str, dict[str, list[float]]] = {c: {n: [] for n in VARIANTS} for c in ("wall", "cpu")}
     for r in range(rounds):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         for n in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 steps[n]()
-            times[n].append((time.perf_counter() - t0) / iters)
+            times["wall"][n].append((time.perf_counter() - t0) / iters)
+            times["cpu"][n].append((time.process_time() - c0) / iters)
     return times
 
 
-def report(what: str, times: dict[str, list[float]]) -> None:
-    base = times["bf16"]
-    print(f"\n{what}: median time per iteration, and median over rounds of (time / bf16 time in that round)")
+def report(what: str, times: dict[str, dict[str, list[float]]]) -> None:
+    print(f"\n{what}: median time per iteration, and median over rounds of (time / bf16 time in that round); "
+          "wall clock, and this process's CPU time (with one thread: the work, less sensitive to other load)")
     for n in VARIANTS:
-        ratios = [t / b for t, b in zip(times[n], base)]
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        print(f"  {n:8s} {statistics.median(times[n]) * 1e3:8.3f} ms   {statistics.median(ratios):6.3f}x bf16 "
-              f"(quartiles {q[0]:.3f}..{q[2]:.3f})")
+        cols = []
+        for clock in ("wall", "cpu"):
+            ratios = [t / b for t, b in zip(times[clock][n], times[clock]["bf16"])]
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            cols.append(f"{clock} {statistics.median(times[clock][n]) * 1e3:7.3f} ms {statistics.median(ratios):6.3f}x "
+                        f"({q[0]:.2f}..{q[2]:.2f})")
+        print(f"  {n:8s} " + "   ".join(cols))
 
 
 def profile(what: str, with_opt: bool) -> None:
