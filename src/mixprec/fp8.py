@@ -200,7 +200,7 @@ def to_fp8_as_bf16(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tenso
     not -0). The emulated GEMMs' operands, computed without the FP8 dtype (see "Emulated path").
     """
     t = t.detach()
-    v = _scratch(t, 0).view(torch.float32)
+    v, v_bits, magic, magic_f = _work_buffers(t)
     if t.dtype != torch.float32:  # bf16 reductions are 3x slower than fp32 ones: convert first
         t = v.copy_(t)
     scale = fp8_scale(_amax(t), fp8_dtype)
@@ -208,32 +208,40 @@ def to_fp8_as_bf16(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tenso
     torch.mul(t, scale, out=v)  # exact: a power of two, |v| <= fp8 max
     # M = 1.5 * 2**(max(e, emin) + 23 - m), e = v's exponent: fp32's ulp at M is v's FP8 ulp and |v| < M / 3,
     # so (v + M) - M is v rounded to the FP8 grid, ties to even (module docstring)
-    magic = torch.bitwise_and(v.view(torch.int32), 0x7F800000, out=_scratch(t, 1))
+    torch.bitwise_and(v_bits, 0x7F800000, out=magic)
     magic.clamp_(min=(127 + emin) << 23)  # FP8 subnormals: the spacing stops shrinking at 2**(emin - m)
     magic += ((23 - m) << 23) | 0x400000
-    magic_f = magic.view(torch.float32)
     v += magic_f
     return v.sub_(magic_f).to(torch.bfloat16), scale.reciprocal()
 
 
-_SCRATCH = threading.local()
+_WORK = threading.local()
 
 
-def _scratch(like: torch.Tensor, slot: int) -> torch.Tensor:
-    """An int32 work buffer shaped like ``like``; on CPU reused across calls (per thread and slot).
+def _work_buffers(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 ``v`` and int32 ``magic`` work tensors shaped like ``t``, each also viewed as the other dtype.
 
-    glibc returns freed blocks this large to the OS, so a fresh one page-faults on first touch: measured ~1000
-    faults and ~2 ms per emulated layer step of the MLP, more than the arithmetic. Holds 2 x 4 bytes per element
-    of the largest operand seen, per thread. Other devices have caching allocators.
+    On CPU they are views of two per-thread buffers reused across calls: glibc returns freed blocks this
+    large to the OS, so fresh ones page-fault on first touch (measured: ~1000 faults, ~2 ms per step of one
+    784x512 layer, more than the arithmetic). They hold 2 x 4 bytes per element of the largest operand seen.
+    Other devices have caching allocators.
     """
-    if like.device.type != "cpu":
-        return torch.empty(like.shape, dtype=torch.int32, device=like.device)
-    key = slot
-    cache = _SCRATCH.__dict__.setdefault("buffers", {})
-    buf = cache.get(key)
-    if buf is None or buf.numel() < like.numel():
-        buf = cache[key] = torch.empty(like.numel(), dtype=torch.int32, device=like.device)
-    return buf[:like.numel()].view(like.shape)
+    if t.device.type != "cpu":
+        v, magic = torch.empty(t.shape, device=t.device), torch.empty(t.shape, dtype=torch.int32, device=t.device)
+        return v, v.view(torch.int32), magic, magic.view(torch.float32)
+    views = _WORK.__dict__.setdefault("views", {})
+    got = views.get(t.shape)
+    if got is None:
+        n = t.numel()
+        store = _WORK.__dict__.get("store")
+        if store is None or store.shape[1] < n:
+            store = _WORK.store = torch.empty(2, n, dtype=torch.int32)
+            views.clear()
+        if len(views) > 64:  # many shapes (variable lengths): keep the cache small
+            views.clear()
+        v_bits, magic = store[0, :n].view(t.shape), store[1, :n].view(t.shape)
+        got = views[t.shape] = (v_bits.view(torch.float32), v_bits, magic, magic.view(torch.float32))
+    return got
 
 
 def _emulated_gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor,
@@ -278,6 +286,9 @@ def _gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Te
 @contextlib.contextmanager
 def _no_autocast(device_type: str):
     """Turn off torch.autocast and mixprec's autocast, so the FP8 GEMMs' operands are not re-cast."""
+    if not (torch.is_autocast_enabled(device_type) or is_autocast_active()):  # backward: nothing to turn off
+        yield
+        return
     with contextlib.ExitStack() as stack:
         if torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
