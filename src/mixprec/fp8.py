@@ -46,9 +46,9 @@ Emulated and real paths
 *Emulated* (every CPU, and GPUs below compute capability 8.9): every e4m3 and e5m2 value is exactly a
 bf16 value (3 or 2 mantissa bits in bf16's 7; their exponents, -9..8 and -16..15, inside bf16's fp32
 range), and the *scaled* operands are FP8 values, so the emulated GEMM is a **bf16 GEMM** on them: the
-products of two bf16 numbers are exact in fp32 and oneDNN accumulates them in fp32 -- what FP8 tensor
-cores do -- at bf16 speed (on this project's CPU 4-6x faster than the fp32 GEMM the former emulation ran on
-the same values; tests and benchmarks/fp8_gemm.py keep that one as the "reference" path).
+products of two bf16 numbers are exact in fp32 and oneDNN (cuBLAS on GPUs) accumulates them in fp32 --
+what FP8 tensor cores do -- at bf16 speed (on this project's CPU 4-6x faster than the fp32 GEMM the former
+emulation ran on the same values; tests and benchmarks/fp8_gemm.py keep that one as the "reference" path).
 
 The operands are rounded to the FP8 grid without the FP8 dtype (on CPU its casts are slow: ~1 ms to
 decode 200k values, where the GEMM takes 0.5 ms): with ``v = t * scale`` (exact) and
@@ -76,7 +76,8 @@ the exact fp32 GEMM.
 *Real* (CUDA, compute capability >= 8.9, chosen automatically): ``torch._scaled_mm`` with the FP8
 tensors, their fp32 inverse scales and ``use_fast_accum=False`` (full fp32 accumulation in all three
 GEMMs). It needs every GEMM dimension divisible by 16; a GEMM whose token count (batch x sequence)
-is not falls back to an fp32 GEMM on the same FP8 operands for that call. The real path is not exercised on CPU.
+is not falls back to an fp32 GEMM on the same FP8 operands for that call. The real path is not exercised
+on CPU.
 
 Dtypes: the output dtype is the autocast dtype when an autocast (``torch.autocast`` or mixprec's) is
 active, else the input's dtype. The GEMMs run with every autocast disabled, so neither autocast re-casts
