@@ -11,6 +11,7 @@ from torch import nn
 
 from mixprec import hardware
 from mixprec.doctor import DoctorError, diagnose, find_first_nonfinite, precision_map
+from mixprec.doctor.attribution import display_path
 from mixprec.doctor.ranges import Log2Histogram
 from mixprec.formats import get_format, quantize
 from mixprec.train.models import build_model
@@ -135,6 +136,23 @@ def test_a_too_large_loss_scale_is_classified_as_scale_overflow_not_as_a_fault()
     assert 2.0 ** report.recommended_log2_scale() <= fa.max_finite_scale  # the advice agrees with the replay
 
 
+def test_init_scale_advice_names_the_runs_initial_scale_not_the_backed_off_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    report = diagnose(model, _batch(), lambda out, y: 1000.0 * F.cross_entropy(out, y), precision="fp16-mixed",
+                      steps=2)
+    assert report.history.records[0].scale == 2.0**16 and report.loss_scale == 2.0**14  # backed off twice
+    text = next(r["text"] for r in report.recommendations() if r["kind"] == "init-scale")
+    k = report.recommended_log2_scale()
+    assert f"at 2^{k} = {2.0**k:g} (--init-scale {2.0**k:g}) instead of 2^16:" in text
+    # the before -> after fractions compare the same two scales: the initial one and the recommended one
+    from mixprec.doctor.advice import _pct
+
+    init, rec = report.gradient_fractions("fp16", 16), report.gradient_fractions("fp16", k)
+    assert f"overflow {_pct(init['overflow'])} -> {_pct(rec['overflow'])}" in text
+    assert init["overflow"] != report.gradient_fractions("fp16")["overflow"]  # the final scale would differ
+
+
 class _Explode(torch.autograd.Function):
     """Identity forward; the backward multiplies the gradient by 1e7 (overflows fp16, not fp32)."""
 
@@ -198,6 +216,61 @@ def test_lost_updates_in_bf16_weights_and_none_with_master_weights():
     assert with_master.lost_updates.lost_fraction == 0.0
     assert all(layer.dtype == "fp32" and layer.updated > 0 for layer in with_master.lost_updates.layers)
     assert "master-weights" not in _kinds(with_master)
+
+
+class ZeroInitResidual(nn.Module):
+    """Two residual blocks initialised the way timm and transformers do it, so each starts as the identity:
+    ``h + bn(fc(h))`` with the BatchNorm's gamma (and, as always, its beta) zero, and
+    ``h + proj(relu(up(h)))`` with the output projection's weight and bias zero."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(16, d)
+        self.fc = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, 4)
+        nn.init.zeros_(self.bn.weight)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x))
+        h = F.relu(h + self.bn(self.fc(h)))
+        h = h + self.proj(F.relu(self.up(h)))
+        return self.head(h)
+
+
+def test_zero_initialised_weights_with_a_sane_lr_do_not_call_the_lr_too_large():
+    # the second batch is 3x larger, so the zero-initialised tensors' gradient (and update) at step 1 is ~3x the
+    # step-0 update they consist of: |d/w| ~ 3 there, whatever the learning rate
+    batches = [_batch(seed=0), _batch(seed=1, gain=3.0)]
+    report = diagnose(ZeroInitResidual(), batches, F.cross_entropy, precision="bf16-mixed", steps=2,
+                      optimizer=torch.optim.SGD, lr=1e-2)
+    assert "not-precision" not in _kinds(report), report.recommendations()
+    layers = {lu.name: lu for lu in report.lost_updates.layers}
+    assert layers["bn"].median_ratio is None and layers["bn"].unjudged == ["bn.weight", "bn.bias"]
+    assert layers["proj"].median_ratio is None and layers["proj"].unjudged == ["proj.weight", "proj.bias"]
+    for name in ("stem", "fc", "up", "head"):  # the weights with a scale of their own are still judged, and are fine
+        assert layers[name].unjudged == [] and 0 < layers[name].median_ratio < 0.1
+
+
+def test_a_too_large_lr_is_reported_with_the_layers_that_show_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    report = diagnose(model, _batch(), F.cross_entropy, precision="bf16-mixed", steps=2,
+                      optimizer=torch.optim.SGD, lr=30.0)
+    lr_recs = [r["text"] for r in report.recommendations() if "learning rate is far too large" in r["text"]]
+    assert len(lr_recs) == 1
+    huge = sorted((lu for lu in report.lost_updates.layers if lu.median_ratio and lu.median_ratio > 1),
+                  key=lambda lu: -lu.median_ratio)
+    assert huge
+    for lu in huge:  # every layer that shows it is named, worst first, with its median |d/w|
+        assert f"{display_path(lu.name)} ({lu.median_ratio:.3g})" in lr_recs[0]
+    shown = [display_path(lu.name) + " (" for lu in huge]
+    assert [lr_recs[0].index(s) for s in shown] == sorted(lr_recs[0].index(s) for s in shown)
 
 
 class NanModel(nn.Module):

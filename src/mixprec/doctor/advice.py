@@ -4,7 +4,8 @@ Kinds, most urgent first:
 
 * ``keep-fp32`` -- named modules overflow the low format: the fp32 replay (or the range profile) names them;
 * ``not-precision`` -- non-finite even in fp32, or updates larger than the weights (learning rate, data,
-  model): precision is not the cause;
+  model): precision is not the cause; the update-to-weight check names the layers that show it and is only
+  judged on tensors with a scale of their own (zero-initialised ones are left out, see ``lost_updates``);
 * ``init-scale`` -- another loss scale loses fewer gradients to underflow, or avoids skipped steps;
 * ``switch-bf16`` -- fp16's range cannot hold these gradients at any loss scale;
 * ``master-weights`` -- updates are rounded away in low-precision weights;
@@ -13,6 +14,7 @@ Kinds, most urgent first:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .attribution import display_path
@@ -25,6 +27,10 @@ THRESHOLDS = {
     "unfixable": 0.01,  # overflow + underflow left at the best fp16 scale that calls for bf16
     "lost_updates": 0.05,  # lost-update fraction that calls for master weights
 }
+
+
+MAX_NAMED = 5
+"""Layers named in one recommendation, worst first."""
 
 
 def _pct(x: float) -> str:
@@ -69,6 +75,17 @@ def _faults(report: Any, low: str | None) -> list[dict[str, str]]:
     return []
 
 
+def _initial_log2_scale(report: Any) -> int:
+    """Exponent of the loss scale the run *started* at: what ``--init-scale`` sets, so what the advice replaces.
+
+    ``report.loss_scale`` is the scale after the last step, which the dynamic scaler may have backed off
+    (or grown) from it; the first step's record holds the initial one.
+    """
+    recs = report.history.records
+    scale = recs[0].scale if recs else report.loss_scale
+    return round(math.log2(scale)) if scale > 0 else 0
+
+
 def _fp16_ranges(report: Any, have_keep: bool) -> list[dict[str, str]]:
     recs = []
     over = [r["layer"] for r in report.ranges.layer_rows(0) if r["activations"]["fp16"]["overflow"] > 0]
@@ -76,10 +93,10 @@ def _fp16_ranges(report: Any, have_keep: bool) -> list[dict[str, str]]:
         shown, flag = _names(over)
         recs.append({"kind": "keep-fp32", "text": f"activations of {shown} exceed fp16's 65504: keep them in fp32 "
                                                   f"(--keep-fp32 {flag} --amp-impl scratch) or switch to bf16-mixed"})
-    k_now, k_rec = report.log2_scale, report.recommended_log2_scale()
+    k_now, k_rec = _initial_log2_scale(report), report.recommended_log2_scale()
     if k_rec is None:
         return recs
-    now, rec = report.gradient_fractions("fp16"), report.gradient_fractions("fp16", k_rec)
+    now, rec = report.gradient_fractions("fp16", k_now), report.gradient_fractions("fp16", k_rec)
     lost_now, lost_rec = now["underflow"] + now["overflow"], rec["underflow"] + rec["overflow"]
     skipped = sum(1 for f in report.faults if f.classification == "scale overflow")
     change = (f"fp16 gradient underflow {_pct(now['underflow'])} -> {_pct(rec['underflow'])}, "
@@ -114,12 +131,14 @@ def _bf16_ranges(report: Any, have_keep: bool) -> list[dict[str, str]]:
 
 def _lost_updates(report: Any) -> list[dict[str, str]]:
     lu = report.lost_updates
-    huge = [x for x in lu.layers if x.median_ratio is not None and x.median_ratio > 1.0]
+    huge = sorted((x for x in lu.layers if x.median_ratio is not None and x.median_ratio > 1.0),
+                  key=lambda x: -x.median_ratio)
     if huge:
-        worst = max(huge, key=lambda x: x.median_ratio)
-        return [{"kind": "not-precision", "text": f"a typical update is {worst.median_ratio:.3g} times the weight it "
-                                                  f"changes (median |d/w| in {display_path(worst.name)}): the "
-                                                  "learning rate is far too large; lower --lr"}]
+        shown = ", ".join(f"{display_path(x.name)} ({x.median_ratio:.3g})" for x in huge[:MAX_NAMED])
+        more = f" and {len(huge) - MAX_NAMED} more" if len(huge) > MAX_NAMED else ""
+        return [{"kind": "not-precision", "text": f"a typical update is larger than the weight it changes (median "
+                                                  f"|d/w| > 1 in {shown}{more}): the learning rate is far too "
+                                                  "large; lower --lr"}]
     low = [layer for layer in lu.layers if layer.dtype in ("bf16", "fp16")]
     frac = sum(x.lost for x in low) / max(1, sum(x.updated for x in low)) if low else 0.0
     if low and frac > THRESHOLDS["lost_updates"]:

@@ -16,6 +16,25 @@ gradients and a deep copy of the optimizer state. Its result minus ``w`` is the 
 computed at full precision whatever the recipe. Then ``w + Δ`` is computed exactly (float64) and rounded
 to the stored dtype; where that gives ``w`` back while ``Δ != 0``, the update is lost. The post hook also
 counts the elements the real step left unchanged, as a cross-check.
+
+The update-to-weight ratio, and which tensors it is judged on
+--------------------------------------------------------------
+Per step and tensor the monitor also records the median of ``|Δ| / |w|`` over the non-zero elements: a
+ratio above 1 means a typical step moves a weight by more than its own size, the sign of a learning rate
+far too large. That reading assumes ``w`` has a scale of its own. A tensor that *starts at zero* (timm
+zero-initialises the last BatchNorm gamma of each ResNet block, transformers zero-initialise output
+projections and biases, LayerScale starts at 1e-5..1e-6) has none: after ``t`` steps it is the sum of its
+own ``t`` updates, so ``|Δ| / |w|`` is about ``1/t`` (or ``|g_t| / |g_0|`` with SGD) *whatever the learning
+rate* -- it measures the step count and the gradient's growth, not the learning rate.
+
+Rule: a tensor is judged only if its RMS ``||w|| / sqrt(numel)`` at the first step the monitor sees is at
+least :data:`RATIO_FLOOR` (1e-3); the others are listed in :attr:`LayerUpdates.unjudged`. The floor sits
+far below every init that gives a weight a scale: PyTorch's default ``nn.Linear``/``ConvNd`` init has
+RMS ``1/sqrt(3 * fan_in)`` (>= 1e-3 up to fan_in ~ 3e5), GPT-2/BERT use std 0.02 (0.02/sqrt(2 * layers)
+for residual projections: >= 1e-3 up to 200 layers), norm gammas 1; and above the "start at ~0" inits
+(exactly 0, or LayerScale's 1e-5). It is judged at the start, not per step, because a zero-initialised
+tensor is past any floor after a few updates, and is still made of nothing but its updates. Skipping a
+tensor loses little: a learning rate that is really too large shows on every tensor with a scale.
 """
 
 from __future__ import annotations
@@ -31,7 +50,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .observer import dtype_name
 
-__all__ = ["LayerUpdates", "LostUpdates", "LostUpdateMonitor", "optimizer_param_names", "same_optimizer"]
+__all__ = ["LayerUpdates", "LostUpdates", "LostUpdateMonitor", "RATIO_FLOOR", "optimizer_param_names",
+           "same_optimizer"]
+
+RATIO_FLOOR = 1e-3
+"""RMS a tensor needs at the first step for its update-to-weight ratio to be judged (module docstring)."""
 
 
 def same_optimizer(opt_cls: type, params: Any, hyper: dict[str, Any]) -> torch.optim.Optimizer:
@@ -57,7 +80,9 @@ class LayerUpdates:
     unchanged: int = 0
     """Of those, elements the real step left unchanged (cross-check of ``lost``)."""
     ratios: list[float] = dataclasses.field(default_factory=list)
-    """Per step, the median of ``|Δ| / |w|`` over non-zero ``w``."""
+    """Per step and judged tensor, the median of ``|Δ| / |w|`` over non-zero ``w``."""
+    unjudged: list[str] = dataclasses.field(default_factory=list)
+    """Tensors left out of ``ratios``: RMS below :data:`RATIO_FLOOR` at the first step (zero/near-zero init)."""
 
     @property
     def lost_fraction(self) -> float:
@@ -70,7 +95,7 @@ class LayerUpdates:
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.name, "dtype": self.dtype, "updated": self.updated, "lost": self.lost,
                 "unchanged": self.unchanged, "lost_fraction": self.lost_fraction,
-                "median_update_ratio": self.median_ratio}
+                "median_update_ratio": self.median_ratio, "ratio_not_judged": list(self.unjudged)}
 
 
 @dataclasses.dataclass
@@ -119,7 +144,8 @@ class LostUpdateMonitor:
         self.optimizer = optimizer
         self.names = names
         self._layers: dict[str, LayerUpdates] = {}
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerUpdates]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerUpdates, bool]] = []
+        self._judged: dict[int, bool] = {}
         self._handles: list[Any] = []
         self.steps = 0
 
@@ -163,14 +189,24 @@ class LostUpdateMonitor:
             if lu is None:
                 lu = self._layers[layer] = LayerUpdates(layer, dtype_name(p.dtype))
             with _disable_current_modes():
-                self._pending.append((p, p.detach().clone(), delta, lu))
+                judged = self._judge(p, name, lu)
+                self._pending.append((p, p.detach().clone(), delta, lu, judged))
+
+    def _judge(self, p: torch.Tensor, name: str, lu: LayerUpdates) -> bool:
+        """Whether ``p``'s update-to-weight ratio means anything: decided once, at the first step it is seen."""
+        if id(p) not in self._judged:
+            rms = float(p.detach().double().norm()) / max(1, p.numel()) ** 0.5
+            self._judged[id(p)] = rms >= RATIO_FLOOR
+            if rms < RATIO_FLOOR:
+                lu.unjudged.append(name)
+        return self._judged[id(p)]
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with torch.no_grad(), _disable_current_modes():
             self._count()
 
     def _count(self) -> None:
-        for p, before, delta, lu in self._pending:
+        for p, before, delta, lu, judged in self._pending:
             moved = delta != 0
             w = before.double()
             rounded = (w + delta.double()).to(p.dtype)
@@ -179,7 +215,7 @@ class LostUpdateMonitor:
             lu.lost += int(lost.sum())
             lu.unchanged += int((moved & (p.detach() == before)).sum())
             nz = moved & (before != 0)
-            if bool(nz.any()):
+            if judged and bool(nz.any()):
                 lu.ratios.append(float((delta[nz].abs() / before[nz].float().abs()).median()))
         self._pending.clear()
         self.steps += 1
