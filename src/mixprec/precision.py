@@ -557,10 +557,11 @@ def _hardware_facts(spec: RecipeSpec, dev: torch.device, emulate: bool) -> Hardw
             return HardwareFacts("bf16", True, f"FP8 GEMMs are REAL here (torch._scaled_mm on {where}); other "
                                                "ops bf16; MFU is measured against the bf16 peak (no FP8 peak)")
         return HardwareFacts(
-            "fp32", False,
+            "bf16", hardware.has_fast_bf16(dev),
             f"no FP8 matmuls on this device ({where}; they need CUDA compute capability 8.9+), so FP8 is EMULATED: "
-            "operands scaled and rounded to e4m3/e5m2, GEMMs in fp32, other ops bf16 — FP8 numerics, not FP8 "
-            "speed (amax and casts make it SLOWER than fp32); MFU is measured against the fp32 peak")
+            "operands scaled and rounded to e4m3/e5m2 and held in bf16 (exactly), GEMMs in bf16 with fp32 "
+            "accumulation, other ops bf16 — FP8 numerics at bf16 GEMM speed plus amax and rounding passes; MFU is "
+            "measured against the bf16 peak")
     if spec.compute_dtype == torch.float32:
         if spec.tf32 and hardware.has_tf32(dev):
             return HardwareFacts("tf32", True, "fp32 tensors, TF32 tensor-core matmuls")
