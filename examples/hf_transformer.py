@@ -25,7 +25,8 @@ def make_gpt2(vocab_size, block_size):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                        eos_token_id=None)
     return LogitsOnly(GPT2LMHeadModel(config))
 
 
