@@ -13,7 +13,7 @@ the same optimizer:
       scaler.step(opt)
       scaler.update()
 
-- ``mixprec``: :func:`mixprec.train.loop.train_step` on a :func:`~mixprec.train.loop.build_run` run with
+- ``mixprec``: :func:`mixprec.train.step.train_step` on a :func:`~mixprec.train.build.build_run` run with
   ``--amp-impl native`` (the recipe hooks around the same torch.autocast / GradScaler).
 - ``fabric`` (Lightning Fabric) and ``accelerate`` (Hugging Face), when importable: their documented loops
   with the same precision (``bf16-mixed`` / ``mixed_precision="bf16"``; fp32 as ``32-true`` / ``"no"``).
@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from mixprec import hardware
 from mixprec.precision import resolve_recipe
 from mixprec.train.config import TrainConfig
-from mixprec.train.loop import build_run, train_step
+from mixprec.train.build import build_run
+from mixprec.train.step import train_step
 
 LOOPS = ("plain", "mixprec", "fabric", "accelerate")
 
@@ -117,7 +118,7 @@ def _available(name: str) -> bool:
 
 
 def measure(model_name: str, recipe: str, args) -> dict:
-    config = TrainConfig(precision=recipe, amp_impl="native", model=model_name, dataset="synthetic",
+    config = TrainConfig.from_flags(precision=recipe, amp_impl="native", model=model_name, dataset="synthetic",
                          synthetic_train=args.batch_size * args.batches, synthetic_test=64,
                          batch_size=args.batch_size, lr=0.01, log_every=0, progress="off", device=args.device,
                          seed=0)
@@ -127,9 +128,9 @@ def measure(model_name: str, recipe: str, args) -> dict:
     batches = [(x.to(device), y.to(device)) for x, y in run.train_loader]
 
     def make_opt(m):
-        return torch.optim.SGD(m.parameters(), lr=config.lr)
+        return torch.optim.SGD(m.parameters(), lr=config.optim.lr)
 
-    steps = {"mixprec": lambda x, y: train_step(run, x, y)}
+    steps = {"mixprec": lambda x, y: train_step(run.ctx, x, y)}
     builders = {"plain": plain_loop, "fabric": fabric_loop, "accelerate": accelerate_loop}
     skipped = {}
     for name in LOOPS:
