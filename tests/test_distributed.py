@@ -214,6 +214,13 @@ def test_fsdp_stopped_and_resumed_ends_bit_identical(tmp_path, fsdp_digits):
 
 
 @pytest.mark.slow
+def test_fsdp_shards_the_channels_last_cnn(tmp_path):
+    r = _torchrun("--dataset", "digits", "--model", "cnn", "--channels", "8", "--max-steps", "3", "--log-every", "0",
+                  "--progress", "off", "--precision", "bf16-mixed", "--strategy", "fsdp")
+    assert "| bf16-mixed |" in r.stdout
+
+
+@pytest.mark.slow
 def test_fsdp_resumes_a_stateless_optimizer(tmp_path):
     """SGD without momentum has no tensor state; torch's full-state loader asserted on it (issue 11)."""
     args = [a if a != "0.9" else "0" for a in SYNTH] + ["--strategy", "fsdp"]

@@ -227,6 +227,10 @@ def wrap_model(model: nn.Module, recipe, strategy: str, device: torch.device) ->
     from torch.distributed.fsdp import fully_shard
 
     policy = recipe.fsdp_policy()
+    with torch.no_grad():  # FSDP2 shards only contiguous parameters (the cnn stores its convs channels-last)
+        for p in model.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
     # Normalization layers are units of their own with fp32 params, as autocast keeps norms in fp32 (and
     # CPU batch_norm rejects bf16 weights next to its fp32 running statistics). Inner units first.
     fp32_policy = recipe.fsdp_policy(for_norm=True)
