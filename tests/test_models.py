@@ -1,5 +1,8 @@
 import pytest
 import torch
+
+from mixprec.autocast import autocast as scratch_autocast
+from mixprec.train.attention import SelfAttention, attention
 from torch import nn
 
 from mixprec.train.models import MODELS, ModelError, build_model, count_parameters
@@ -52,12 +55,22 @@ def test_transformer_patch_choice():
 def test_transformer_is_written_out():
     model = build_model("transformer", input_shape=(1, 8, 8), num_classes=10, **SMALL)
     assert not any(isinstance(m, nn.TransformerEncoderLayer) for m in model.modules())
-    attn = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
-    assert len(attn) == SMALL["n_layers"] and all(a.batch_first for a in attn)
+    attn = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    assert len(attn) == SMALL["n_layers"] and not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+
+
+def test_cpu_attention_runs_low_precision_inputs_in_fp32_and_matches_sdpa():
+    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+    low = [t.bfloat16() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*[t.float() for t in low], is_causal=True)
+    for ctx in (torch.autocast("cpu", dtype=torch.bfloat16), scratch_autocast(torch.bfloat16, device_type="cpu")):
+        with ctx:
+            out = attention(*low, causal=True)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref.bfloat16(), rtol=0, atol=0)
 
 
 def test_transformer_eval_matches_train_mode_without_dropout():
-    # nn.MultiheadAttention's eval fast path must give the same numbers as the traced path
     torch.manual_seed(0)
     model = build_model("transformer", input_shape=(1, 8, 8), num_classes=10, **SMALL)
     x = torch.randn(4, 1, 8, 8)

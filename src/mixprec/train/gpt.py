@@ -9,7 +9,8 @@
         x = x + down(gelu(up(ln2(x))))                  MLP, 4 * d_model hidden features
     logits = ln_f(x) @ wte.T                            head weight-tied to the token embedding
 
-Attention is ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``: softmax(q k^T / sqrt(d_head))
+Attention is ``scaled_dot_product_attention(q, k, v, is_causal=True)`` (through
+:func:`mixprec.train.attention.attention`, fp32 on the CPU for bf16 inputs): softmax(q k^T / sqrt(d_head))
 with everything above the diagonal masked, so the logits at position t depend only on tokens 0..t
 (the test checks this exactly). One fused ``qkv`` Linear (d_model -> 3 d_model) feeds all heads.
 
@@ -36,6 +37,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .attention import attention
 
 from .models import ModelError
 
@@ -64,8 +67,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(c, dim=2)
         # (B, T, C) -> (B, heads, T, C / heads): heads become a batch dimension for SDPA
         q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        y = attention(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0)  # fast kernel
         y = y.transpose(1, 2).contiguous().view(b, t, c)  # heads side by side again
         return self.resid_drop(self.proj(y))
 

@@ -8,8 +8,10 @@
 - ``transformer``: a small pre-norm encoder classifier. LayerNorm, softmax inside attention and GELU
   are the ops a cast policy must keep or promote correctly. The blocks are written out (not
   ``nn.TransformerEncoderLayer``, whose inference fast path runs one fused kernel that autocast never
-  sees). ``nn.MultiheadAttention`` still has an eval-mode fast path, but it switches itself off under
-  autocast, under any ``TorchFunctionMode`` and whenever gradients are needed.
+  sees). Attention is :class:`~mixprec.train.attention.SelfAttention`: a fused qkv Linear (so FP8 converts
+  it), and on the CPU an fp32 attention kernel for low-precision inputs, because PyTorch's bf16 CPU
+  flash-attention is several times slower than its fp32 one (see :mod:`mixprec.train.attention`).
+- The cnn stores its convolutions channels-last and feeds them channels-last inputs (oneDNN's fast layout).
 
   Tokens: for images ``(C, H, W)``, non-overlapping ``p x p`` patches, where ``p`` is the largest
   divisor of both H and W that is ``<= patch_size`` (28x28 with 7 -> 16 tokens of 7x7; 8x8 with 7 ->
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from .attention import SelfAttention
 
 __all__ = ["MODELS", "ModelError", "build_model", "count_parameters"]
 
@@ -98,7 +101,7 @@ class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = nn.MultiheadAttention(d_model, n_heads, dropout=dropout, batch_first=True)
+        self.attn = SelfAttention(d_model, n_heads, dropout=dropout)
         self.drop1 = _dropout(dropout)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc1 = nn.Linear(d_model, 4 * d_model)
@@ -107,8 +110,7 @@ class Block(nn.Module):
         self.drop2 = _dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.drop1(self.attn(h, h, h, need_weights=False)[0])
+        x = x + self.drop1(self.attn(self.ln1(x)))
         return x + self.drop2(self.fc2(self.act(self.fc1(self.ln2(x)))))
 
 
