@@ -256,7 +256,8 @@ def _state_lines(doc: dict[str, Any]) -> list[str]:
     """What the report does not cover: runs not finished (interrupted, or still running), failed plots."""
     progress, out = _dict(doc.get("progress")), []
     if progress and progress.get("state") != "complete":
-        out += [f"**{str(progress.get('state')).capitalize()}: {progress.get('finished')} of "
+        state = str(progress.get("state"))
+        out += [f"**{state[:1].upper() + state[1:]}: {progress.get('finished')} of "
                 f"{progress.get('planned')} runs finished; the table covers those only.**", ""]
     if doc.get("plots_error"):
         out += [f"Plots failed: {doc['plots_error']}", ""]
