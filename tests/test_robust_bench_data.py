@@ -297,6 +297,9 @@ def test_signal_stops_the_worker_and_keeps_the_finished_runs(tmp_path, sig, code
             pid = int(m.group(1)) if m else None
             time.sleep(0.1)
         assert pid is not None and _workers_for(out) == [pid], "the hanging worker never started"
+        running = json.loads((out / "results.json").read_text())  # already there: even SIGKILL keeps it
+        assert running["progress"] == {"state": "running", "finished": 1, "planned": 2}
+        assert [r["recipe"] for r in running["runs"]] == ["fp32"]
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=60)
         left = _workers_for(out)
