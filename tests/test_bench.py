@@ -200,6 +200,81 @@ def test_per_run_logs_and_preflight(bench):
     assert "peak matmul rate measured now:" in out and "model FLOPs per step:" in out
 
 
+def _paths(o, path=()):
+    """Every field of a result, nested (a list's first element stands for all of them)."""
+    if path:
+        yield path
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield from _paths(v, path + (k,))
+    elif isinstance(o, list) and o:
+        yield from _paths(o[0], path + (0,))
+
+
+def _set(o, path, value):
+    for k in path[:-1]:
+        o = o[k]
+    o[path[-1]] = value
+
+
+def _report_everything(doc, runs, out_dir=None):
+    """Everything bench prints or writes from run results: progress lines, summary, table, markdown, plots."""
+    from mixprec.bench.command import _progress_line
+    from mixprec.bench.plots import write_plots
+    from mixprec.bench.report import aggregate, markdown_report, table
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        for i, r in enumerate(runs):
+            _progress_line(i + 1, len(runs), r)
+    rows = aggregate(doc["recipes"], runs, flops_per_step=doc["flops_per_step"]["per_step"], peaks=doc["peaks"],
+                     matmul_dtype={r["recipe"]: r["matmul_dtype"] for r in doc["summary"]})
+    text = table(rows) + markdown_report({**doc, "summary": rows, "runs": runs})
+    if out_dir is not None:
+        assert write_plots(rows, runs, str(out_dir), title="t") == ["time.png", "memory.png", "loss.png"]
+    return rows, text
+
+
+def test_report_survives_none_or_nan_in_any_field_of_any_run(bench, tmp_path):
+    """Issue 11: one run's null loss (``--lr 1e30``) crashed the report and lost every row. Now every field
+    of every real run result, set to None or NaN (one at a time), still gives the progress lines, the
+    summary, the table and results.md, and the other rows keep their numbers."""
+    import copy
+
+    _, _, _, doc = bench
+    fp32_loss = _row(doc, "fp32")["final_train_loss"]
+    n = 0
+    for i, run in enumerate(doc["runs"]):
+        for path in _paths(run):
+            for bad in (None, math.nan):
+                runs = copy.deepcopy(doc["runs"])
+                _set(runs[i], path, bad)
+                rows, text = _report_everything(doc, runs)
+                assert "| bf16-mixed" in text and "| fp32" in text, (i, path)
+                if run["recipe"] != "fp32":  # the damage stays in its own row
+                    assert rows[0]["final_train_loss"] == fp32_loss, (i, path)
+                n += 1
+    assert n > 300
+    for bad in (None, math.nan):  # every value of every run at once (the recipe and status aside), plots too
+        runs = copy.deepcopy(doc["runs"])
+        for r in runs:
+            for path in _leaves(r):
+                if path not in (("recipe",), ("status",)):
+                    _set(r, path, bad)
+        rows, text = _report_everything(doc, runs, out_dir=tmp_path)
+        assert [r["runs_ok"] for r in rows] == [2, 2, 0] and all(r["final_train_loss"] is None for r in rows)
+
+
+def _leaves(o, path=()):
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(o, list):
+        for j, v in enumerate(o):
+            yield from _leaves(v, path + (j,))
+    else:
+        yield path
+
+
 # ----------------------------------------------------------------------------------- usage errors
 
 

@@ -53,7 +53,7 @@ def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist
     ``max_steps=50``, ``no_plots=True``...). Returns a :class:`Comparison`; its ``table()`` is the printed table.
     """
     from ..cli import build_parser
-    from .command import execute_matrix_for, measure_machine, plan, report
+    from .command import Session
 
     argv = ["bench", "--model", reference_of(model, "--model"), "--dataset", reference_of(data, "--dataset"),
             "--precisions", ",".join(precisions), "--repeats", str(repeats)]
@@ -67,8 +67,6 @@ def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist
             argv.append(flag)
         elif value not in (None, False):
             argv += [flag, ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)]
-    args = build_parser().parse_args(argv)
-    p = plan(args)
-    machine = measure_machine(p)
-    code, doc = report(p, machine, execute_matrix_for(p))
-    return Comparison(doc=doc, out_dir=p.out_dir, exit_code=code)
+    session = Session()
+    code = session.run(build_parser().parse_args(argv))
+    return Comparison(doc=session.doc, out_dir=session.plan.out_dir, exit_code=code)

@@ -12,7 +12,18 @@ What one invocation does, one function each:
   subprocess, one line per finished run.
 - :func:`report`: the comparison table, ``results.json``, ``results.md`` and the PNG plots in ``--out``.
 
-Exit status: 0 when every run succeeded, 1 when any failed (their rows say why), 2 for usage errors.
+Nothing is lost: every finished run's result is in ``OUT/runs/RECIPE-rN.json`` (the worker writes it),
+and ``results.json`` / ``results.md`` are rewritten after every finished run (``progress.state``
+"running"), so they hold the finished rows whatever happens next. They are written before the plots,
+and a failing plot is a line in the output and ``plots_error`` in ``results.json``, not a lost report.
+``--out`` is created and test-written during planning, so an unwritable place exits 2 before any run.
+
+SIGINT or SIGTERM stops the running worker (:mod:`mixprec.bench.runner`), writes the report of the
+finished runs (``progress.state`` "interrupted by SIGINT") and exits 130 or 143 with one line saying
+what was kept.
+
+Exit status: 0 when every run succeeded, 1 when any failed (their rows say why), 2 for usage errors,
+128 + the signal number when interrupted.
 """
 
 from __future__ import annotations
@@ -24,14 +35,16 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 from typing import Any
 
 from ..errors import ConfigError
 from ..train.args import add_train_arguments, config_from_args
 
-__all__ = ["add_parser", "bench_main", "plan", "measure_machine", "report", "Plan", "DEFAULT_PRECISIONS"]
+__all__ = ["add_parser", "bench_main", "plan", "measure_machine", "report", "Plan", "Session", "DEFAULT_PRECISIONS"]
 
 DEFAULT_PRECISIONS = "fp32,amp,bf16-mixed"
+MAX_REPEATS = 1000
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -65,17 +78,72 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    """``mixprec bench``: plan, measure the machine, execute the matrix, report. Exit 0, 1 (a run failed) or 2."""
-    p = plan(args)
-    machine = measure_machine(p)
-    return report(p, machine, execute_matrix_for(p))[0]
+    """``mixprec bench``: plan, measure the machine, execute the matrix, report.
+
+    Exit 0, 1 (a run failed), 2 (usage error, raised) or 128 + signal (interrupted)."""
+    from .runner import stop_on_signals
+
+    session = Session()
+    with stop_on_signals():
+        try:
+            return session.run(args)
+        except KeyboardInterrupt as e:  # SIGINT, or SIGTERM as runner.Stopped
+            return session.interrupted(e)
 
 
-def execute_matrix_for(p: Plan) -> list[dict[str, Any]]:
-    """Run the planned matrix, one line per finished run."""
-    from .runner import execute_matrix
+class Session:
+    """One bench invocation's state, so an interrupt at any point knows what there is to keep."""
 
-    return execute_matrix(p.specs, p.out_dir, timeout=p.args.timeout, on_done=_progress_line)
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.machine: Machine | None = None
+        self.results: list[dict[str, Any]] = []
+        self.doc: dict[str, Any] | None = None
+        """The final results.json document, once the report is written."""
+
+    def run(self, args: argparse.Namespace) -> int:
+        from .runner import execute_matrix
+
+        self.plan = plan(args)
+        self.machine = measure_machine(self.plan)
+        execute_matrix(self.plan.specs, self.plan.out_dir, timeout=args.timeout, on_done=self.finished)
+        code, self.doc = report(self.plan, self.machine, self.results)
+        return code
+
+    def finished(self, i: int, n: int, result: dict[str, Any]) -> None:
+        """A run finished: show it, and rewrite results.json / results.md with every finished run."""
+        self.results.append(result)
+        _progress_line(i, n, result)
+        try:
+            _write_documents(self.plan, _document(self.plan, self.machine, self.results, "running"))
+        except OSError as e:
+            print(f"mixprec bench: warning: cannot update {e.filename or self.plan.out_dir}: {e.strerror or e}; "
+                  f"the run's own result is in {self.plan.out_dir}/runs/", file=sys.stderr, flush=True)
+
+    def interrupted(self, e: BaseException) -> int:
+        """Write what the finished runs give, say in one line what was kept; 128 + the signal number."""
+        from .runner import signal_of
+
+        sig = signal_of(e)
+        p, done = self.plan, len(self.results)
+        head = f"mixprec bench: interrupted by {sig.name}"
+        if p is None or self.machine is None:
+            print(f"{head} before the first run; nothing was run", file=sys.stderr, flush=True)
+            return 128 + sig
+        if done < len(p.specs):
+            spec = p.specs[done]
+            head += f" during {spec.recipe} seed {spec.seed} (run {done + 1} of {len(p.specs)}), its worker stopped"
+        else:
+            head += " while writing the report"
+        try:
+            _write_documents(p, _document(p, self.machine, self.results, f"interrupted by {sig.name}"))
+            kept = (f"kept the {done} finished run{'s' if done != 1 else ''}: "
+                    f"{os.path.join(p.out_dir, 'results.json')} (partial), results.md and runs/*.json"
+                    if done else f"no run had finished; the started run's log is in {p.out_dir}/logs/")
+        except OSError as err:
+            kept = f"could not write the report ({err.strerror or err}); finished runs are in {p.out_dir}/runs/"
+        print(f"{head}; {kept}", file=sys.stderr, flush=True)
+        return 128 + sig
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -121,15 +189,21 @@ def _recipes(text: str) -> list[str]:
     return names
 
 
+def _seconds(flag: str, value: float | None, *, none: str = "") -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} {value:g} must be a finite positive number of seconds{none}")
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats} must be >= 1")
+    if args.repeats > MAX_REPEATS:
+        raise ConfigError(f"--repeats {args.repeats}: at most {MAX_REPEATS} (each repeat trains every recipe "
+                          "once, in its own process)")
     if args.warmup_steps < 0:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} must be >= 0")
-    if args.timeout is not None and not args.timeout > 0:
-        raise ConfigError(f"--timeout {args.timeout} must be a positive number of seconds")
-    if not args.peak_seconds > 0:
-        raise ConfigError(f"--peak-seconds {args.peak_seconds} must be positive")
+    _seconds("--timeout", args.timeout, none=" (leave --timeout out for no limit)")
+    _seconds("--peak-seconds", args.peak_seconds)
     if args.log_every:
         raise ConfigError("--log-every: bench keeps logging and .item() out of the timed steps; drop the flag "
                           "(each run's output is in OUT/logs/)")
@@ -165,9 +239,43 @@ def plan(args: argparse.Namespace) -> Plan:
                      config=configs[name].with_flags(seed=seeds[r]).to_dict(), warmup_steps=args.warmup_steps)
              for r in range(args.repeats) for name in recipes]
     out_dir = args.out or os.path.join("runs", "bench-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(out_dir, exist_ok=True)
+    _prepare_out_dir(out_dir)
     return Plan(args=args, recipes=recipes, configs=configs, checks=checks, impl=impl, reference=reference,
                 specs=specs, seeds=seeds, out_dir=out_dir)
+
+
+def _prepare_out_dir(path: str) -> None:
+    """Create ``--out`` and test-write a file in it, so an unusable place exits 2 before the first run.
+
+    Nothing of the user's is touched: a file in the way is refused, and folders this call created are
+    removed again if the folder turns out not to be writable."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--out {path} is a file, not a folder; pass a folder (it is created if missing)")
+    created, d = [], os.path.abspath(path)
+    while d and not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d) if os.path.dirname(d) != d else ""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        _remove_dirs(created)
+        raise ConfigError(f"--out {path}: cannot create the folder: {e.strerror or e}; pick a writable place") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mixprec-write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        _remove_dirs(created)
+        raise ConfigError(f"--out {path}: cannot write into the folder: {e.strerror or e}; "
+                          "pick a writable place") from None
+
+
+def _remove_dirs(dirs: list[str]) -> None:
+    for d in dirs:  # deepest first
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def _check_warmup(args: argparse.Namespace, base, n_batches: int) -> None:
@@ -252,35 +360,40 @@ def _announce(p: Plan, flops, peaks: dict, env: dict) -> None:
 
 
 def _progress_line(i: int, n: int, r: dict[str, Any]) -> None:
-    head = f"[{i}/{n}] {r['recipe']} seed {r['seed']}:"
+    """One line per finished run; any field may be missing or non-finite (a dash then)."""
+    from .report import clean_result, fmt, number
+
+    r = clean_result(r)
+    head = f"[{i}/{n}] {r.get('recipe')} seed {r.get('seed')}:"
+    wall = fmt(r.get("process_wall_s"), ".1f", suffix=" s wall")
     if r["status"] != "ok":
         _say(f"{head} FAILED — {r.get('reason')}")
         return
-    t, s = r.get("timing") or {}, r.get("summary") or {}
-    et = t.get("epoch_time_s")
-    sps = t.get("samples_per_s")
-    _say(f"{head} {et:.3f} s/epoch, {sps:,.0f} samples/s, train loss {s.get('final_train_loss', math.nan):.4f}, "
-         f"test accuracy {100 * s.get('test_accuracy', math.nan):.2f}%, {r.get('process_wall_s', 0):.1f} s wall"
-         if et and sps else f"{head} done (no timed steps), {r.get('process_wall_s', 0):.1f} s wall")
+    t, s = r["timing"], r["summary"]
+    if not (number(t.get("epoch_time_s")) and number(t.get("samples_per_s"))):
+        _say(f"{head} done (no timed steps), {wall}")
+        return
+    _say(f"{head} {fmt(t.get('epoch_time_s'), '.3f')} s/epoch, {fmt(t.get('samples_per_s'), ',.0f')} samples/s, "
+         f"train loss {fmt(s.get('final_train_loss'), '.4f')}, "
+         f"test accuracy {fmt(s.get('test_accuracy'), '.2f', scale=100, suffix='%')}, {wall}")
 
 
 # ------------------------------------------------------------------------------------------ reporting
 
 
-def report(p: Plan, machine: Machine, results: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-    """Print the table, write results.json / results.md / plots; returns the exit status and the document."""
-    from ..train.report import write_json
-    from .report import COLUMNS, aggregate, markdown_report, table
+def _document(p: Plan, machine: Machine, results: list[dict[str, Any]], state: str) -> dict[str, Any]:
+    """``results.json``'s content for the runs finished so far (``state``: running, complete, interrupted...)."""
+    from .report import COLUMNS, aggregate
 
     accum, flops = p.accum, machine.flops
     rows = aggregate(p.recipes, results, flops_per_step=flops.total * accum, peaks=machine.peaks,
                      matmul_dtype={n: p.checks[n].matmul_dtype for n in p.recipes}, impl=p.impl)
-    created = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    doc: dict[str, Any] = {
+    return {
         "schema": "mixprec.bench/2",
-        "created": created,
+        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": "mixprec bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         if sys.argv[1:2] == ["bench"] else "mixprec bench (called in-process)",
+        "progress": {"state": state, "finished": len(results), "planned": len(p.specs)},
         "flags": {k: v for k, v in vars(p.args).items() if k != "func"},
         "config": p.base.to_dict(),
         "recipes": p.recipes,
@@ -293,23 +406,56 @@ def report(p: Plan, machine: Machine, results: list[dict[str, Any]]) -> tuple[in
         "flops_per_step": {**flops.to_dict(), "micro_batches_per_step": accum, "per_step": flops.total * accum},
         "columns": list(COLUMNS),
         "summary": rows,
-        "runs": results,
+        "runs": list(results),
         "plots": [],
     }
-    if not p.args.no_plots:
-        from .plots import write_plots
 
-        title = (f"{p.base.model.name} on {p.base.data.name}, batch {p.base.optim.batch_size} — "
-                 f"{machine.env['device_name']}, {created[:10]}")
-        doc["plots"] = write_plots(rows, results, p.out_dir, title=title)
-    _say("")
-    _say(table(rows))
+
+def _write_documents(p: Plan, doc: dict[str, Any]) -> None:
+    """Write results.json and results.md (atomically: a reader never sees half a file)."""
+    from ..train.report import write_json
+    from .report import markdown_report
+
     write_json(os.path.join(p.out_dir, "results.json"), doc)
-    with open(os.path.join(p.out_dir, "results.md"), "w", encoding="utf-8") as f:
+    md = os.path.join(p.out_dir, "results.md")
+    with open(md + ".tmp", "w", encoding="utf-8") as f:
         f.write(markdown_report(doc))
+    os.replace(md + ".tmp", md)
+
+
+def _plots(p: Plan, machine: Machine, doc: dict[str, Any]) -> None:
+    """Draw the plots into ``doc["plots"]``; a failure is one line and ``doc["plots_error"]``, not a crash."""
+    from . import plots
+
+    title = (f"{p.base.model.name} on {p.base.data.name}, batch {p.base.optim.batch_size} — "
+             f"{machine.env['device_name']}, {doc['created'][:10]}")
+    try:
+        doc["plots"] = plots.write_plots(doc["summary"], doc["runs"], p.out_dir, title=title)
+    except Exception as e:  # noqa: BLE001 -- the results are written already; the plots are extra
+        doc["plots_error"] = f"{type(e).__name__}: {e}"
+        _say(f"mixprec bench: plots failed: {doc['plots_error']} (results.json and results.md are complete)")
+
+
+def report(p: Plan, machine: Machine, results: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """Print the table, write results.json / results.md (first) and the plots; returns the exit status and
+    the document."""
+    from .report import table
+
+    doc = _document(p, machine, results, "complete")
+    _say("")
+    _say(table(doc["summary"]))
+    try:
+        _write_documents(p, doc)  # before the plots: a plot that fails or hangs loses nothing
+        if not p.args.no_plots:
+            _plots(p, machine, doc)
+            _write_documents(p, doc)
+    except OSError as e:
+        print(f"mixprec bench: cannot write {e.filename or p.out_dir}: {e.strerror or e}; each run's result is "
+              f"in {p.out_dir}/runs/", file=sys.stderr)
+        return 1, doc
     _say(f"\nwrote {p.out_dir}/results.json, results.md" + (", " + ", ".join(doc["plots"]) if doc["plots"] else "")
          + " and logs/")
-    failed = sum(r["status"] != "ok" for r in results)
+    failed = sum(r.get("status") != "ok" for r in results)
     if failed:
         _say(f"mixprec bench: {failed} of {len(results)} runs failed; their rows and {p.out_dir}/logs/ say why")
     return (1 if failed else 0), doc

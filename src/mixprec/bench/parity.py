@@ -16,8 +16,9 @@ Details:
 - The band is widened by ``rtol`` times the fp32 mean on each side (default 1%), so seeds that agree
   almost exactly (a band of width ~0) do not flag tiny rounding differences.
 - The verdict is ``"yes"`` when at least ``min_inside`` (default 90%) of the steps lie inside, ``"no"``
-  otherwise. A recipe whose runs stopped early (non-finite loss) is ``"no"``; without two fp32 runs the
-  verdict is ``"n/a"``.
+  otherwise. A recipe whose runs stopped early (non-finite loss) is ``"no"``, and so is one whose curve
+  holds a non-finite loss (a skipped step's NaN); without two fp32 runs, or when an fp32 curve is itself
+  non-finite, the verdict is ``"n/a"``.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def convergence_parity(
     n = min(min(len(c) for c in curves), min(len(c) for c in fp32_curves))
     if stopped:
         return ParityResult("no", None, None, n, "stopped early (non-finite loss or too many skipped steps)")
+    if not all(np.all(np.isfinite(np.asarray(c[:n], dtype=np.float64))) for c in fp32_curves):
+        return ParityResult("n/a", None, None, n, "an fp32 loss curve is non-finite: fp32 itself diverged, so "
+                                                  "there is no seed band to compare with")
     window = window or default_window(n)
     lo, hi, _ = fp32_band([c[:n] for c in fp32_curves], window=window, rtol=rtol)
     m = np.stack([smooth(c[:n], window) for c in curves]).mean(axis=0)

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from .parity import default_window, fp32_band, smooth
-from .report import MEMORY_CATEGORIES, loss_curve
+from .report import MEMORY_CATEGORIES, clean_result, loss_curve, number
 
 __all__ = ["write_plots", "PLOT_FILES"]
 
@@ -31,14 +31,15 @@ def _figure(w: float = 8.0, h: float = 4.0):
 def _time_plot(rows, path: str, title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    names = [r["recipe"] for r in rows]
-    med = [(r["epoch_time_s"] or {}).get("median") or 0.0 for r in rows]
-    lo = [m - ((r["epoch_time_s"] or {}).get("min") or m) for m, r in zip(med, rows)]
-    hi = [((r["epoch_time_s"] or {}).get("max") or m) - m for m, r in zip(med, rows)]
+    names = [str(r.get("recipe")) for r in rows]
+    times = [r.get("epoch_time_s") if isinstance(r.get("epoch_time_s"), dict) else {} for r in rows]
+    med = [number(t.get("median")) or 0.0 for t in times]
+    lo = [max(0.0, m - (number(t.get("min")) or m)) for m, t in zip(med, times)]
+    hi = [max(0.0, (number(t.get("max")) or m) - m) for m, t in zip(med, times)]
     bars = ax.bar(names, med, yerr=[lo, hi], capsize=4, color="#4C72B0")
-    for b, r in zip(bars, rows):
-        s = r.get("speedup_vs_fp32")
-        text = f"{s:.2f}x" if s else ("failed" if not r["epoch_time_s"] else "")
+    for b, r, m in zip(bars, rows, med):
+        s = number(r.get("speedup_vs_fp32"))
+        text = f"{s:.2f}x" if s else ("failed" if not m else "")
         ax.annotate(text, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
                     xytext=(0, 3), textcoords="offset points", fontsize=8)
     ax.set_ylabel("epoch time (s), median, min..max over repeats")
@@ -49,20 +50,21 @@ def _time_plot(rows, path: str, title: str) -> None:
 def _memory_plot(rows, path: str, title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    names = [r["recipe"] for r in rows]
+    names = [str(r.get("recipe")) for r in rows]
+    mems = [r.get("memory") if isinstance(r.get("memory"), dict) else {} for r in rows]
     bottom = [0.0] * len(rows)
     mib = 2.0**20
     for cat in MEMORY_CATEGORIES:
-        vals = [((r["memory"] or {}).get(cat) or 0) / mib for r in rows]
+        vals = [(number(m.get(cat)) or 0) / mib for m in mems]
         ax.bar(names, vals, bottom=bottom, label=cat.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, vals)]
     measured_x, measured_y = [], []
-    for n, r in zip(names, rows):
-        m = r["memory"] or {}
-        step = r.get("cuda_peak_allocated_bytes") or r.get("measured_step_peak_bytes")
+    for n, r, m in zip(names, rows, mems):
+        cuda = number(r.get("cuda_peak_allocated_bytes"))
+        step = cuda or number(r.get("measured_step_peak_bytes"))
         if step and m:
-            static = 0 if r.get("cuda_peak_allocated_bytes") else (
-                m["parameters"] + m["optimizer_state"] + m["master_weights"])
+            static = 0 if cuda else sum(number(m.get(k)) or 0
+                                        for k in ("parameters", "optimizer_state", "master_weights"))
             measured_x.append(n)
             measured_y.append((static + step) / mib)
     if measured_x:
@@ -77,8 +79,8 @@ def _memory_plot(rows, path: str, title: str) -> None:
 def _loss_plot(rows, results, path: str, title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    curves_by = {r["recipe"]: [loss_curve(x) for x in results if x["recipe"] == r["recipe"] and loss_curve(x)]
-                 for r in rows}
+    curves_by = {str(r.get("recipe")): [c for x in results if x.get("recipe") == r.get("recipe")
+                                        for c in [loss_curve(x)] if c] for r in rows}
     n_all = [len(c) for cs in curves_by.values() for c in cs]
     window = default_window(min(n_all)) if n_all else 1
     fp32 = curves_by.get("fp32") or []
@@ -94,12 +96,17 @@ def _loss_plot(rows, results, path: str, title: str) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"training loss (moving average of {window})")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # no successful run: no curves, and no empty-legend warning
+        ax.legend(fontsize=7)
     fig.savefig(path)
 
 
 def write_plots(rows: list[dict[str, Any]], results: list[dict[str, Any]], out_dir: str, *, title: str) -> list[str]:
-    """Write ``time.png``, ``memory.png`` and ``loss.png`` into ``out_dir``; returns their file names."""
+    """Write ``time.png``, ``memory.png`` and ``loss.png`` into ``out_dir``; returns their file names.
+
+    Takes any rows and results (a missing or non-finite number is drawn as nothing, or as 0 in a bar)."""
+    rows = [r for r in rows if isinstance(r, dict)]
+    results = [clean_result(r) for r in results]
     try:
         import matplotlib  # noqa: F401
     except ImportError:

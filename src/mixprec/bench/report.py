@@ -9,19 +9,31 @@ time), memory saving (1 - recipe total / fp32 total), accuracy delta in percenta
 convergence-parity verdict (:mod:`mixprec.bench.parity`).
 
 The table starts with the tutorial's columns (recipe | memory | avg epoch time) and adds the rest after.
+
+**Any run result is reportable.** A run that diverged finishes with nulls where numbers would be (JSON has
+no NaN: a NaN loss is written as ``null``), a run that crashed has no summary at all, and a result file
+is whatever the worker managed to write. So every result passes through :func:`clean_result` first
+(non-finite numbers become ``None``, fields that should hold a dict or a list hold one), every
+computation treats ``None`` as "not measured" (:func:`number`, :func:`ratio`), and every cell is
+formatted by :func:`fmt`, which prints a dash for a missing number. A missing number is a dash in its
+cell, never a crash of the report that would lose the other rows.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import statistics
 from typing import Any
 
+from ..errors import UsageError
 from ..precision import resolve_recipe
 from ..train.report import format_bytes
 from .measure import spread
 from .parity import convergence_parity
 
-__all__ = ["COLUMNS", "aggregate", "table", "markdown_report", "loss_curve"]
+__all__ = ["COLUMNS", "aggregate", "table", "markdown_report", "loss_curve", "clean_result", "number", "ratio",
+           "fmt", "DASH"]
 
 COLUMNS = [
     "recipe", "memory", "avg epoch time", "speedup vs fp32", "memory saving vs fp32", "step peak (measured)",
@@ -33,14 +45,67 @@ COLUMNS = [
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "activations")
 
 
+DASH = "—"
+
+
+def number(x: Any) -> float | int | None:
+    """``x`` if it is a finite real number (not a bool), else None: the one test of "was it measured"."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    """``a / b`` when both are numbers and ``b`` is not 0, else None."""
+    a, b = number(a), number(b)
+    return a / b if a is not None and b else None
+
+
+def fmt(x: Any, spec: str, *, scale: float = 1.0, suffix: str = "") -> str:
+    """``format(x * scale, spec) + suffix``, or a dash when ``x`` is not a finite number."""
+    x = number(x)
+    return DASH if x is None else format(x * scale if scale != 1 else x, spec) + suffix
+
+
+def _dict(x: Any) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
+def _clean(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def clean_result(r: Any) -> dict[str, Any]:
+    """A run result the report can always read: non-finite numbers become None, ``summary``, ``timing``
+    and ``memory_probe`` are dicts, ``history`` is a list of dicts, ``status`` is "ok" or "failed"."""
+    r = _clean(_dict(r))
+    r["status"] = "ok" if r.get("status") == "ok" else "failed"
+    for key in ("summary", "timing", "memory_probe"):
+        r[key] = _dict(r.get(key))
+    history = r.get("history")
+    r["history"] = [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
+    return r
+
+
 def loss_curve(run: dict[str, Any]) -> list[float]:
-    """A run's per-step training losses over all its epochs."""
-    return [v for h in run.get("history") or [] for v in h.get("loss_curve") or []]
+    """A run's per-step training losses over all its epochs (a missing or non-finite loss is NaN)."""
+    curves = [h.get("loss_curve") for h in clean_result(run)["history"]]
+    return [math.nan if number(v) is None else float(v) for c in curves if isinstance(c, list) for v in c]
 
 
 def _median(vals) -> float | None:
-    vals = [v for v in vals if v is not None]
+    vals = [v for v in map(number, vals) if v is not None]
     return statistics.median(vals) if vals else None
+
+
+def _spread(vals) -> dict[str, float] | None:
+    return spread([number(v) for v in vals])
 
 
 def aggregate(
@@ -52,125 +117,151 @@ def aggregate(
     matmul_dtype: dict[str, str],
     impl: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One summary row per recipe (in ``recipes`` order), plus comparisons with fp32 when it ran."""
+    """One summary row per recipe (in ``recipes`` order), plus comparisons with fp32 when it ran.
+
+    Any result is accepted (see :func:`clean_result`); a number a run did not produce is None in its row.
+    """
+    results = [clean_result(r) for r in results]
     rows = []
     for name in recipes:
-        mine = [r for r in results if r["recipe"] == name]
-        ok = [r for r in mine if r["status"] == "ok"]
-        failed = [r for r in mine if r["status"] != "ok"]
-        timing = [r["timing"] or {} for r in ok]
-        summaries = [r["summary"] or {} for r in ok]
-        mem = next((s["memory"] for s in summaries if s.get("memory")), None)
-        probes = [r.get("memory_probe") or {} for r in ok]
-        step = spread([t.get("step_time_s") for t in timing])
-        peak = (peaks.get(matmul_dtype.get(name, "")) or {}).get("flops_per_s")
-        mfu = (flops_per_step / step["median"] / peak) if (flops_per_step and step and peak) else None
-        rows.append({
-            "recipe": name,
-            "impl": next((r["impl"] for r in mine if r.get("impl")), (impl or {}).get(name)),
-            "runs_ok": len(ok),
-            "runs_total": len(mine),
-            "failures": [{"repeat": r["repeat"], "seed": r["seed"], "reason": r.get("reason")} for r in failed],
-            "epoch_time_s": spread([t.get("epoch_time_s") for t in timing]),
-            "raw_epoch_time_s": spread([t.get("raw_epoch_time_s") for t in timing]),
-            "step_time_s": step,
-            "samples_per_s": spread([t.get("samples_per_s") for t in timing]),
-            "memory": mem,
-            "memory_total_bytes": mem["total"] if mem else None,
-            "cuda_peak_allocated_bytes": _median(s.get("cuda_peak_allocated_bytes") for s in summaries),
-            "cuda_peak_reserved_bytes": _median(p.get("cuda_peak_reserved_bytes") for p in probes),
-            "measured_step_peak_bytes": _median(p.get("step_peak_bytes") for p in probes),
-            "measured_step_peak_method": next((p.get("method") or p.get("reason") for p in probes), None),
-            "exact_activations_plus_gradients_bytes": _median(
-                (p.get("exact_activations_plus_gradients") or {}).get("total") for p in probes),
-            "matmul_dtype": matmul_dtype.get(name),
-            "peak_flops_per_s": peak,
-            "mfu": mfu,
-            "final_train_loss": _median(s.get("final_train_loss") for s in summaries),
-            "test_accuracy": spread([s.get("test_accuracy") for s in summaries]),
-            "skipped_steps": max((s.get("skipped_steps") or 0 for s in summaries), default=None),
-            "final_loss_scale": _median(s.get("final_loss_scale") for s in summaries),
-            "speedup_vs_fp32": None,
-            "memory_saving_vs_fp32": None,
-            "accuracy_delta_vs_fp32_pp": None,
-            "parity": None,
-        })
+        mine = [r for r in results if r.get("recipe") == name]
+        peak = number(_dict(_dict(peaks).get(_dict(matmul_dtype).get(name, ""))).get("flops_per_s"))
+        rows.append(_row(name, mine, flops_per_step=flops_per_step, peak=peak,
+                         matmul_dtype=_dict(matmul_dtype).get(name), impl=_dict(impl).get(name)))
     _compare_with_fp32(rows, results)
     return rows
 
 
+def _row(name: str, mine: list[dict[str, Any]], *, flops_per_step, peak, matmul_dtype, impl) -> dict[str, Any]:
+    ok = [r for r in mine if r["status"] == "ok"]
+    timing = [r["timing"] for r in ok]
+    summaries = [r["summary"] for r in ok]
+    mem = next((s["memory"] for s in summaries if isinstance(s.get("memory"), dict)), None)
+    probes = [r["memory_probe"] for r in ok]
+    step = _spread(t.get("step_time_s") for t in timing)
+    mfu = ratio(ratio(flops_per_step, _dict(step).get("median")), peak)
+    return {
+        "recipe": name,
+        "impl": next((r["impl"] for r in mine if r.get("impl")), impl),
+        "runs_ok": len(ok),
+        "runs_total": len(mine),
+        "failures": [{"repeat": r.get("repeat"), "seed": r.get("seed"), "reason": r.get("reason")}
+                     for r in mine if r["status"] != "ok"],
+        "epoch_time_s": _spread(t.get("epoch_time_s") for t in timing),
+        "raw_epoch_time_s": _spread(t.get("raw_epoch_time_s") for t in timing),
+        "step_time_s": step,
+        "samples_per_s": _spread(t.get("samples_per_s") for t in timing),
+        "memory": mem,
+        "memory_total_bytes": number(_dict(mem).get("total")),
+        "cuda_peak_allocated_bytes": _median(s.get("cuda_peak_allocated_bytes") for s in summaries),
+        "cuda_peak_reserved_bytes": _median(p.get("cuda_peak_reserved_bytes") for p in probes),
+        "measured_step_peak_bytes": _median(p.get("step_peak_bytes") for p in probes),
+        "measured_step_peak_method": next((p.get("method") or p.get("reason") for p in probes), None),
+        "exact_activations_plus_gradients_bytes": _median(
+            _dict(p.get("exact_activations_plus_gradients")).get("total") for p in probes),
+        "matmul_dtype": matmul_dtype,
+        "peak_flops_per_s": peak,
+        "mfu": mfu,
+        "final_train_loss": _median(s.get("final_train_loss") for s in summaries),
+        "test_accuracy": _spread(s.get("test_accuracy") for s in summaries),
+        "skipped_steps": max((number(s.get("skipped_steps")) or 0 for s in summaries), default=None),
+        "final_loss_scale": _median(s.get("final_loss_scale") for s in summaries),
+        "speedup_vs_fp32": None,
+        "memory_saving_vs_fp32": None,
+        "accuracy_delta_vs_fp32_pp": None,
+        "parity": None,
+    }
+
+
 def _compare_with_fp32(rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
     ref = next((r for r in rows if r["recipe"] == "fp32"), None)
-    fp32_curves = [loss_curve(r) for r in results if r["recipe"] == "fp32" and r["status"] == "ok"]
+    fp32_curves = [loss_curve(r) for r in results if r.get("recipe") == "fp32" and r["status"] == "ok"]
     for row in rows:
         if ref is None:
             row["parity"] = {"verdict": "n/a", "reason": "fp32 was not run: add fp32 to --precisions"}
             continue
-        t, t0 = row["epoch_time_s"], ref["epoch_time_s"]
-        if t and t0:
-            row["speedup_vs_fp32"] = t0["median"] / t["median"]
-        m, m0 = row["memory_total_bytes"], ref["memory_total_bytes"]
-        if m and m0:
-            row["memory_saving_vs_fp32"] = 1.0 - m / m0
-        a, a0 = row["test_accuracy"], ref["test_accuracy"]
-        if a and a0:
-            row["accuracy_delta_vs_fp32_pp"] = 100.0 * (a["median"] - a0["median"])
-        mine = [r for r in results if r["recipe"] == row["recipe"]]
+        median = (lambda k: _dict(row[k]).get("median")), (lambda k: _dict(ref[k]).get("median"))
+        row["speedup_vs_fp32"] = ratio(median[1]("epoch_time_s"), median[0]("epoch_time_s"))
+        saving = ratio(row["memory_total_bytes"], ref["memory_total_bytes"])
+        row["memory_saving_vs_fp32"] = None if saving is None else 1.0 - saving
+        a, a0 = median[0]("test_accuracy"), median[1]("test_accuracy")
+        row["accuracy_delta_vs_fp32_pp"] = 100.0 * (a - a0) if a is not None and a0 is not None else None
+        mine = [r for r in results if r.get("recipe") == row["recipe"]]
         curves = [loss_curve(r) for r in mine if r["status"] == "ok"]
-        stopped = any((r.get("summary") or {}).get("stopped") for r in mine)
+        stopped = any(r["summary"].get("stopped") for r in mine)
         row["parity"] = convergence_parity(curves, fp32_curves, stopped=stopped).to_dict()
 
 
 # ------------------------------------------------------------------------------------------ formatting
 
 
-def _pct_spread(s: dict | None) -> str:
-    if not s or not s["median"]:
-        return ""
-    half = (s["max"] - s["min"]) / 2 / s["median"]
-    return f" ±{100 * half:.0f}%" if s["n"] > 1 else ""
+def _pct_spread(s: Any) -> str:
+    s = _dict(s)
+    half = ratio(ratio((number(s.get("max")) or 0) - (number(s.get("min")) or 0), 2), s.get("median"))
+    return f" ±{100 * half:.0f}%" if half is not None and (number(s.get("n")) or 0) > 1 else ""
+
+
+def _label(row: dict[str, Any]) -> str:
+    name = str(row.get("recipe"))
+    try:  # fp32 has no autocast, so no mechanism to name
+        scratch = row.get("impl") == "scratch" and resolve_recipe(name).autocast
+    except UsageError:
+        scratch = False
+    return name + (" (scratch)" if scratch else "")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
-    dash = "—"
-    et, sps, acc = row["epoch_time_s"], row["samples_per_s"], row["test_accuracy"]
-    mem = format_bytes(row["memory_total_bytes"]) if row["memory_total_bytes"] else dash
-    measured = row["cuda_peak_allocated_bytes"] or row["measured_step_peak_bytes"]
-    scratch = row["impl"] == "scratch" and resolve_recipe(row["recipe"]).autocast  # fp32 has no mechanism
-    label = row["recipe"] + (" (scratch)" if scratch else "")
-    parity = row["parity"] or {}
+    row = {k: _clean(v) for k, v in _dict(row).items()}
+    get = row.get
+    et, sps, acc = _dict(get("epoch_time_s")), _dict(get("samples_per_s")), _dict(get("test_accuracy"))
+    measured = number(get("cuda_peak_allocated_bytes")) or number(get("measured_step_peak_bytes"))
+    runs_ok, runs_total = get("runs_ok"), get("runs_total")
     return [
-        label,
-        mem,
-        f"{et['median']:.3f} s{_pct_spread(et)}" if et else dash,
-        f"{row['speedup_vs_fp32']:.2f}x" if row["speedup_vs_fp32"] else dash,
-        f"{100 * row['memory_saving_vs_fp32']:.0f}%" if row["memory_saving_vs_fp32"] is not None else dash,
-        format_bytes(measured) if measured else dash,
-        f"{sps['median']:,.0f}{_pct_spread(sps)}" if sps else dash,
-        f"{100 * row['mfu']:.1f}% of {row['matmul_dtype']}" if row["mfu"] else dash,
-        f"{row['final_train_loss']:.4f}" if row["final_train_loss"] is not None else dash,
-        f"{100 * acc['median']:.2f}%" if acc else dash,
-        f"{row['accuracy_delta_vs_fp32_pp']:+.2f} pp" if row["accuracy_delta_vs_fp32_pp"] is not None else dash,
-        str(row["skipped_steps"]) if row["skipped_steps"] is not None else dash,
-        f"{row['final_loss_scale']:g}" if row["final_loss_scale"] is not None else dash,
-        parity.get("verdict") or dash,
-        f"{row['runs_ok']}/{row['runs_total']}" + ("" if row["runs_ok"] == row["runs_total"] else " FAILED"),
+        _label(row),
+        format_bytes(number(get("memory_total_bytes"))) if number(get("memory_total_bytes")) else DASH,
+        fmt(et.get("median"), ".3f", suffix=" s" + _pct_spread(et)),
+        fmt(get("speedup_vs_fp32"), ".2f", suffix="x") if number(get("speedup_vs_fp32")) else DASH,
+        fmt(get("memory_saving_vs_fp32"), ".0f", scale=100, suffix="%"),
+        format_bytes(measured) if measured else DASH,
+        fmt(sps.get("median"), ",.0f", suffix=_pct_spread(sps)) if number(sps.get("median")) else DASH,
+        fmt(get("mfu"), ".1f", scale=100, suffix=f"% of {get('matmul_dtype')}") if number(get("mfu")) else DASH,
+        fmt(get("final_train_loss"), ".4f"),
+        fmt(acc.get("median"), ".2f", scale=100, suffix="%"),
+        fmt(get("accuracy_delta_vs_fp32_pp"), "+.2f", suffix=" pp"),
+        fmt(get("skipped_steps"), "d" if isinstance(get("skipped_steps"), int) else "g"),
+        fmt(get("final_loss_scale"), "g"),
+        str(_dict(get("parity")).get("verdict") or DASH),
+        f"{runs_ok}/{runs_total}" + ("" if runs_ok == runs_total else " FAILED"),
     ]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The comparison as a markdown table, failures listed under it with their reasons."""
+    rows = [_dict(r) for r in rows]
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    notes = [f"- {r['recipe']} seed {f['seed']}: FAILED — {f['reason']}" for r in rows for f in r["failures"]]
-    if any((r["mfu"] or 0) > 1 for r in rows):
+    notes = [f"- {r.get('recipe')} seed {_dict(f).get('seed')}: FAILED — {_dict(f).get('reason')}"
+             for r in rows for f in (r.get("failures") if isinstance(r.get("failures"), list) else [])]
+    if any((number(r.get("mfu")) or 0) > 1 for r in rows):
         notes.append("- MFU above 100% means the peak matmul rate was under-measured (a busy machine while the "
                      "micro-benchmark ran?); rerun on a quiet machine or raise --peak-seconds")
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def _fmt_rate(x: float | None) -> str:
-    return f"{x / 1e9:,.1f} GFLOP/s" if x else "—"
+    return fmt(x, ",.1f", scale=1e-9, suffix=" GFLOP/s") if number(x) else DASH
+
+
+def _state_lines(doc: dict[str, Any]) -> list[str]:
+    """What the report does not cover: runs not finished (interrupted, or still running), failed plots."""
+    progress, out = _dict(doc.get("progress")), []
+    if progress and progress.get("state") != "complete":
+        state = str(progress.get("state"))
+        out += [f"**{state[:1].upper() + state[1:]}: {progress.get('finished')} of "
+                f"{progress.get('planned')} runs finished; the table covers those only.**", ""]
+    if doc.get("plots_error"):
+        out += [f"Plots failed: {doc['plots_error']}", ""]
+    return out
 
 
 def markdown_report(doc: dict[str, Any]) -> str:
@@ -185,6 +276,7 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "",
         f"`{doc['command']}`",
         "",
+        *_state_lines(doc),
         table(doc["summary"]),
         "",
         "## Hardware preflight",
@@ -196,9 +288,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
         *[f"- {k}: {_fmt_rate(v.get('flops_per_s'))} (n={v.get('n')})" for k, v in doc["peaks"].items()],
         "",
         f"Model FLOPs per step (FlopCounterMode, batch {doc['config']['optim']['batch_size']}): forward "
-        f"{fl.get('forward', 0):,}, backward {fl.get('backward', 0):,}, total {fl.get('total', 0):,}"
-        + (f"; x{fl['micro_batches_per_step']} micro-batches = {fl['per_step']:,} per optimizer step"
-           if fl.get("micro_batches_per_step", 1) > 1 else "") + ".",
+        f"{fmt(fl.get('forward'), ',')}, backward {fmt(fl.get('backward'), ',')}, total {fmt(fl.get('total'), ',')}"
+        + (f"; x{fl['micro_batches_per_step']} micro-batches = {fmt(fl.get('per_step'), ',')} per optimizer step"
+           if (number(fl.get("micro_batches_per_step")) or 1) > 1 else "") + ".",
         "",
         "## Method",
         "",

@@ -38,7 +38,7 @@ def _test_hook(recipe: str) -> None:
         if mode == "raise":
             raise RuntimeError(f"deliberate failure ({TEST_CRASH_ENV}={want})")
         if mode == "hang":
-            print(f"hanging on purpose ({TEST_CRASH_ENV}={want})", flush=True)
+            print(f"hanging on purpose (pid {os.getpid()}; {TEST_CRASH_ENV}={want})", flush=True)
             time.sleep(3600)
         sys.stdout.flush()
         os.abort()

@@ -41,6 +41,7 @@ __all__ = [
     "FASHION_MNIST_DIR",
     "BatchLoader",
     "DataError",
+    "IdxFormatError",
     "Dataset",
     "load_dataset",
     "read_idx",
@@ -65,6 +66,14 @@ _TORCHVISION_SUBDIR = {"fashion-mnist": os.path.join("FashionMNIST", "raw"), "mn
 
 class DataError(UsageError):
     """A dataset cannot be loaded or a loader cannot be built; the message says how to fix it."""
+
+
+class IdxFormatError(DataError):
+    """A file that was read but is not a well-formed IDX file (bad gzip, magic, header or payload size).
+
+    Only these are called corrupt (fixed by getting the files again); a file that cannot be *read*
+    (permission denied, a folder in its place) is a plain :class:`DataError` that says so.
+    """
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,46 +158,63 @@ def read_idx(path) -> torch.Tensor:
     Accepts the two formats of MNIST-style datasets: magic ``0x00000803`` (uint8 images, 3 dims) and
     ``0x00000801`` (uint8 labels, 1 dim). The payload must be exactly ``prod(dims)`` bytes.
 
+    A well-formed file may hold no samples (first dimension 0): it reads as an empty tensor, and the
+    dataset loader refuses an empty split with a message naming the file.
+
     Raises:
-        DataError: the file is missing, not gzip-decodable, has another magic number, or its payload is
-            truncated or has trailing bytes. The message names the file.
+        DataError: the file is missing or cannot be read (permission denied, a folder). The message names
+            the file and says which.
+        IdxFormatError: the file is not gzip-decodable, has another magic number, or its payload is
+            truncated or has trailing bytes.
     """
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+    data = _read_bytes(path)
     if data[:2] == b"\x1f\x8b":
         try:
             data = gzip.decompress(data)
         except (OSError, EOFError, zlib.error) as e:
-            raise DataError(f"{path}: corrupt gzip data ({e})") from None
+            raise IdxFormatError(f"{path}: corrupt gzip data ({e})") from None
     if len(data) < 4:
-        raise DataError(f"{path}: too short to be an IDX file ({len(data)} bytes)")
+        raise IdxFormatError(f"{path}: too short to be an IDX file ({len(data)} bytes)")
     magic = int.from_bytes(data[:4], "big")
     if magic not in _IDX_MAGIC:
-        raise DataError(
+        raise IdxFormatError(
             f"{path}: not an IDX file of uint8 images or labels (magic 0x{magic:08x}; "
             "expected 0x00000803 for images or 0x00000801 for labels)"
         )
     ndim = magic & 0xFF
     header = 4 + 4 * ndim
     if len(data) < header:
-        raise DataError(f"{path}: IDX header truncated ({len(data)} bytes, header needs {header})")
+        raise IdxFormatError(f"{path}: IDX header truncated ({len(data)} bytes, header needs {header})")
     dims = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     expected = header + math.prod(dims)
     if len(data) != expected:
         what = "truncated" if len(data) < expected else "has trailing bytes"
-        raise DataError(
+        raise IdxFormatError(
             f"{path}: IDX payload {what}: header says {_IDX_MAGIC[magic]} of shape {dims}, "
             f"so the file should be {expected} bytes, but it is {len(data)}"
         )
+    if expected == header:  # a well-formed file of no samples (torch.frombuffer refuses count=0)
+        return torch.empty(dims, dtype=torch.uint8)
     # bytearray makes the buffer writable (torch.frombuffer warns on read-only bytes); one memcpy.
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=header, count=expected - header)
     return flat.reshape(dims)
+
+
+def _read_bytes(path: str) -> bytes:
+    """The file's bytes; a DataError that says why not (missing, permission denied, a folder)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except PermissionError:
+        raise DataError(f"{path}: permission denied: this user cannot read the file; fix its permissions "
+                        f"(e.g. chmod a+r {path}) or copy the files to a folder you can read") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a folder, not an IDX file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
 def _how_to_get(name: str) -> str:
@@ -207,8 +233,14 @@ def _find_idx_dir(name: str, data_dir: str | None) -> str:
             raise DataError(f"dataset 'mnist' needs --data-dir: mixprec does not download data. {_how_to_get(name)}")
         data_dir = FASHION_MNIST_DIR
     data_dir = os.path.expanduser(data_dir)
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise DataError(f"{name}: --data-dir {data_dir} is a file, not a folder; pass the folder that holds "
+                        f"the IDX files. {_how_to_get(name)}")
     if not os.path.isdir(data_dir):
         raise DataError(f"{name}: data directory {data_dir} does not exist. {_how_to_get(name)}")
+    if not os.access(data_dir, os.R_OK | os.X_OK):  # else every file in it would read as "not found"
+        raise DataError(f"{name}: data directory {data_dir}: permission denied: this user cannot list it; "
+                        f"fix its permissions (e.g. chmod a+rx {data_dir}) or copy the files elsewhere")
     nested = os.path.join(data_dir, _TORCHVISION_SUBDIR[name])
     if not _idx_path(data_dir, IDX_FILES["train_images"]) and _idx_path(nested, IDX_FILES["train_images"]):
         return nested
@@ -232,11 +264,16 @@ def _read_split(name: str, directory: str, images: str, labels: str) -> tuple[to
             raise DataError(f"{name}: {os.path.join(directory, stem)}[.gz] not found. {_how_to_get(name)}")
         try:
             array = read_idx(path)
-        except DataError as e:
+        except IdxFormatError as e:
             raise DataError(f"{name}: {e}. The file is corrupt; {_how_to_get(name)}") from None
+        except DataError as e:
+            raise DataError(f"{name}: {e}") from None
+        kind = "images" if ndim == 3 else "labels"
         if array.ndim != ndim:
-            kind = "images" if ndim == 3 else "labels"
             raise DataError(f"{name}: {path} holds {array.ndim}-D data, expected {kind}. {_how_to_get(name)}")
+        if array.shape[0] == 0:
+            raise DataError(f"{name}: {path} is a valid IDX file of {kind} but holds no samples (shape "
+                            f"{tuple(array.shape)}); nothing to train or test on. {_how_to_get(name)}")
         arrays.append((path, array))
     (image_path, x), (label_path, y) = arrays
     if tuple(x.shape[1:]) != (28, 28):
