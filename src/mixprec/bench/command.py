@@ -375,7 +375,9 @@ def _progress_line(i: int, n: int, r: dict[str, Any]) -> None:
         return
     _say(f"{head} {fmt(t.get('epoch_time_s'), '.3f')} s/epoch, {fmt(t.get('samples_per_s'), ',.0f')} samples/s, "
          f"train loss {fmt(s.get('final_train_loss'), '.4f')}, "
-         f"test accuracy {fmt(s.get('test_accuracy'), '.2f', scale=100, suffix='%')}, {wall}")
+         + (f"test loss {fmt(s.get('test_loss'), '.4f')}, {fmt(s.get('bits_per_char'), '.3f')} bits/char"
+            if s.get("bits_per_char") is not None else
+            f"test accuracy {fmt(s.get('test_accuracy'), '.2f', scale=100, suffix='%')}") + f", {wall}")
 
 
 # ------------------------------------------------------------------------------------------ reporting
@@ -383,7 +385,7 @@ def _progress_line(i: int, n: int, r: dict[str, Any]) -> None:
 
 def _document(p: Plan, machine: Machine, results: list[dict[str, Any]], state: str) -> dict[str, Any]:
     """``results.json``'s content for the runs finished so far (``state``: running, complete, interrupted...)."""
-    from .report import COLUMNS, aggregate
+    from .report import aggregate, columns
 
     accum, flops = p.accum, machine.flops
     rows = aggregate(p.recipes, results, flops_per_step=flops.total * accum, peaks=machine.peaks,
@@ -404,7 +406,7 @@ def _document(p: Plan, machine: Machine, results: list[dict[str, Any]], state: s
         "preflight": [p.checks[n].to_dict() for n in p.recipes],
         "peaks": machine.peaks,
         "flops_per_step": {**flops.to_dict(), "micro_batches_per_step": accum, "per_step": flops.total * accum},
-        "columns": list(COLUMNS),
+        "columns": columns(rows),
         "summary": rows,
         "runs": list(results),
         "plots": [],

@@ -32,8 +32,8 @@ from ..train.report import format_bytes
 from .measure import spread
 from .parity import convergence_parity
 
-__all__ = ["COLUMNS", "aggregate", "table", "markdown_report", "loss_curve", "clean_result", "number", "ratio",
-           "fmt", "DASH"]
+__all__ = ["COLUMNS", "columns", "aggregate", "table", "markdown_report", "loss_curve", "clean_result", "number",
+           "ratio", "fmt", "DASH"]
 
 COLUMNS = [
     "recipe", "memory", "avg epoch time", "speedup vs fp32", "memory saving vs fp32", "step peak (measured)",
@@ -164,11 +164,15 @@ def _row(name: str, mine: list[dict[str, Any]], *, flops_per_step, peak, matmul_
         "mfu": mfu,
         "final_train_loss": _median(s.get("final_train_loss") for s in summaries),
         "test_accuracy": _spread(s.get("test_accuracy") for s in summaries),
+        "test_loss": _spread(s.get("test_loss") for s in summaries),
+        "bits_per_char": _spread(s.get("bits_per_char") for s in summaries),
+        "language_model": any(s.get("bits_per_char") is not None for s in summaries) or None,
         "skipped_steps": max((number(s.get("skipped_steps")) or 0 for s in summaries), default=None),
         "final_loss_scale": _median(s.get("final_loss_scale") for s in summaries),
         "speedup_vs_fp32": None,
         "memory_saving_vs_fp32": None,
         "accuracy_delta_vs_fp32_pp": None,
+        "test_loss_delta_vs_fp32": None,
         "parity": None,
     }
 
@@ -186,6 +190,8 @@ def _compare_with_fp32(rows: list[dict[str, Any]], results: list[dict[str, Any]]
         row["memory_saving_vs_fp32"] = None if saving is None else 1.0 - saving
         a, a0 = median[0]("test_accuracy"), median[1]("test_accuracy")
         row["accuracy_delta_vs_fp32_pp"] = 100.0 * (a - a0) if a is not None and a0 is not None else None
+        l, l0 = median[0]("test_loss"), median[1]("test_loss")
+        row["test_loss_delta_vs_fp32"] = l - l0 if l is not None and l0 is not None else None
         mine = [r for r in results if r.get("recipe") == row["recipe"]]
         curves = [loss_curve(r) for r in mine if r["status"] == "ok"]
         stopped = any(r["summary"].get("stopped") for r in mine)
@@ -226,8 +232,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
         fmt(sps.get("median"), ",.0f", suffix=_pct_spread(sps)) if number(sps.get("median")) else DASH,
         fmt(get("mfu"), ".1f", scale=100, suffix=f"% of {get('matmul_dtype')}") if number(get("mfu")) else DASH,
         fmt(get("final_train_loss"), ".4f"),
-        fmt(acc.get("median"), ".2f", scale=100, suffix="%"),
-        fmt(get("accuracy_delta_vs_fp32_pp"), "+.2f", suffix=" pp"),
+        *_quality_cells(row, acc),
         fmt(get("skipped_steps"), "d" if isinstance(get("skipped_steps"), int) else "g"),
         fmt(get("final_loss_scale"), "g"),
         str(_dict(get("parity")).get("verdict") or DASH),
@@ -235,10 +240,32 @@ def _cells(row: dict[str, Any]) -> list[str]:
     ]
 
 
+LM_COLUMNS = {"test accuracy": "test loss / bits per char", "Δ accuracy vs fp32": "Δ test loss vs fp32"}
+"""Language models are judged by test loss (and bits per character), not accuracy."""
+
+
+def _is_lm(rows: list[dict[str, Any]]) -> bool:
+    return any(_dict(r).get("language_model") for r in rows)
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The table's columns for these rows (language models show test loss where classifiers show accuracy)."""
+    return [LM_COLUMNS.get(c, c) for c in COLUMNS] if _is_lm(rows) else list(COLUMNS)
+
+
+def _quality_cells(row: dict[str, Any], acc: dict) -> list[str]:
+    if row.get("language_model"):
+        loss, bpc = _dict(row.get("test_loss")).get("median"), _dict(row.get("bits_per_char")).get("median")
+        return [f"{fmt(loss, '.4f')} / {fmt(bpc, '.3f')}", fmt(row.get("test_loss_delta_vs_fp32"), "+.4f")]
+    return [fmt(acc.get("median"), ".2f", scale=100, suffix="%"),
+            fmt(row.get("accuracy_delta_vs_fp32_pp"), "+.2f", suffix=" pp")]
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The comparison as a markdown table, failures listed under it with their reasons."""
     rows = [_dict(r) for r in rows]
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    cols = columns(rows)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     notes = [f"- {r.get('recipe')} seed {_dict(f).get('seed')}: FAILED — {_dict(f).get('reason')}"
              for r in rows for f in (r.get("failures") if isinstance(r.get("failures"), list) else [])]
