@@ -27,13 +27,16 @@ __all__ = ["attention", "SelfAttention"]
 _LOW = (torch.bfloat16,)  # fp16 on the CPU is emulated (fp32 carriers) or a slow native fallback anyway
 
 
+_SCRATCH_OFF = {dt: scratch_autocast(dt, device_type="cpu", enabled=False) for dt in _LOW}
+"""One re-entrant disabled frame per dtype: building an autocast context per call costs more than the op."""
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               dropout_p: float = 0.0) -> torch.Tensor:
     """``scaled_dot_product_attention``, in fp32 on the CPU for bf16 inputs (see the module doc)."""
     if q.device.type != "cpu" or q.dtype not in _LOW:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
-    scratch = (scratch_autocast(q.dtype, device_type="cpu", enabled=False) if is_autocast_active()
-               else contextlib.nullcontext())
+    scratch = _SCRATCH_OFF[q.dtype] if is_autocast_active() else contextlib.nullcontext()
     with torch.autocast("cpu", enabled=False), scratch:
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, is_causal=causal)
     return y.to(q.dtype)
