@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     plain_model = build_run(config.with_flags(dataset="fashion-mnist")).model
     opt = torch.optim.SGD(plain_model.parameters(), lr=0.01)
     ds = FashionItems(True)
-    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.num_workers, persistent_workers=True,
+    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.num_workers,
+                        persistent_workers=args.num_workers > 0,
                         sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
     theirs = iter(loader)
     dtype = {"fp32": None, "bf16-mixed": torch.bfloat16}[args.precision]

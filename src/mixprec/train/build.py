@@ -80,15 +80,35 @@ class Run:
 
 
 def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
-    """``params -> optimizer`` for the config's optimizer (the recipe decides which tensors it gets)."""
+    """``params -> optimizer`` for the config's optimizer (the recipe decides which tensors it gets).
+
+    The fused implementation where PyTorch has one for these tensors (CPU or CUDA, floating dtypes, plain
+    tensors): one kernel per step instead of a Python loop over parameters — measured on this CPU, SGD with
+    momentum 151 -> 78 us and AdamW 552 -> 161 us per step on the mlp. Loss scaling stays exact: both
+    GradScaler and mixprec's DynamicLossScaler hand a fused optimizer its ``found_inf`` and report the skip.
+    FSDP's sharded (DTensor) parameters and low-precision parameters get the foreach implementation.
+    """
 
     def make(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
         params = list(params)
+        kind = _implementation(params)
         if config.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+            return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, **kind)
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay,
+                               **kind)
 
     return make
+
+
+def _implementation(params: list[torch.Tensor]) -> dict[str, bool]:
+    plain = all(type(p) in (torch.Tensor, nn.Parameter) for p in params)
+    fusable = plain and params and all(p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in params)
+    return {"fused": True} if fusable else {"foreach": True}
+
+
+_FUSED_DTYPES = (torch.float32,)
+"""fp32 only: torch 2.13's fused CPU SGD on bf16 parameters (bf16-true) trained to chance accuracy on digits
+where the for-loop implementation reaches 97% (tests/test_recipes.py); low-precision params get foreach."""
 
 
 def load_data(config: DataConfig, *, seed: int, block_size: int = 64) -> Dataset:
