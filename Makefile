@@ -1,5 +1,5 @@
 # Two commands for a newcomer (both idempotent; they install what they need first):
-#   make demo   – the tutorial's FP32-vs-AMP comparison (plus bf16) on Fashion-MNIST, as one bench
+#   make demo   – the tutorial's FP32-vs-AMP comparison (plus bf16) on Fashion-MNIST, as one bench (CNN, batch 256)
 #   make test   – run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,7 +11,8 @@ FORTUNES := /usr/share/games/fortunes/fortunes
 .PHONY: demo test setup data clean
 
 demo: setup data
-	$(BIN)/mixprec bench --precisions fp32,amp,bf16-mixed --model mlp --epochs 3 --repeats 2 --out runs/demo
+	$(BIN)/mixprec bench --precisions fp32,amp,bf16-mixed --model cnn --batch-size 256 --epochs 2 --repeats 2 \
+		--out runs/demo
 
 test: setup data
 	$(BIN)/python -m pytest -q
