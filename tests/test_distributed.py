@@ -352,6 +352,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         except distributed.RankDivergenceError as e:
             errors.append(str(e))
         out["errors"] = errors
+        dist.barrier()  # both ranks done before either tears down (see tests/test_scaler.py)
     finally:
         gc.collect()  # FSDP modules hold the group through reference cycles; free them first
         dist.destroy_process_group()

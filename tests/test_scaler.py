@@ -475,6 +475,9 @@ def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
             applied = _iteration(m, opt, s, batch, inject)
             record.append((applied, s.get_scale()))
         torch.save({"record": record, "params": [p.detach() for p in m.parameters()]}, f"{out_dir}/rank{rank}.pt")
+        # both ranks done before either tears down: a rank destroying the group while its peer still used it
+        # intermittently aborted the peer ("terminate called without an active exception") on a loaded machine
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -482,7 +485,14 @@ def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 def test_two_ranks_skip_and_back_off_together(tmp_path) -> None:
     """Only rank 0 sees an inf; the all-reduced found_inf makes both ranks skip and back off."""
-    mp.spawn(_dist_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    try:
+        mp.spawn(_dist_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    except mp.ProcessExitedException as e:
+        # Seen twice in full-suite runs on a loaded 2-core VM, never alone: a rank aborted in gloo's teardown
+        # ("terminate called without an active exception") after both had written their results. A crash
+        # before the results exist, or any other failure, still fails the test.
+        if e.signal_name != "SIGABRT" or not all((tmp_path / f"rank{r}.pt").exists() for r in (0, 1)):
+            raise
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     expected = [(True, 1024.0), (False, 512.0), (True, 512.0), (True, 1024.0)]
     assert r0["record"] == r1["record"] == expected
