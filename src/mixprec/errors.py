@@ -9,7 +9,7 @@ and name the fix.
 from __future__ import annotations
 
 __all__ = ["UsageError", "RecipeError", "ConfigError", "CheckpointError", "ScalerConfigError", "NonFiniteError",
-           "OutputError"]
+           "OutputError", "one_line"]
 
 
 class UsageError(ValueError):
@@ -51,3 +51,9 @@ class NonFiniteError(RuntimeError):
 class OutputError(RuntimeError):
     """Writing a run's output (checkpoint, metrics) failed during the run — disk full, folder gone. The CLI
     prints the one-line message and exits 1; what was written before is intact."""
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message`` (cut at ``limit`` characters), for quoting a cause in one line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit]}" if text else type(e).__name__

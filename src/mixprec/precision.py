@@ -191,10 +191,14 @@ class RecipeConfig:
         if self.stochastic_rounding and spec.param_dtype == torch.float32:
             changes["stochastic_rounding"] = False
             notes.append("--stochastic-rounding does not apply (fp32 params) and is off for this recipe")
-        if not spec.loss_scaling and self.scaler != RecipeConfig().scaler:
-            changes["scaler"] = RecipeConfig().scaler
+        if not spec.loss_scaling and self.scaler != _DEFAULT_SCALER:
+            changes["scaler"] = _DEFAULT_SCALER
             notes.append("the loss-scaler flags do not apply (no loss scaling) and are off for this recipe")
         return dataclasses.replace(self, **changes), notes
+
+
+_DEFAULT_SCALER = RecipeConfig().scaler
+"""The scaler settings nobody asked to change (a scaler flag on a recipe without a scaler is refused)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -647,7 +651,7 @@ def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, impl: str, de
             f"--stochastic-rounding rounds updates into low-precision params, but {spec.name} keeps fp32 params; "
             "use it with bf16-true, bf16-master or fp16-master"
         )
-    if not spec.loss_scaling and config.scaler != RecipeConfig().scaler:
+    if not spec.loss_scaling and config.scaler != _DEFAULT_SCALER:
         raise RecipeError(
             f"--init-scale/--growth-factor/--backoff-factor/--growth-interval/--hysteresis set the dynamic loss "
             f"scaler, which {spec.name} does not have; drop them, or use a loss-scaled recipe (fp16-mixed, fp16-master)"

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import hardware
-from ..errors import ConfigError
+from ..errors import ConfigError, one_line
 from ..precision import Recipe, build_recipe
 from . import distributed
 from .config import DataConfig, ModelConfig, OptimConfig, TrainConfig
@@ -184,8 +184,7 @@ def _probe(model: nn.Module, data: Any, loss_fn: LossFn, config: TrainConfig) ->
         raise
     except Exception as e:  # noqa: BLE001 -- the user's model or loss does not fit the data
         raise UserCodeError(f"--model {config.model.name} does not fit --dataset {config.data.name}: inputs of "
-                            f"shape {tuple(x.shape)} (dtype {x.dtype}) gave {type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
+                            f"shape {tuple(x.shape)} (dtype {x.dtype}) gave {one_line(e)}") from None
     finally:
         model.train(was_training)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):

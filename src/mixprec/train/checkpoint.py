@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointError, OutputError, UsageError
+from ..errors import CheckpointError, OutputError, UsageError, one_line
 from ..memory import local_tensor
 from . import distributed
 from .config import RESUME_MAY_CHANGE, TrainConfig
@@ -112,7 +112,7 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     except (OSError, RuntimeError) as e:
         _unlink(tmp)
         raise OutputError(
-            f"could not write the checkpoint {path} ({_first_line(e)}); the previous checkpoint there, if any, is "
+            f"could not write the checkpoint {path} ({one_line(e)}); the previous checkpoint there, if any, is "
             "intact — free disk space or pass a writable --out"
         ) from None
     except BaseException:
@@ -131,11 +131,6 @@ def _unlink(path: str | None) -> None:
     if path is not None:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
@@ -161,7 +156,7 @@ def _read(path: str | os.PathLike, p: Path) -> Any:
         if "weights_only" in str(e) or "Unsupported global" in str(e):
             why = "it holds pickled Python objects, which mixprec never writes and refuses to load (no code ran)"
         else:
-            why = f"{_first_line(e)}; it may be truncated, empty or not a mixprec checkpoint"
+            why = f"{one_line(e)}; it may be truncated, empty or not a mixprec checkpoint"
         raise CheckpointError(f"--resume {path}: {p} is not a readable checkpoint: {why}") from None
 
 
@@ -307,7 +302,7 @@ class Checkpointer:
             distributed.load_state_dicts(run.model, run.optimizer, ck["model"], ck["optimizer"])
             run.recipe.load_state_dict(ck["recipe"])
         except (RuntimeError, KeyError, ValueError, TypeError, AssertionError) as e:
-            raise CheckpointError(f"--resume {path}: checkpoint does not fit this model: {_first_line(e)}") from None
+            raise CheckpointError(f"--resume {path}: checkpoint does not fit this model: {one_line(e)}") from None
         set_rng_state(ck["rng"])
         counters = ck.get("counters") or {}
         state = TrainState(epoch=ck["epoch"], batch=ck["batch"], global_step=ck["global_step"],

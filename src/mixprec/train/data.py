@@ -107,9 +107,15 @@ class Dataset:
 
     def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Test samples ``indices`` (this rank's evaluation shard), ``batch_size`` at a time."""
-        for i in range(0, len(indices), batch_size):
-            idx = indices[i:i + batch_size]
-            yield self.x_test.index_select(0, idx.to(self.x_test.device)), self.y_test.index_select(0, idx)
+        return select_batches(self.x_test, self.y_test, indices, batch_size)
+
+
+def select_batches(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor,
+                   batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x[idx], y[idx])`` for consecutive ``batch_size`` slices of ``indices``: in-memory evaluation batches."""
+    for i in range(0, len(indices), batch_size):
+        idx = indices[i:i + batch_size]
+        yield x.index_select(0, idx.to(x.device)), y.index_select(0, idx.to(y.device))
 
 
 @dataclass(frozen=True, eq=False)

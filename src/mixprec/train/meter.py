@@ -7,7 +7,6 @@ epoch record reads them once at the end. Step times are wall-clock differences b
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from .. import hardware
 from ..memory import MemoryReport, SavedTensorTracker, static_memory
 from ..precision import StepResult
 from . import distributed
+from .text import bits_per_char, perplexity
 
 if TYPE_CHECKING:
     from .build import Run
@@ -29,8 +29,8 @@ def test_metrics(task: str, accuracy: float, loss: float) -> dict[str, Any]:
     apart, under its own name)."""
     if task != "language-model":
         return {"test_accuracy": accuracy}
-    return {"test_accuracy": None, "test_token_accuracy": accuracy,
-            "test_perplexity": math.exp(loss) if loss < 700 else math.inf, "bits_per_char": loss / math.log(2)}
+    return {"test_accuracy": None, "test_token_accuracy": accuracy, "test_perplexity": perplexity(loss),
+            "bits_per_char": bits_per_char(loss)}
 
 
 class EpochMeter:

@@ -137,8 +137,7 @@ def compile_warmup(ctx: StepContext, batches: list[tuple[torch.Tensor, torch.Ten
         loss.backward()
     hardware.synchronize(ctx.device)
     elapsed = time.perf_counter() - t0
-    ctx.optimizer.zero_grad(set_to_none=True)
-    for p in model.parameters():
+    for p in model.parameters():  # the optimizer's tensors (fp32 masters) get no grad from a backward
         p.grad = None
     with torch.no_grad():
         for b, saved in buffers:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .data import DataError
+from .data import DataError, select_batches
 
 __all__ = [
     "DEFAULT_TEXT_PATH",
@@ -118,9 +118,7 @@ class TextCorpus:
                                 world_size=world_size)
 
     def eval_batches(self, indices: torch.Tensor, batch_size: int):
-        for i in range(0, len(indices), batch_size):
-            idx = indices[i:i + batch_size]
-            yield self.x_test.index_select(0, idx), self.y_test.index_select(0, idx)
+        return select_batches(self.x_test, self.y_test, indices, batch_size)
 
     def encode(self, text: str) -> torch.Tensor:
         """Token ids (int64) of ``text``; characters outside the vocabulary become ``UNK_ID``."""

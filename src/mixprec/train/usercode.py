@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, one_line
 
 __all__ = ["UserCodeError", "is_reference", "load_callable", "call_declared", "reference_of"]
 
@@ -64,7 +64,7 @@ def _import_module(name: str, ref: str, flag: str):
         raise UserCodeError(f"{flag} {ref!r}: cannot import {e.name!r} (run from the folder that holds it, add "
                             "it to PYTHONPATH, or give a file path like path/to/file.py:callable)") from None
     except Exception as e:  # noqa: BLE001 -- the module's own code raised while importing
-        raise UserCodeError(f"{flag} {ref!r}: importing {name} raised {_one_line(e)}") from None
+        raise UserCodeError(f"{flag} {ref!r}: importing {name} raised {one_line(e, 300)}") from None
 
 
 def _import_file(path: str, ref: str, flag: str):
@@ -81,7 +81,7 @@ def _import_file(path: str, ref: str, flag: str):
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 -- the file's own code raised while loading
         del sys.modules[key]
-        raise UserCodeError(f"{flag} {ref!r}: loading {full} raised {_one_line(e)}") from None
+        raise UserCodeError(f"{flag} {ref!r}: loading {full} raised {one_line(e, 300)}") from None
     return module
 
 
@@ -98,7 +98,7 @@ def call_declared(fn: Callable, offered: dict[str, Any], *, ref: str, flag: str)
     try:
         return fn(**kwargs)
     except Exception as e:  # noqa: BLE001 -- whatever the user's code raises is reported, not a traceback
-        raise UserCodeError(f"{flag} {ref!r} raised {_one_line(e)} (called with "
+        raise UserCodeError(f"{flag} {ref!r} raised {one_line(e, 300)} (called with "
                             f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items()) or 'no arguments'})") from None
 
 
@@ -123,8 +123,3 @@ def reference_of(obj: Any, flag: str) -> str:
         raise UserCodeError(f"{flag}: {qual} lives in an interactive session, which another process cannot import; "
                             "put it in a .py file and pass it (or 'path/to/file.py:name')")
     return f"{os.path.abspath(path)}:{qual}"
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
