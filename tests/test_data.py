@@ -1,17 +1,28 @@
 import gzip
+import inspect
 import os
 
 import numpy as np
 import pytest
 import torch
 
+from mixprec.train.config import DataConfig
 from mixprec.train.data import (
     DATASETS,
     FASHION_MNIST_DIR,
+    TASKS,
     BatchLoader,
     DataError,
-    Dataset,
+    DataSource,
+    FixedBatches,
+    Loader,
+    MapData,
+    TensorData,
+    TextCorpus,
+    UserBatches,
+    data_from_splits,
     load_dataset,
+    load_text_corpus,
     read_idx,
 )
 
@@ -100,7 +111,7 @@ def test_read_idx_corrupt_gzip_and_missing(tmp_path):
 def test_load_idx_dataset(tmp_path, gz):
     arrays = write_idx_dir(tmp_path, gz=gz)
     data = load_dataset("mnist", data_dir=str(tmp_path))
-    assert isinstance(data, Dataset)
+    assert isinstance(data, TensorData)
     assert data.x_train.shape == (12, 1, 28, 28) and data.x_test.shape == (5, 1, 28, 28)
     assert data.x_train.dtype == torch.float32 and data.y_train.dtype == torch.int64
     assert data.input_shape == (1, 28, 28) and data.num_classes == 10
@@ -177,6 +188,7 @@ def _fashion_mnist_present() -> bool:
     )
 
 
+@pytest.mark.slow  # reads the whole real dataset
 @pytest.mark.skipif(
     not _fashion_mnist_present(),
     reason=f"Fashion-MNIST not installed in {FASHION_MNIST_DIR} (apt-get install dataset-fashion-mnist)",
@@ -239,7 +251,7 @@ def test_synthetic_default_shape_and_limits():
 def test_bad_dataset_args():
     with pytest.raises(DataError, match="choose one of: " + ", ".join(DATASETS)):
         load_dataset("cifar10")
-    with pytest.raises(DataError, match="limit_train"):
+    with pytest.raises(DataError, match="--limit-train must be a positive integer, got 0"):
         load_dataset("synthetic", limit_train=0)
     with pytest.raises(DataError, match="synthetic_shape"):
         load_dataset("synthetic", synthetic_shape=(0, 4))
@@ -320,3 +332,112 @@ def test_loader_bad_args():
         make(batch_size=2, shuffle=False, rank=2, world_size=2)
     with pytest.raises(DataError, match="samples"):
         BatchLoader(torch.zeros(3, 2), torch.zeros(4), 2, shuffle=False)
+
+
+# ------------------------------------------------------------------------------------ the data-source protocol
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """A map-style dataset over tensors: what a user's factory might return."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def _sources(tmp_path):
+    synthetic = load_dataset("synthetic", synthetic_train=40, synthetic_test=10, synthetic_shape=(3,))
+    splits = (_Pairs(synthetic.x_train, synthetic.y_train), _Pairs(synthetic.x_test, synthetic.y_test))
+    mapped = data_from_splits(splits, "test:pairs")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 10, encoding="utf-8")
+    return {
+        "tensors": synthetic,
+        "user batches": UserBatches([(torch.randn(4, 3), torch.tensor([0, 2, 1, 2]))]),
+        "map-style": mapped,
+        "text": load_text_corpus(str(text), block_size=8),
+    }
+
+
+def test_every_source_and_its_loader_implement_the_protocol(tmp_path):
+    sources = _sources(tmp_path)
+    assert [type(s) for s in sources.values()] == [TensorData, UserBatches, MapData, TextCorpus]
+    for what, src in sources.items():
+        assert isinstance(src, DataSource), what
+        assert isinstance(src.name, str) and isinstance(src.source, str) and src.task in TASKS, what
+        assert isinstance(src.input_shape, tuple) and src.num_classes >= 1, what
+        assert src.n_train >= 1 and src.n_test >= 0, what
+        # every keyword the protocol names is accepted (isinstance does not check signatures)
+        loader = src.loader(4, seed=0, rank=0, world_size=1, num_workers=0, device=torch.device("cpu"))
+        assert isinstance(loader, Loader), what
+        loader.set_epoch(1)
+        batches = list(loader)
+        assert len(batches) == len(loader) >= 1 and loader.num_samples >= 1, what
+        assert len(list(loader.iter_from(1))) == len(loader) - 1, what
+        x, y = batches[0]
+        assert tuple(x.shape[1:]) == src.input_shape, what
+        evaluated = list(src.eval_batches(torch.arange(min(3, src.n_test)), 2))
+        assert sum(len(yb) for _, yb in evaluated) == min(3, src.n_test), what
+
+
+def test_the_protocol_refuses_what_lacks_a_member():
+    class NoEval:
+        name, source, task, input_shape, num_classes, n_train, n_test = "x", "x", "classify", (1,), 2, 1, 0
+
+        def loader(self, batch_size, *, seed, rank=0, world_size=1, num_workers=0, device=None):
+            return FixedBatches([])
+
+    class NoResume(list):
+        num_samples = 0
+
+        def set_epoch(self, epoch):
+            pass
+
+    assert not isinstance(NoEval(), DataSource)
+    assert not isinstance(NoResume(), Loader)
+    assert isinstance(FixedBatches([]), Loader)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_map_style_path_gives_batch_loaders_batches(world_size):
+    """The DataLoader path (seeded DistributedSampler) yields exactly BatchLoader's batches, resumed ones too."""
+    x = torch.arange(23, dtype=torch.float32).unsqueeze(1)
+    y = torch.arange(23)
+    tensors = TensorData(name="t", x_train=x, y_train=y, x_test=x, y_test=y, num_classes=23, input_shape=(1,),
+                         source="test")
+    mapped = data_from_splits((_Pairs(x, y), _Pairs(x, y)), "test:pairs")
+    def labels(batches):
+        return [yb.tolist() for _, yb in batches]
+
+    for rank in range(world_size):
+        a = tensors.loader(4, seed=9, rank=rank, world_size=world_size)
+        b = mapped.loader(4, seed=9, rank=rank, world_size=world_size)
+        assert len(a) == len(b) and a.num_samples == b.num_samples
+        epochs = []
+        for epoch in (0, 3):
+            a.set_epoch(epoch)
+            b.set_epoch(epoch)
+            epochs.append(labels(a))
+            assert epochs[-1] == labels(b)
+            assert labels(a.iter_from(2)) == labels(b.iter_from(2)) == epochs[-1][2:]
+        assert epochs[0] != epochs[1]  # the orders are shuffled, so equal orders mean something
+
+
+def test_user_batches_classes_only_for_integer_labels():
+    x = torch.randn(3, 5)
+    assert UserBatches([(x, torch.tensor([0, 4, 1])), (x, torch.tensor([2, 2, 2]))]).num_classes == 5
+    assert UserBatches([(x, torch.randn(3))]).num_classes == 0  # regression targets: not classes
+    assert UserBatches([(x, torch.tensor([-1, 0, 1]))]).num_classes == 0
+    assert UserBatches([(x, torch.tensor([0, 1, 1]))]).input_shape == (5,)
+
+
+def test_synthetic_defaults_are_the_configs():
+    params = inspect.signature(load_dataset).parameters
+    config = DataConfig()
+    for name in ("synthetic_train", "synthetic_test", "synthetic_shape", "limit_train", "limit_test"):
+        assert params[name].default == getattr(config, name), name

@@ -9,7 +9,7 @@ from mixprec.errors import UsageError
 from mixprec.fp8 import plan_fp8_conversion
 from mixprec.train.gpt import GPT, lm_loss
 from mixprec.train.models import ModelError
-from mixprec.train.text import TextWindowLoader, load_text_corpus
+from mixprec.train.data import TextWindowLoader, load_text_corpus
 
 
 def tiny(vocab=11, block=8, **kw):

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from mixprec.bench import worker
-from mixprec.train import data as data_module
 from mixprec.train.data import DataError, load_dataset, read_idx
+from mixprec.train.data import idx as idx_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--dataset", "synthetic", "--synthetic-train", "128", "--synthetic-test", "32", "--model", "mlp",
@@ -108,7 +108,7 @@ def _deny(monkeypatch, path):
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(data_module, "open", refusing_open, raising=False)
+    monkeypatch.setattr(idx_module, "open", refusing_open, raising=False)
 
 
 def test_unreadable_idx_file_is_permission_denied_not_corrupt(tmp_path, monkeypatch):

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from mixprec.errors import UsageError
-from mixprec.train.data import BatchLoader, DataError
-from mixprec.train.text import (
+from mixprec.train.data import BatchLoader, DataError, TextWindowLoader
+from mixprec.train.data.text import (
     DEFAULT_TEXT_PATH,
     UNK_ID,
-    TextWindowLoader,
     bits_per_char,
     load_text_corpus,
     perplexity,
@@ -81,7 +80,7 @@ def test_folder_reads_plain_files_in_name_order(tmp_path):
 
 
 def test_default_path_is_the_fortunes_package(monkeypatch, tmp_path):
-    import mixprec.train.text as text_mod
+    import mixprec.train.data.text as text_mod
 
     monkeypatch.setattr(text_mod, "DEFAULT_TEXT_PATH", str(tmp_path / "nowhere"))
     match = r"nowhere: no such file or folder; pass --data-path .*apt-get install fortunes"
@@ -118,8 +117,8 @@ def test_non_utf8_file_names_file_and_offset(tmp_path):
         load_text_corpus(str(tmp_path), block_size=4)
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(block_size=0), r"--block-size 0 must be a positive integer"),
-                                           (dict(block_size=4, max_test_windows=0), r"--max-test-windows 0")])
+@pytest.mark.parametrize("kwargs, match", [(dict(block_size=0), r"--block-size must be a positive integer, got 0"),
+                                           (dict(block_size=4, max_test_windows=0), r"--max-test-windows must be a positive integer, got 0")])
 def test_bad_sizes(tmp_path, kwargs, match):
     with pytest.raises(DataError, match=match):
         load_text_corpus(write(tmp_path / "t.txt", "x" * 100), **kwargs)
@@ -184,8 +183,8 @@ def test_length_and_default_steps_per_epoch():
     [
         (torch.zeros(8), dict(), r"8 tokens cannot hold one window of block_size \+ 1 = 9; use --block-size 7"),
         (torch.zeros(2, 50), dict(), r"tokens must be one sequence \(1-D\)"),
-        (torch.zeros(50), dict(batch_size=0), r"--batch-size 0 must be a positive integer"),
-        (torch.zeros(50), dict(steps_per_epoch=0), r"--steps-per-epoch 0 must be a positive integer"),
+        (torch.zeros(50), dict(batch_size=0), r"--batch-size must be a positive integer, got 0"),
+        (torch.zeros(50), dict(steps_per_epoch=0), r"--steps-per-epoch must be a positive integer, got 0"),
         (torch.zeros(50), dict(rank=2, world_size=2), r"rank=2 must satisfy 0 <= rank < world_size=2"),
     ],
 )
@@ -217,7 +216,7 @@ def test_fortunes_corpus():
     assert [os.path.basename(f) for f in corpus.files] == plain
     n = len(corpus.train) + len(corpus.test)
     assert len(corpus.train) == int(0.9 * n)
-    assert n > 1_000_000  # some 2.6 million characters
+    assert n > 1_000_000
     assert 90 <= corpus.vocab_size <= 256 and corpus.train.dtype == torch.uint8
     assert corpus.test_unknown < 100  # almost all test characters occur in the training split
     assert corpus.x_test.shape == ((len(corpus.test) - 1) // 64, 64)

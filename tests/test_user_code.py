@@ -24,6 +24,7 @@ def _one_line(code, err, match):
     assert match in lines[0], lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [CNN, TRANSFORMER])
 @pytest.mark.parametrize("data", [TENSORS, DATASETS])
 def test_user_models_and_data_train_from_the_cli(cli, tmp_path, model, data):
@@ -35,6 +36,7 @@ def test_user_models_and_data_train_from_the_cli(cli, tmp_path, model, data):
     assert s["model"] == model and s["dataset"] == data and 0 <= s["test_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_user_code_by_module_path(cli, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     code, _, err = cli("train", "--model", "userpkg.factories:cnn", "--dataset", "userpkg.factories:digits_tensors",
@@ -42,6 +44,7 @@ def test_user_code_by_module_path(cli, monkeypatch):
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_a_map_dataset_with_workers_gives_the_tensor_path_loss_curve():
     flags = dict(model=CNN, batch_size=64, epochs=2, max_steps=30, log_every=0, progress="off", lr=0.05)
     tensors = train(TrainConfig.from_flags(dataset=TENSORS, **flags))
@@ -52,6 +55,7 @@ def test_a_map_dataset_with_workers_gives_the_tensor_path_loss_curve():
     assert tensors.summary["test_accuracy"] == mapped.summary["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_dataloader_path_resumes_bit_identical(tmp_path):
     flags = dict(model=CNN, dataset=DATASETS, batch_size=64, epochs=2, log_every=0, progress="off", num_workers=2)
     full, part = tmp_path / "full", tmp_path / "part"
@@ -64,6 +68,7 @@ def test_dataloader_path_resumes_bit_identical(tmp_path):
     assert [h["steps"] for h in r.history] == [23, 23]
 
 
+@pytest.mark.slow
 def test_user_loss_by_reference(cli):
     code, _, err = cli("train", "--model", CNN, "--dataset", TENSORS, "--loss", f"{F}:smooth_l1", *QUICK)
     assert code == 0, err
@@ -111,6 +116,7 @@ def test_non_utf8_text_names_the_file(cli, tmp_path):
     _one_line(code, err, "not UTF-8")
 
 
+@pytest.mark.slow
 def test_user_files_are_not_written(cli, tmp_path):
     before = (ROOT / "tests" / "userpkg" / "factories.py").read_bytes()
     cli("train", "--model", CNN, "--dataset", TENSORS, *QUICK)
@@ -129,6 +135,7 @@ def test_fit_takes_a_module_instance_and_tensors():
     assert r.summary["recipe"] == "bf16-mixed" and not torch.equal(before, model.head.weight.detach())
 
 
+@pytest.mark.slow
 def test_fit_takes_factories():
     from userpkg.factories import digits_datasets, transformer
 
@@ -161,6 +168,7 @@ def test_compare_api_on_user_code(tmp_path):
     assert "| fp32 |" in c.table() and (tmp_path / "c" / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_doctor_cli_on_user_code(cli, tmp_path):
     code, out, err = cli("doctor", "--model", CNN, "--dataset", TENSORS, "--precision", "fp16-mixed", "--steps", "3",
                          "--no-plots", "--out", tmp_path / "d")
@@ -168,6 +176,7 @@ def test_doctor_cli_on_user_code(cli, tmp_path):
     assert (tmp_path / "d" / "doctor.json").exists()
 
 
+@pytest.mark.slow
 def test_doctor_api_on_a_user_transformer():
     from mixprec.doctor import diagnose
     from userpkg.factories import UserTransformer, digits_tensors

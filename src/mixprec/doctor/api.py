@@ -37,7 +37,7 @@ from torch import nn
 from ..errors import NonFiniteError, UsageError
 from ..train.build import Run, build_run
 from ..train.config import TrainConfig
-from ..train.data import UserBatches
+from ..train.data.sources import UserBatches
 from ..train.step import train_step
 from .attribution import ModuleTracker
 from .lost_updates import LostUpdateMonitor, optimizer_param_names, same_optimizer

@@ -16,7 +16,7 @@ from torch import nn
 from .build import build_run
 from .config import TrainConfig
 from .loop import TrainResult, train
-from .sources import data_from_splits
+from .data.sources import data_from_splits
 from .usercode import UserCodeError, reference_of
 
 __all__ = ["fit"]

@@ -24,9 +24,10 @@ from ..errors import ConfigError, one_line
 from ..precision import Recipe, build_recipe
 from . import distributed
 from .config import DataConfig, ModelConfig, OptimConfig, TrainConfig
-from .data import Dataset, load_dataset
+from .data.builtin import load_dataset
+from .data.protocol import DataSource, Loader
+from .data.sources import user_data
 from .models import build_model
-from .sources import user_data
 from .step import StepContext
 from .usercode import UserCodeError, call_declared, is_reference, load_callable
 
@@ -43,10 +44,10 @@ class Run:
 
     config: TrainConfig
     env: distributed.DistEnv
-    data: Dataset
-    """The data source (in-memory tensors, or the batches a doctor user passed)."""
-    train_loader: object
-    """This rank's training batches: ``__iter__``, ``__len__`` and ``set_epoch(epoch)``."""
+    data: DataSource
+    """The data source (a built-in dataset, text, the user's data, or the batches a doctor user passed)."""
+    train_loader: Loader
+    """This rank's training batches: ``set_epoch(epoch)``, ``iter_from(batch)``, ``__iter__``, ``__len__``."""
     ctx: StepContext
     """What a step needs: model, recipe, optimizer, loss, device, clip."""
 
@@ -111,12 +112,12 @@ _FUSED_DTYPES = (torch.float32,)
 where the for-loop implementation reaches 97% (tests/test_recipes.py); low-precision params get foreach."""
 
 
-def load_data(config: DataConfig, *, seed: int, block_size: int = 64) -> Dataset:
+def load_data(config: DataConfig, *, seed: int, block_size: int = 64) -> DataSource:
     """The data source a data section names: a built-in dataset, text, or the user's factory."""
     if is_reference(config.name):
         return user_data(config.name, seed=seed)
     if config.name == "text":
-        from .text import text_data
+        from .data.text import text_data
 
         return text_data(config.data_path, block_size=block_size, limit_test=config.limit_test)
     options = dataclasses.asdict(config)
@@ -126,7 +127,7 @@ def load_data(config: DataConfig, *, seed: int, block_size: int = 64) -> Dataset
     return load_dataset(config.name, seed=seed, **options)
 
 
-def model_from_config(config: ModelConfig, data: Dataset) -> nn.Module:
+def model_from_config(config: ModelConfig, data: DataSource) -> nn.Module:
     """The model a model section names (built-in or the user's factory), shaped for ``data``."""
     vocab = getattr(data, "vocab_size", data.num_classes)
     offered = {"input_shape": tuple(data.input_shape), "num_classes": data.num_classes, "vocab_size": vocab,
@@ -167,7 +168,7 @@ def loss_from_config(config: ModelConfig) -> LossFn:
     raise ConfigError(f"unknown --loss {config.loss!r}; use cross-entropy or package.module:callable")
 
 
-def _probe(model: nn.Module, data: Any, loss_fn: LossFn, config: TrainConfig) -> None:
+def _probe(model: nn.Module, data: DataSource, loss_fn: LossFn, config: TrainConfig) -> None:
     """One no-grad forward of two test samples, so user code that does not fit fails now, in one line."""
     x, y = next(iter(data.eval_batches(torch.arange(min(2, data.n_test)), 2)))
     was_training = model.training
@@ -211,7 +212,7 @@ def _allocation_is_a_usage_error(config: ModelConfig) -> Iterator[None]:
 def build_run(
     config: TrainConfig,
     *,
-    data: Dataset | None = None,
+    data: DataSource | None = None,
     model: nn.Module | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     make_optimizer: OptimizerFactory | None = None,

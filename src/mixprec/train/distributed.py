@@ -20,7 +20,7 @@ Strategies
 
 Data
 ----
-:class:`~mixprec.train.data.BatchLoader` draws one permutation per ``(seed, epoch)`` on every rank and
+:class:`~mixprec.train.data.loaders.BatchLoader` draws one permutation per ``(seed, epoch)`` on every rank and
 gives rank ``r`` positions ``r, r + N, r + 2N, ...`` (``DistributedSampler``'s striding). Step ``j`` of
 rank ``r`` with batch ``B`` therefore covers positions ``r + N*i`` for ``i`` in ``[jB, (j+1)B)``, and
 the union over ranks is exactly positions ``[jNB, (j+1)NB)``: the ``j``-th batch of one process with

@@ -16,7 +16,7 @@ from .. import hardware
 from ..memory import MemoryReport, SavedTensorTracker, static_memory
 from ..precision import StepResult
 from . import distributed
-from .text import bits_per_char, perplexity
+from .data.text import bits_per_char, perplexity
 
 if TYPE_CHECKING:
     from .build import Run

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +18,7 @@ from torch import nn
 from ..memory import SavedTensorTracker
 from ..precision import Recipe, StepResult
 from . import distributed
+from .data.protocol import DataSource
 
 __all__ = ["StepContext", "train_step", "accumulate_step", "evaluate", "compile_warmup"]
 
@@ -86,7 +86,7 @@ def accumulate_step(
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, data: Any, *, batch_size: int = 1000) -> tuple[float, float]:
+def evaluate(ctx: StepContext, data: DataSource, *, batch_size: int = 1000) -> tuple[float, float]:
     """Accuracy (fraction; per token for language models) and mean loss over ``data``'s test split, under
     the recipe's autocast.
 

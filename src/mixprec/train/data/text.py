@@ -1,8 +1,8 @@
-"""A character-level text corpus for the language-model case, and a loader of random windows.
+"""A character-level text corpus for the language-model case (``--dataset text``).
 
 Nothing is downloaded. The default corpus is the Debian package ``fortunes`` (``apt-get install
-fortunes``): ``DEFAULT_TEXT_PATH`` = /usr/share/games/fortunes, about 2.6 million characters of
-'%'-separated quotations in some forty plain-text files.
+fortunes``): ``DEFAULT_TEXT_PATH`` = /usr/share/games/fortunes, '%'-separated quotations in plain-text
+files.
 
 Reading (:func:`load_text_corpus`): ``path`` is one text file or a folder. From a folder every regular
 file directly inside it is read (not sub-folders: the Debian ``fortunes-off`` package puts its rot13
@@ -21,20 +21,15 @@ leaks into the model's shape; token ids are ``1..V-1`` in code-point order and i
 reserved for characters of the test split (or of :meth:`TextCorpus.encode`'s input) that the training
 split never contains. ``vocab_size`` counts it. Tokens are stored as uint8 (vocab <= 256), int16 or int32.
 
-Training batches (:class:`TextWindowLoader`): each "epoch" is a fixed number of batches of windows at
-random start positions ``i``, uniform over the ``N - T`` valid ones: ``x = tokens[i : i+T]``,
-``y = tokens[i+1 : i+T+1]`` (the target at each position is the next character). The positions come
-from a ``torch.Generator`` seeded by ``(seed, epoch)`` (mixed through ``numpy.random.SeedSequence``, so
-seed 0 epoch 1 and seed 1 epoch 0 differ), drawn one global batch of ``world_size * batch_size``
-positions at a time, of which rank ``r`` takes columns ``r, r + world_size, ...`` (as
-``BatchLoader`` strides its permutation). Batch ``k`` of an epoch is therefore the same on every run and
-every run with the same seed and world size, and a resumed run that skips the first ``k`` batches sees
-exactly the batches the interrupted run would have seen next.
+Training batches: seeded random windows of the training split
+(:class:`~mixprec.train.data.loaders.TextWindowLoader`): batch ``k`` of an epoch depends only on the seed, the
+epoch and the world size, so a resumed run that skips the first ``k`` batches sees exactly the batches the
+interrupted run would have seen next.
 
 Test set: the test split cut into consecutive non-overlapping windows (window ``j`` starts at ``j*T``),
 optionally capped to ``max_test_windows`` evenly spaced ones. It depends on neither the seed nor the batch
 size, so test losses are comparable across runs; ``x_test``/``y_test`` are ``(windows, T)`` int64 tensors
-that the ordinary unshuffled :class:`~mixprec.train.data.BatchLoader` can batch.
+that the ordinary unshuffled :class:`~mixprec.train.data.loaders.BatchLoader` can batch.
 
 Metrics: the loss is the mean cross-entropy in nats per character, ``perplexity = exp(loss)``,
 ``bits_per_char = loss / ln 2``.
@@ -44,19 +39,21 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .data import DataError, select_batches
+from ...validate import positive_int
+from .loaders import TextWindowLoader, select_batches
+from .protocol import Batch, DataError
 
 __all__ = [
     "DEFAULT_TEXT_PATH",
     "TRAIN_FRACTION",
     "UNK_ID",
     "TextCorpus",
-    "TextWindowLoader",
     "bits_per_char",
     "load_text_corpus",
     "text_data",
@@ -100,7 +97,7 @@ class TextCorpus:
         """The shape of one sample: ``(block_size,)`` token ids."""
         return (self.block_size,)
 
-    # -- the data-source protocol of mixprec.train.data.Dataset -------------------------------------------
+    # -- the data-source protocol (mixprec.train.data.protocol.DataSource) --------------------------------
     task = "language-model"
 
     @property
@@ -113,11 +110,14 @@ class TextCorpus:
         """Test windows."""
         return len(self.x_test)
 
-    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, **_) -> TextWindowLoader:
+    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
+               device: torch.device | None = None) -> TextWindowLoader:
+        """Seeded random windows of the training split (in memory, so no workers)."""
         return TextWindowLoader(self.train, self.block_size, batch_size, seed=seed, rank=rank,
                                 world_size=world_size)
 
-    def eval_batches(self, indices: torch.Tensor, batch_size: int):
+    def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
+        """The fixed test windows ``indices``, ``batch_size`` at a time."""
         return select_batches(self.x_test, self.y_test, indices, batch_size)
 
     def encode(self, text: str) -> torch.Tensor:
@@ -238,12 +238,6 @@ def _test_windows(test: torch.Tensor, block_size: int, cap: int | None) -> tuple
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-def _check_positive(**values) -> None:
-    for name, value in values.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise DataError(f"--{name.replace('_', '-')} {value!r} must be a positive integer")
-
-
 def load_text_corpus(path: str | None = None, *, block_size: int, max_test_windows: int | None = None) -> TextCorpus:
     """Read, split, build the vocabulary of and encode a character-level corpus (see the module docstring).
 
@@ -256,7 +250,8 @@ def load_text_corpus(path: str | None = None, *, block_size: int, max_test_windo
         DataError: missing path, no text files, empty text, a file that is not UTF-8 (file and byte
             offset), a split shorter than ``block_size + 1``, a non-positive size. One line naming the fix.
     """
-    _check_positive(block_size=block_size, max_test_windows=max_test_windows)
+    positive_int("block_size", block_size, error=DataError)
+    positive_int("max_test_windows", max_test_windows, allow_none=True, error=DataError)
     path = os.path.expanduser(DEFAULT_TEXT_PATH if path is None else os.fspath(path))
     text, files = _read_corpus(path)
     codes = _codepoints(text)
@@ -277,71 +272,3 @@ def load_text_corpus(path: str | None = None, *, block_size: int, max_test_windo
     return TextCorpus(train=train, test=test, x_test=x_test, y_test=y_test, itos=itos, block_size=block_size,
                       source=os.path.abspath(path), files=tuple(files),
                       test_unknown=int((test == UNK_ID).sum()))
-
-
-# ------------------------------------------------------------------------------------------- loader
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    """A 63-bit generator seed that is a pure function of ``(seed, epoch)``, distinct for distinct pairs."""
-    state = np.random.SeedSequence([seed % 2**64, epoch % 2**64]).generate_state(1, dtype=np.uint64)
-    return int(state[0]) >> 1
-
-
-class TextWindowLoader:
-    """Seeded random windows of a token sequence, with :class:`~mixprec.train.data.BatchLoader`'s interface.
-
-    Yields ``steps_per_epoch`` batches ``(x, y)``, both int64 ``(batch_size, block_size)`` on the device of
-    ``tokens`` (move the tokens once, before building the loader). ``steps_per_epoch`` defaults to
-    ``(N - T) // (batch_size * T * world_size)`` (at least 1): all ranks together then read about as many
-    characters per epoch as the sequence holds. Call ``set_epoch(epoch)`` before each epoch, or every epoch
-    repeats the same windows. See the module docstring for the sampling and the rank striding.
-    """
-
-    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, *, seed: int = 0,
-                 steps_per_epoch: int | None = None, rank: int = 0, world_size: int = 1):
-        _check_positive(block_size=block_size, batch_size=batch_size, steps_per_epoch=steps_per_epoch)
-        if tokens.ndim != 1:
-            raise DataError(f"TextWindowLoader: tokens must be one sequence (1-D), got shape {tuple(tokens.shape)}")
-        if len(tokens) < block_size + 1:
-            raise DataError(
-                f"TextWindowLoader: {len(tokens)} tokens cannot hold one window of block_size + 1 = "
-                f"{block_size + 1}; use --block-size {max(len(tokens) - 1, 1)} or less, or more text"
-            )
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise DataError(f"TextWindowLoader: rank={rank} must satisfy 0 <= rank < world_size={world_size}")
-        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.epoch = 0
-        self.n_starts = len(tokens) - block_size  # valid starts 0 .. N-T-1: y needs tokens[i+T]
-        if steps_per_epoch is None:
-            steps_per_epoch = max(1, self.n_starts // (batch_size * block_size * world_size))
-        self.steps_per_epoch = steps_per_epoch
-        self._offsets = torch.arange(block_size + 1, device=tokens.device)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the windows of ``epoch``; the same ``(seed, epoch)`` gives the same batches."""
-        self.epoch = epoch
-
-    def __iter__(self):
-        return self.iter_from(0)
-
-    def iter_from(self, first: int):
-        """The epoch's batches from batch ``first`` on; the skipped ones' positions are drawn, not gathered."""
-        g = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
-        global_batch = self.world_size * self.batch_size
-        for k in range(self.steps_per_epoch):
-            starts = torch.randint(0, self.n_starts, (global_batch,), generator=g)
-            if k < first:
-                continue
-            mine = starts[self.rank :: self.world_size].to(self.tokens.device)
-            windows = self.tokens[mine[:, None] + self._offsets].long()  # (B, T + 1)
-            yield windows[:, :-1], windows[:, 1:]
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-    @property
-    def num_samples(self) -> int:
-        """Windows per epoch on this rank (every batch is full)."""
-        return self.steps_per_epoch * self.batch_size

@@ -1,0 +1,270 @@
+"""The loaders: every :class:`~mixprec.train.data.protocol.Loader` a data source hands out, and the batching of
+in-memory test sets.
+
+One rule makes runs reproducible and resumable whatever the data: the order of an epoch is a pure function
+of ``(seed, epoch)``, identical on every rank, and rank ``r`` of ``world_size`` takes the positions ``r, r +
+world_size, ...`` of it.
+
+- :class:`BatchLoader` (in-memory tensors): each epoch the indices ``0..N-1`` are permuted by a
+  ``torch.Generator`` seeded with ``seed + epoch`` (as ``torch.utils.data.DistributedSampler`` does), padded
+  by wrapping around to a multiple of ``world_size``, and strided by rank. A batch is one ``index_select``.
+- :class:`MapLoader` (a user's map-style dataset): a ``DataLoader`` (``--num-workers`` processes, persistent
+  between epochs, pinned memory on CUDA) over a ``DistributedSampler`` with explicit rank and seed. That
+  sampler draws ``randperm(n, generator seeded seed + epoch)``, pads by wrapping and strides by rank: exactly
+  :class:`BatchLoader`'s order, so the same samples as tensors or as a dataset give the same batches and the
+  same loss curve.
+- :class:`TextWindowLoader` (a token sequence): windows at random start positions, drawn one global batch of
+  ``world_size * batch_size`` positions at a time from a generator seeded by ``(seed, epoch)``, of which rank
+  ``r`` takes columns ``r, r + world_size, ...``.
+- :class:`FixedBatches` (batches a caller handed over): the same order every epoch.
+
+Each ``iter_from(k)`` starts the epoch at batch ``k`` without building the skipped batches (the text loader
+draws their positions, so the generator is where it would have been): a resumed run sees exactly the batches
+the interrupted run would have seen next.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import Dataset as TorchDataset
+
+from ...validate import positive_int
+from .protocol import Batch, DataError
+
+__all__ = ["BatchLoader", "FixedBatches", "MapLoader", "TextWindowLoader", "select_batches"]
+
+
+def _check_rank(owner: str, rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise DataError(f"{owner}: rank={rank} must satisfy 0 <= rank < world_size={world_size}")
+
+
+# ------------------------------------------------------------------------------------------ in memory
+
+
+class BatchLoader:
+    """In-memory batches by index slicing (no per-sample ``__getitem__``).
+
+    Each epoch the indices ``0..N-1`` are permuted (if ``shuffle``) by a ``torch.Generator`` seeded with
+    ``seed + epoch``, identical on every rank. With ``world_size > 1`` the permutation is padded by
+    wrapping around to a multiple of ``world_size`` and rank ``r`` takes positions ``r, r + world_size, ...``
+    (as ``DistributedSampler`` does), so shards are disjoint up to the padding and every rank runs the
+    same number of batches. Call ``set_epoch(epoch)`` before each epoch, or every epoch repeats one order.
+
+    Batches are ``x.index_select(0, idx)`` copies (or plain slices when unshuffled on one rank), on the
+    device of ``x``; move the data to the device once, before building the loader.
+    """
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if x.shape[0] != y.shape[0]:
+            raise DataError(f"BatchLoader: x has {x.shape[0]} samples but y has {y.shape[0]}")
+        positive_int("batch_size", batch_size, error=DataError)
+        _check_rank("BatchLoader", rank, world_size)
+        self.x, self.y = x, y
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.num_samples = math.ceil(x.shape[0] / world_size)  # per rank, padding included
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation for ``epoch``; the same ``(seed, epoch)`` gives the same order."""
+        self.epoch = epoch
+
+    def _indices(self) -> torch.Tensor | None:
+        """This rank's sample indices for the current epoch, or None for 'all, in order'."""
+        n = self.x.shape[0]
+        if not self.shuffle and self.world_size == 1:
+            return None
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g)
+        else:
+            order = torch.arange(n)
+        total = self.num_samples * self.world_size
+        if total > n:  # wrap around (repeatedly if world_size > n) so every rank gets num_samples
+            order = order.repeat(math.ceil(total / n))[:total]
+        return order[self.rank : total : self.world_size].to(self.x.device)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self._batches(0)
+
+    def _batches(self, first: int) -> Iterator[Batch]:
+        if self.x.shape[0] == 0:
+            return
+        indices = self._indices()
+        b = self.batch_size
+        for i in range(first, len(self)):
+            if indices is None:
+                yield self.x[i * b : (i + 1) * b], self.y[i * b : (i + 1) * b]
+            else:
+                idx = indices[i * b : (i + 1) * b]
+                yield self.x.index_select(0, idx), self.y.index_select(0, idx.to(self.y.device))
+
+    def iter_from(self, first: int) -> Iterator[Batch]:
+        """The epoch's batches from batch ``first`` on (a resumed epoch; the skipped ones are not built)."""
+        return self._batches(first)
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return math.ceil(self.num_samples / self.batch_size)
+
+
+def select_batches(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor,
+                   batch_size: int) -> Iterator[Batch]:
+    """``(x[idx], y[idx])`` for consecutive ``batch_size`` slices of ``indices``: in-memory evaluation batches."""
+    for i in range(0, len(indices), batch_size):
+        idx = indices[i:i + batch_size]
+        yield x.index_select(0, idx.to(x.device)), y.index_select(0, idx.to(y.device))
+
+
+class FixedBatches(list):
+    """Given batches with the loader interface: the same order every epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def iter_from(self, first: int) -> Iterator[Batch]:
+        return iter(self[first:])
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(y) for _, y in self)
+
+
+# ------------------------------------------------------------------------------------ map-style datasets
+
+
+class _FromSample(DistributedSampler):
+    """DistributedSampler that can start an epoch at sample ``start`` (a resumed epoch)."""
+
+    start = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start
+
+
+class MapLoader:
+    """Training batches of a map-style dataset: DataLoader + seeded, rank-strided sampler (see module doc)."""
+
+    def __init__(self, dataset: TorchDataset, batch_size: int, *, seed: int, rank: int, world_size: int,
+                 num_workers: int, pin_memory: bool) -> None:
+        self.batch_size = batch_size
+        self.sampler = _FromSample(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
+                                 pin_memory=pin_memory, persistent_workers=num_workers > 0)
+        self._n = math.ceil(self.sampler.num_samples / batch_size)
+        self.num_samples = self.sampler.num_samples
+        """Samples per epoch on this rank (padding included)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def iter_from(self, first: int) -> Iterator[Batch]:
+        self.sampler.start = first * self.batch_size
+        return iter(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.iter_from(0)
+
+    def __len__(self) -> int:
+        return self._n
+
+
+# ---------------------------------------------------------------------------------------------- text
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit generator seed that is a pure function of ``(seed, epoch)``, distinct for distinct pairs."""
+    state = np.random.SeedSequence([seed % 2**64, epoch % 2**64]).generate_state(1, dtype=np.uint64)
+    return int(state[0]) >> 1
+
+
+class TextWindowLoader:
+    """Seeded random windows of a token sequence, for next-token prediction.
+
+    Each "epoch" is ``steps_per_epoch`` batches ``(x, y)``, both int64 ``(batch_size, block_size)`` on the
+    device of ``tokens`` (move the tokens once, before building the loader): windows at start positions
+    ``i`` uniform over the ``N - T`` valid ones, ``x = tokens[i : i+T]``, ``y = tokens[i+1 : i+T+1]`` (the
+    target at each position is the next token). The positions come from a ``torch.Generator`` seeded by
+    ``(seed, epoch)`` (mixed through ``numpy.random.SeedSequence``, so seed 0 epoch 1 and seed 1 epoch 0
+    differ), drawn one global batch of ``world_size * batch_size`` positions at a time, of which rank ``r``
+    takes columns ``r, r + world_size, ...``. Batch ``k`` of an epoch is therefore the same on every run with
+    the same seed and world size.
+
+    ``steps_per_epoch`` defaults to ``(N - T) // (batch_size * T * world_size)`` (at least 1): all ranks
+    together then read about as many tokens per epoch as the sequence holds. Call ``set_epoch(epoch)`` before
+    each epoch, or every epoch repeats the same windows.
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, *, seed: int = 0,
+                 steps_per_epoch: int | None = None, rank: int = 0, world_size: int = 1):
+        positive_int("block_size", block_size, error=DataError)
+        positive_int("batch_size", batch_size, error=DataError)
+        positive_int("steps_per_epoch", steps_per_epoch, allow_none=True, error=DataError)
+        if tokens.ndim != 1:
+            raise DataError(f"TextWindowLoader: tokens must be one sequence (1-D), got shape {tuple(tokens.shape)}")
+        if len(tokens) < block_size + 1:
+            raise DataError(
+                f"TextWindowLoader: {len(tokens)} tokens cannot hold one window of block_size + 1 = "
+                f"{block_size + 1}; use --block-size {max(len(tokens) - 1, 1)} or less, or more text"
+            )
+        _check_rank("TextWindowLoader", rank, world_size)
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.epoch = 0
+        self.n_starts = len(tokens) - block_size  # valid starts 0 .. N-T-1: y needs tokens[i+T]
+        if steps_per_epoch is None:
+            steps_per_epoch = max(1, self.n_starts // (batch_size * block_size * world_size))
+        self.steps_per_epoch = steps_per_epoch
+        self._offsets = torch.arange(block_size + 1, device=tokens.device)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the windows of ``epoch``; the same ``(seed, epoch)`` gives the same batches."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.iter_from(0)
+
+    def iter_from(self, first: int) -> Iterator[Batch]:
+        """The epoch's batches from batch ``first`` on; the skipped ones' positions are drawn, not gathered."""
+        g = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
+        global_batch = self.world_size * self.batch_size
+        for k in range(self.steps_per_epoch):
+            starts = torch.randint(0, self.n_starts, (global_batch,), generator=g)
+            if k < first:
+                continue
+            mine = starts[self.rank :: self.world_size].to(self.tokens.device)
+            windows = self.tokens[mine[:, None] + self._offsets].long()  # (B, T + 1)
+            yield windows[:, :-1], windows[:, 1:]
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    @property
+    def num_samples(self) -> int:
+        """Windows per epoch on this rank (every batch is full)."""
+        return self.steps_per_epoch * self.batch_size

@@ -1,0 +1,102 @@
+"""The data-source protocol: everything the trainer asks of data, and nothing more.
+
+``build_run``, ``evaluate``, the loop, bench and doctor see data only through these two protocols, so a new
+kind of data is a new class that implements them, not a change to the trainer. Every source in this package
+implements them (tests/test_data.py checks each with ``isinstance``):
+
+- :class:`DataSource` describes one data set (its name, where it came from, the task, the shape of a sample,
+  the model's output width, the sizes of both splits), hands out this rank's training :class:`Loader`, and
+  batches any subset of its test split for evaluation: the caller picks the indices (under torchrun, each
+  rank its strided shard, :func:`mixprec.train.distributed.eval_shard`).
+- :class:`Loader` yields this rank's training batches, epoch by epoch. Its order is a pure function of
+  ``(seed, epoch)`` and the rank: ``set_epoch`` selects it, and ``iter_from(k)`` starts the epoch at batch
+  ``k`` without building the skipped batches, so a resumed run sees exactly the batches the interrupted run
+  would have seen next.
+
+Both are ``runtime_checkable``: ``isinstance(obj, DataSource)`` checks that every member is present (not its
+signature). A batch is an ``(inputs, targets)`` pair of tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ...errors import UsageError
+
+__all__ = ["Batch", "DataError", "DataSource", "Loader", "TASKS"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""``(inputs, targets)``: one batch of training or evaluation samples."""
+
+TASKS = ("classify", "language-model")
+"""``classify``: logits (B, C), accuracy. ``language-model``: logits (B, T, V), perplexity, bits per character."""
+
+
+class DataError(UsageError):
+    """A dataset cannot be loaded or a loader cannot be built; the message says how to fix it."""
+
+
+@runtime_checkable
+class Loader(Protocol):
+    """This rank's training batches of one run, epoch by epoch."""
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank sees per epoch, padding included (the loop derives the last batch's size from it)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch``; the same ``(seed, epoch)`` gives the same batches. Call it before each
+        epoch, or every epoch repeats one order."""
+
+    def iter_from(self, first: int) -> Iterator[Batch]:
+        """The epoch's batches from batch ``first`` on (a resumed epoch); the skipped ones are not built."""
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The whole epoch: ``iter_from(0)``."""
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """One data set: its training and test splits, as the trainer needs them."""
+
+    @property
+    def name(self) -> str:
+        """What the run reports as its dataset (the ``--dataset`` value, or a description)."""
+
+    @property
+    def source(self) -> str:
+        """Where the data came from: a folder, a file, a factory, a package."""
+
+    @property
+    def task(self) -> str:
+        """One of :data:`TASKS`: what the model predicts and which test metrics the run reports."""
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample's inputs, without the batch dimension."""
+
+    @property
+    def num_classes(self) -> int:
+        """The model's output width: classes (``classify``) or the vocabulary size (``language-model``)."""
+
+    @property
+    def n_train(self) -> int:
+        """Training samples (text: characters of the training split)."""
+
+    @property
+    def n_test(self) -> int:
+        """Test samples (text: test windows); 0 for a source without a test split."""
+
+    def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
+               device: torch.device | None = None) -> Loader:
+        """This rank's training batches, shuffled by ``seed`` (``num_workers`` and ``device`` apply to sources
+        that load through a DataLoader; in-memory sources ignore them)."""
+
+    def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
+        """The test samples ``indices``, in that order, ``batch_size`` at a time."""
