@@ -62,6 +62,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--resume", metavar="DIR",
                    help="continue the bench in DIR: run its missing and failed runs, keep the finished ones; "
                         "only --timeout, --no-plots, --data-dir and --data-path may be given with it")
+    # every flag (the parse of no flags lists them all) defaults to UNSET: typed flags are the ones set
     p.set_defaults(**{dest: UNSET for dest in vars(p.parse_args([]))})
     p.set_defaults(func=bench_main)
     return p

@@ -50,6 +50,8 @@ def _default_train() -> TrainConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BenchConfig:
+    """One bench: the runs' training settings and how the comparison is run and kept."""
+
     train: TrainConfig = dataclasses.field(default_factory=_default_train)
     """Every run's training settings (model, data, optimizer, schedule, seed, device, the base recipe
     settings); run r of a recipe uses this recipe's config with seed ``train.run.seed + r``."""
