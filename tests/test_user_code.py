@@ -163,8 +163,8 @@ def test_compare_api_on_user_code(tmp_path):
     from mixprec.bench import compare
 
     c = compare(CNN, TENSORS, precisions=["fp32", "bf16-mixed"], repeats=1, out=str(tmp_path / "c"),
-                batch_size=64, max_steps=6, warmup_steps=1, no_plots=True)
-    assert c.exit_code == 0 and [r["recipe"] for r in c.rows] == ["fp32", "bf16-mixed"]
+                batch_size=64, max_steps=6, warmup_steps=1, plots=False)
+    assert c.exit_code == 0 and [r.recipe for r in c.rows] == ["fp32", "bf16-mixed"]
     assert "| fp32 |" in c.table() and (tmp_path / "c" / "results.json").exists()
 
 

@@ -1,12 +1,8 @@
 """The benchmark. ``mixprec.bench.compare(model, data, precisions=[...])`` is its Python entry point (see
-:mod:`mixprec.bench.api`); ``mixprec bench`` its command line."""
+:mod:`mixprec.bench.api`); ``mixprec bench`` its command line (:mod:`mixprec.bench.command`). Both build a
+:class:`~mixprec.bench.config.BenchConfig` and run a :class:`~mixprec.bench.session.Session`."""
 
-__all__ = ["compare"]
+from .api import Comparison, compare
+from .config import BenchConfig
 
-
-def __getattr__(name: str):
-    if name == "compare":  # lazy: the CLI imports bench.command without the API
-        from .api import compare
-
-        return compare
-    raise AttributeError(f"module 'mixprec.bench' has no attribute {name!r}")
+__all__ = ["compare", "Comparison", "BenchConfig"]

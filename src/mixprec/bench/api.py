@@ -1,8 +1,9 @@
 """``mixprec.bench.compare``: the benchmark from a notebook or script, no command line.
 
-It runs exactly what ``mixprec bench`` runs — every (recipe, repeat) in a fresh worker process — so the
-model, data and loss must be importable there: pass ``module:callable`` strings, built-in names, or
-callables defined at the top level of a module or ``.py`` file (their import path is worked out).
+It builds the same :class:`~mixprec.bench.config.BenchConfig` ``mixprec bench`` builds and runs the same
+session — every (recipe, repeat) in a fresh worker process — so the model, data and loss must be
+importable there: pass ``module:callable`` strings, built-in names, or callables defined at the top level
+of a module or ``.py`` file (their import path is worked out).
 """
 
 from __future__ import annotations
@@ -12,9 +13,23 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..train.config import TrainConfig
 from ..train.usercode import reference_of
+from .config import RUN_TRAIN_DEFAULTS, BenchConfig
+from .report import as_rows, table
+from .results import RunResult, SummaryRow
+from .session import Session
 
-__all__ = ["compare", "Comparison"]
+__all__ = ["compare", "Comparison", "TRAIN_SETTINGS"]
+
+_DEFAULT = BenchConfig()
+
+TRAIN_SETTINGS = tuple(k for k in TrainConfig().flags()
+                       if k not in ("precision", "model", "dataset", "loss", "out", "checkpoint_every", "resume",
+                                    "overwrite", "metrics_json"))
+"""The ``mixprec train`` settings :func:`compare` takes as keyword arguments (``epochs=3``,
+``batch_size=256``, ``max_steps=50``...): all but the recipe (``precisions`` names those), the model,
+data and loss (arguments of their own) and the outputs (bench writes its own)."""
 
 
 @dataclasses.dataclass
@@ -26,13 +41,16 @@ class Comparison:
     exit_code: int
 
     @property
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[SummaryRow]:
         """One summary row per recipe (the table's numbers)."""
-        return self.doc["summary"]
+        return as_rows(self.doc["summary"])
+
+    @property
+    def runs(self) -> list[RunResult]:
+        """Every run, in run order."""
+        return [RunResult.from_dict(r) for r in self.doc["runs"]]
 
     def table(self) -> str:
-        from .report import table
-
         return table(self.rows)
 
     @property
@@ -45,28 +63,30 @@ class Comparison:
 
 
 def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist", *,
-            precisions: Sequence[str] = ("fp32", "amp", "bf16-mixed"), repeats: int = 2, out: str | None = None,
-            loss: Callable | str | None = None, **flags: Any) -> Comparison:
+            precisions: Sequence[str] | str = _DEFAULT.precisions, repeats: int = _DEFAULT.repeats,
+            out: str | os.PathLike | None = None, loss: Callable | str | None = None,
+            warmup_steps: int = _DEFAULT.warmup_steps, timeout: float | None = _DEFAULT.timeout,
+            peak_seconds: float = _DEFAULT.peak_seconds, plots: bool = _DEFAULT.plots,
+            **train_settings: Any) -> Comparison:
     """Train ``model`` on ``data`` under each recipe ``repeats`` times and compare them (see ``mixprec bench``).
 
-    ``flags`` are ``mixprec bench`` flags by their Python names (``epochs=3``, ``batch_size=256``,
-    ``max_steps=50``, ``no_plots=True``...). Returns a :class:`Comparison`; its ``table()`` is the printed table.
+    ``train_settings`` are :data:`TRAIN_SETTINGS` by their Python names (``epochs=3``, ``batch_size=256``,
+    ``max_steps=50``...); any other keyword is a ``TypeError`` naming it, before anything runs. Returns a
+    :class:`Comparison`; its ``table()`` is the printed table.
     """
-    from ..cli import build_parser
-    from .command import Session
-
-    argv = ["bench", "--model", reference_of(model, "--model"), "--dataset", reference_of(data, "--dataset"),
-            "--precisions", ",".join(precisions), "--repeats", str(repeats)]
-    if out is not None:
-        argv += ["--out", os.fspath(out)]
+    unknown = sorted(set(train_settings) - set(TRAIN_SETTINGS))
+    if unknown:
+        hint = " (name the recipes with precisions=[...])" if "precision" in unknown else ""
+        raise TypeError(f"compare() got unexpected keyword argument(s): {', '.join(unknown)}{hint}; it takes "
+                        f"precisions, repeats, out, loss, warmup_steps, timeout, peak_seconds, plots and the "
+                        f"train settings mixprec.bench.api.TRAIN_SETTINGS lists")
+    flags = {**RUN_TRAIN_DEFAULTS, **train_settings, "model": reference_of(model, "--model"),
+             "dataset": reference_of(data, "--dataset")}
     if loss is not None:
-        argv += ["--loss", reference_of(loss, "--loss")]
-    for key, value in flags.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value not in (None, False):
-            argv += [flag, ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)]
-    session = Session()
-    code = session.run(build_parser().parse_args(argv))
+        flags["loss"] = reference_of(loss, "--loss")
+    config = BenchConfig(train=TrainConfig.from_flags(**flags), precisions=precisions, repeats=repeats,
+                         out=None if out is None else os.fspath(out), warmup_steps=warmup_steps, timeout=timeout,
+                         peak_seconds=peak_seconds, plots=plots)
+    session = Session(config)
+    code = session.run()
     return Comparison(doc=session.doc, out_dir=session.plan.out_dir, exit_code=code)

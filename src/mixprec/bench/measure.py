@@ -15,7 +15,7 @@ a *measured* peak of one training step, taken after the timed run is over so it 
 
 - CPU: the process resident set is misleading as it is: glibc keeps freed buffers in its heap, so the
   next step reuses them without the RSS moving and a naive "RSS during the step minus RSS before" reads
-  several times too low. So the probe (1) switches glibc to ``mmap`` for every allocation of 64 KiB or
+  far too low. So the probe (1) switches glibc to ``mmap`` for every allocation of 64 KiB or
   more (``mallopt(M_MMAP_THRESHOLD, 65536)``, what ``MALLOC_MMAP_THRESHOLD_=65536`` does at start-up),
   so freed tensors go back to the kernel at once; (2) frees the gradients and calls ``malloc_trim(0)``;
   (3) reads ``VmRSS`` as the baseline and writes ``5`` to ``/proc/self/clear_refs``, which resets the
@@ -29,7 +29,7 @@ a *measured* peak of one training step, taken after the timed run is over so it 
 
 **Peak matmul rate.** MFU needs the machine's peak for the dtype the matmuls run in, measured here and
 now rather than read from a datasheet: square matmuls of growing size, best time of a few repeats, within
-a time budget per dtype (so the 100x-slow CPU fp16 fallback costs about a second, not minutes).
+a time budget per dtype (so a dtype without fast kernels on this machine costs the budget, not minutes).
 """
 
 from __future__ import annotations
@@ -44,27 +44,17 @@ from typing import Any
 import torch
 
 from ..hardware import synchronize
+from ..memory import SavedTensorTracker, static_memory
+from ..train.step import train_step
+from .results import MemoryProbe, Timing
 
-__all__ = [
-    "timing_from_history",
-    "probe_step_memory",
-    "measure_matmul_peak",
-    "spread",
-]
+__all__ = ["timing_from_history", "probe_step_memory", "measure_matmul_peak"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 65536
 
 
-def spread(values: list[float]) -> dict[str, float] | None:
-    """Median, min, max and count of ``values`` (None if empty)."""
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
-
-
-def timing_from_history(history: list[dict[str, Any]], *, warmup_steps: int, batch_size: int) -> dict[str, Any]:
+def timing_from_history(history: list[dict[str, Any]], *, warmup_steps: int, batch_size: int) -> Timing:
     """Step time, steady epoch time and samples/s of one run, warm-up steps of every epoch excluded."""
     timed: list[float] = []
     steady_epochs: list[float] = []
@@ -76,16 +66,11 @@ def timing_from_history(history: list[dict[str, Any]], *, warmup_steps: int, bat
             steady_epochs.append(sum(kept) / len(kept) * len(steps))
     raw = [h["epoch_time_s"] for h in history if h.get("epoch_time_s") is not None]
     step = statistics.median(timed) if timed else None
-    return {
-        "timed_steps": len(timed),
-        "warmup_steps_per_epoch": warmup_steps,
-        "step_time_s": step,
-        "step_time_p10_s": _quantile(timed, 0.1),
-        "step_time_p90_s": _quantile(timed, 0.9),
-        "epoch_time_s": statistics.fmean(steady_epochs) if steady_epochs else None,
-        "raw_epoch_time_s": statistics.fmean(raw) if raw else None,
-        "samples_per_s": batch_size / step if step else None,
-    }
+    return Timing(timed_steps=len(timed), warmup_steps_per_epoch=warmup_steps, step_time_s=step,
+                  step_time_p10_s=_quantile(timed, 0.1), step_time_p90_s=_quantile(timed, 0.9),
+                  epoch_time_s=statistics.fmean(steady_epochs) if steady_epochs else None,
+                  raw_epoch_time_s=statistics.fmean(raw) if raw else None,
+                  samples_per_s=batch_size / step if step else None)
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -131,26 +116,22 @@ def _reset_hwm() -> bool:
         return False
 
 
-def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int = 2) -> dict[str, Any]:
+def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int = 2) -> MemoryProbe:
     """Measured peak of one training step above the resident state (see the module docstring).
 
     Runs ``repeats`` real optimizer steps on ``run`` (it changes the weights: call it after the run's
     results are recorded). Returns the largest measured step peak and, for comparison, the exact
     activations + gradients of the same step.
     """
-    from ..memory import SavedTensorTracker, static_memory
-    from ..train.step import train_step
-
     device = run.device
     cuda = device.type == "cuda"
     libc = None
     if not cuda:
         libc = _libc()
         if libc is None or _proc_status("VmHWM") is None:
-            return {"method": None, "reason": "needs glibc and /proc (Linux); not available here"}
+            return MemoryProbe(reason="needs glibc and /proc (Linux); not available here")
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    best = None
-    exact = None
+    best = activations = grads = None
     for _ in range(repeats):
         run.optimizer.zero_grad(set_to_none=True)
         gc.collect()
@@ -162,7 +143,7 @@ def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int =
             libc.malloc_trim(0)
             base = _proc_status("VmRSS")
             if not _reset_hwm() or _proc_status("VmHWM") > base + MMAP_THRESHOLD_BYTES * 16:
-                return {"method": None, "reason": "cannot reset VmHWM (/proc/self/clear_refs not writable)"}
+                return MemoryProbe(reason="cannot reset VmHWM (/proc/self/clear_refs not writable)")
         tracker = SavedTensorTracker(exclude=run.model.parameters())
         train_step(run.ctx, xb, yb, tracker=tracker)
         if cuda:
@@ -170,19 +151,13 @@ def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int =
             peak = torch.cuda.max_memory_allocated(device) - base
         else:
             peak = _proc_status("VmHWM") - base
-        grads = static_memory(run.model, run.optimizer, run.recipe.master).gradients
-        exact = {"activations": tracker.nbytes, "gradients": grads, "total": tracker.nbytes + grads}
+        activations, grads = tracker.nbytes, static_memory(run.model, run.optimizer, run.recipe.master).gradients
         best = peak if best is None else max(best, peak)
-    out: dict[str, Any] = {
-        "method": "cuda max_memory_allocated" if cuda else
+    return MemoryProbe(
+        method="cuda max_memory_allocated" if cuda else
         f"VmHWM after clear_refs, malloc mmap threshold {MMAP_THRESHOLD_BYTES} B, malloc_trim",
-        "step_peak_bytes": best,
-        "exact_activations_plus_gradients": exact,
-        "repeats": repeats,
-    }
-    if cuda:
-        out["cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    return out
+        step_peak_bytes=best, exact_activations=activations, exact_gradients=grads, repeats=repeats,
+        cuda_peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if cuda else None)
 
 
 # ------------------------------------------------------------------------------------- matmul peak

@@ -9,10 +9,13 @@ writes nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
+from .aggregate import as_results
 from .parity import default_window, fp32_band, smooth
-from .report import MEMORY_CATEGORIES, clean_result, loss_curve, number
+from .report import MEMORY_CATEGORIES, as_rows
+from .results import RunResult, SummaryRow, number
 
 __all__ = ["write_plots", "PLOT_FILES"]
 
@@ -28,17 +31,17 @@ def _figure(w: float = 8.0, h: float = 4.0):
     return fig
 
 
-def _time_plot(rows, path: str, title: str) -> None:
+def _time_plot(rows: list[SummaryRow], path: str, title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    names = [str(r.get("recipe")) for r in rows]
-    times = [r.get("epoch_time_s") if isinstance(r.get("epoch_time_s"), dict) else {} for r in rows]
-    med = [number(t.get("median")) or 0.0 for t in times]
-    lo = [max(0.0, m - (number(t.get("min")) or m)) for m, t in zip(med, times)]
-    hi = [max(0.0, (number(t.get("max")) or m) - m) for m, t in zip(med, times)]
+    names = [r.recipe for r in rows]
+    times = [r.epoch_time_s for r in rows]
+    med = [(number(t.median) if t else None) or 0.0 for t in times]
+    lo = [max(0.0, m - (number(t.min) or m)) if t else 0.0 for m, t in zip(med, times)]
+    hi = [max(0.0, (number(t.max) or m) - m) if t else 0.0 for m, t in zip(med, times)]
     bars = ax.bar(names, med, yerr=[lo, hi], capsize=4, color="#4C72B0")
     for b, r, m in zip(bars, rows, med):
-        s = number(r.get("speedup_vs_fp32"))
+        s = number(r.speedup_vs_fp32)
         text = f"{s:.2f}x" if s else ("failed" if not m else "")
         ax.annotate(text, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
                     xytext=(0, 3), textcoords="offset points", fontsize=8)
@@ -47,11 +50,11 @@ def _time_plot(rows, path: str, title: str) -> None:
     fig.savefig(path)
 
 
-def _memory_plot(rows, path: str, title: str) -> None:
+def _memory_plot(rows: list[SummaryRow], path: str, title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    names = [str(r.get("recipe")) for r in rows]
-    mems = [r.get("memory") if isinstance(r.get("memory"), dict) else {} for r in rows]
+    names = [r.recipe for r in rows]
+    mems = [r.memory or {} for r in rows]
     bottom = [0.0] * len(rows)
     mib = 2.0**20
     for cat in MEMORY_CATEGORIES:
@@ -60,8 +63,8 @@ def _memory_plot(rows, path: str, title: str) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     measured_x, measured_y = [], []
     for n, r, m in zip(names, rows, mems):
-        cuda = number(r.get("cuda_peak_allocated_bytes"))
-        step = cuda or number(r.get("measured_step_peak_bytes"))
+        cuda = number(r.cuda_peak_allocated_bytes)
+        step = cuda or number(r.measured_step_peak_bytes)
         if step and m:
             static = 0 if cuda else sum(number(m.get(k)) or 0
                                         for k in ("parameters", "optimizer_state", "master_weights"))
@@ -76,11 +79,10 @@ def _memory_plot(rows, path: str, title: str) -> None:
     fig.savefig(path)
 
 
-def _loss_plot(rows, results, path: str, title: str) -> None:
+def _loss_plot(rows: list[SummaryRow], results: list[RunResult], path: str, title: str) -> None:
     fig = _figure()
     ax = fig.add_subplot()
-    curves_by = {str(r.get("recipe")): [c for x in results if x.get("recipe") == r.get("recipe")
-                                        for c in [loss_curve(x)] if c] for r in rows}
+    curves_by = {r.recipe: [c for x in results if x.recipe == r.recipe for c in [x.loss_curve()] if c] for r in rows}
     n_all = [len(c) for cs in curves_by.values() for c in cs]
     window = default_window(min(n_all)) if n_all else 1
     fp32 = curves_by.get("fp32") or []
@@ -101,12 +103,14 @@ def _loss_plot(rows, results, path: str, title: str) -> None:
     fig.savefig(path)
 
 
-def write_plots(rows: list[dict[str, Any]], results: list[dict[str, Any]], out_dir: str, *, title: str) -> list[str]:
+def write_plots(rows: Iterable[SummaryRow | dict[str, Any]], results: Iterable[RunResult | dict[str, Any]],
+                out_dir: str, *, title: str) -> list[str]:
     """Write ``time.png``, ``memory.png`` and ``loss.png`` into ``out_dir``; returns their file names.
 
-    Takes any rows and results (a missing or non-finite number is drawn as nothing, or as 0 in a bar)."""
-    rows = [r for r in rows if isinstance(r, dict)]
-    results = [clean_result(r) for r in results]
+    Takes any rows and results, as records or as results.json holds them (a missing or non-finite number
+    is drawn as nothing, or as 0 in a bar)."""
+    rows = as_rows(r for r in rows if isinstance(r, (SummaryRow, dict)))
+    results = as_results(results)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

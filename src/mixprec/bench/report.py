@@ -1,39 +1,24 @@
-"""Aggregate the matrix per recipe and write it: the stdout table, ``results.md`` and ``results.json``.
-
-Per recipe, over its successful repeats: the median (and min..max) of the steady epoch time, step time
-and samples/s (:func:`mixprec.bench.measure.timing_from_history`); the exact memory accounting of the
-sampled step, by category, and the measured step peak; MFU = model FLOPs per step / median step time /
-measured peak matmul rate of the dtype the recipe's matmuls run in; final train loss, test accuracy,
-skipped steps and final loss scale (medians); and, against fp32: speedup (fp32 epoch time / recipe epoch
-time), memory saving (1 - recipe total / fp32 total), accuracy delta in percentage points, and the
-convergence-parity verdict (:mod:`mixprec.bench.parity`).
+"""The comparison as text: the stdout table and ``results.md``.
 
 The table starts with the tutorial's columns (recipe | memory | avg epoch time) and adds the rest after.
-
-**Any run result is reportable.** A run that diverged finishes with nulls where numbers would be (JSON has
-no NaN: a NaN loss is written as ``null``), a run that crashed has no summary at all, and a result file
-is whatever the worker managed to write. So every result passes through :func:`clean_result` first
-(non-finite numbers become ``None``, fields that should hold a dict or a list hold one), every
-computation treats ``None`` as "not measured" (:func:`number`, :func:`ratio`), and every cell is
-formatted by :func:`fmt`, which prints a dash for a missing number. A missing number is a dash in its
-cell, never a crash of the report that would lose the other rows.
+Every cell is formatted by :func:`fmt`, which prints a dash for a number a run did not produce, so a
+damaged or missing field never costs the other rows (the rows themselves are read with the tolerant
+:meth:`SummaryRow.from_dict <mixprec.bench.results.SummaryRow.from_dict>`). After ``--resume`` the rows
+may come from several invocations: an ``invocation`` column says which, and a note under the table says
+that their timings were not measured side by side.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import statistics
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import UsageError
 from ..precision import resolve_recipe
 from ..train.report import format_bytes
-from .measure import spread
-from .parity import convergence_parity
+from .results import Spread, SummaryRow, number, ratio
 
-__all__ = ["COLUMNS", "columns", "aggregate", "table", "markdown_report", "loss_curve", "clean_result", "number",
-           "ratio", "fmt", "DASH"]
+__all__ = ["COLUMNS", "INVOCATION_COLUMN", "columns", "table", "markdown_report", "fmt", "DASH", "MEMORY_CATEGORIES"]
 
 COLUMNS = [
     "recipe", "memory", "avg epoch time", "speedup vs fp32", "memory saving vs fp32", "step peak (measured)",
@@ -42,23 +27,15 @@ COLUMNS = [
 ]
 """Columns of the stdout table and results.md, in order."""
 
+INVOCATION_COLUMN = "invocation"
+"""Added last when the rows come from more than one invocation (``--resume``)."""
+
+LM_COLUMNS = {"test accuracy": "test loss / bits per char", "Δ accuracy vs fp32": "Δ test loss vs fp32"}
+"""Language models are judged by test loss (and bits per character), not accuracy."""
+
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "activations")
 
-
 DASH = "—"
-
-
-def number(x: Any) -> float | int | None:
-    """``x`` if it is a finite real number (not a bool), else None: the one test of "was it measured"."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        return None
-    return x if math.isfinite(x) else None
-
-
-def ratio(a: Any, b: Any) -> float | None:
-    """``a / b`` when both are numbers and ``b`` is not 0, else None."""
-    a, b = number(a), number(b)
-    return a / b if a is not None and b else None
 
 
 def fmt(x: Any, spec: str, *, scale: float = 1.0, suffix: str = "") -> str:
@@ -67,209 +44,83 @@ def fmt(x: Any, spec: str, *, scale: float = 1.0, suffix: str = "") -> str:
     return DASH if x is None else format(x * scale if scale != 1 else x, spec) + suffix
 
 
-def _dict(x: Any) -> dict:
-    return x if isinstance(x, dict) else {}
+def as_rows(rows: Iterable[SummaryRow | dict[str, Any]]) -> list[SummaryRow]:
+    """Rows as :class:`SummaryRow` (dicts, as stored in results.json, read tolerantly)."""
+    return [r if isinstance(r, SummaryRow) else SummaryRow.from_dict(r) for r in rows]
 
 
-def _clean(o: Any) -> Any:
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
+def _pct_spread(s: Spread | None) -> str:
+    if s is None:
+        return ""
+    half = ratio(ratio((number(s.max) or 0) - (number(s.min) or 0), 2), s.median)
+    return f" ±{100 * half:.0f}%" if half is not None and s.n > 1 else ""
 
 
-def clean_result(r: Any) -> dict[str, Any]:
-    """A run result the report can always read: non-finite numbers become None, ``summary``, ``timing``
-    and ``memory_probe`` are dicts, ``history`` is a list of dicts, ``status`` is "ok" or "failed"."""
-    r = _clean(_dict(r))
-    r["status"] = "ok" if r.get("status") == "ok" else "failed"
-    for key in ("summary", "timing", "memory_probe"):
-        r[key] = _dict(r.get(key))
-    history = r.get("history")
-    r["history"] = [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
-    return r
-
-
-def loss_curve(run: dict[str, Any]) -> list[float]:
-    """A run's per-step training losses over all its epochs (a missing or non-finite loss is NaN)."""
-    curves = [h.get("loss_curve") for h in clean_result(run)["history"]]
-    return [math.nan if number(v) is None else float(v) for c in curves if isinstance(c, list) for v in c]
-
-
-def _median(vals) -> float | None:
-    vals = [v for v in map(number, vals) if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def _spread(vals) -> dict[str, float] | None:
-    return spread([number(v) for v in vals])
-
-
-def aggregate(
-    recipes: list[str],
-    results: list[dict[str, Any]],
-    *,
-    flops_per_step: int | None,
-    peaks: dict[str, dict[str, Any]],
-    matmul_dtype: dict[str, str],
-    impl: dict[str, str] | None = None,
-) -> list[dict[str, Any]]:
-    """One summary row per recipe (in ``recipes`` order), plus comparisons with fp32 when it ran.
-
-    Any result is accepted (see :func:`clean_result`); a number a run did not produce is None in its row.
-    """
-    results = [clean_result(r) for r in results]
-    rows = []
-    for name in recipes:
-        mine = [r for r in results if r.get("recipe") == name]
-        peak = number(_dict(_dict(peaks).get(_dict(matmul_dtype).get(name, ""))).get("flops_per_s"))
-        rows.append(_row(name, mine, flops_per_step=flops_per_step, peak=peak,
-                         matmul_dtype=_dict(matmul_dtype).get(name), impl=_dict(impl).get(name)))
-    _compare_with_fp32(rows, results)
-    return rows
-
-
-def _row(name: str, mine: list[dict[str, Any]], *, flops_per_step, peak, matmul_dtype, impl) -> dict[str, Any]:
-    ok = [r for r in mine if r["status"] == "ok"]
-    timing = [r["timing"] for r in ok]
-    summaries = [r["summary"] for r in ok]
-    mem = next((s["memory"] for s in summaries if isinstance(s.get("memory"), dict)), None)
-    probes = [r["memory_probe"] for r in ok]
-    step = _spread(t.get("step_time_s") for t in timing)
-    mfu = ratio(ratio(flops_per_step, _dict(step).get("median")), peak)
-    return {
-        "recipe": name,
-        "impl": next((r["impl"] for r in mine if r.get("impl")), impl),
-        "runs_ok": len(ok),
-        "runs_total": len(mine),
-        "failures": [{"repeat": r.get("repeat"), "seed": r.get("seed"), "reason": r.get("reason")}
-                     for r in mine if r["status"] != "ok"],
-        "epoch_time_s": _spread(t.get("epoch_time_s") for t in timing),
-        "raw_epoch_time_s": _spread(t.get("raw_epoch_time_s") for t in timing),
-        "step_time_s": step,
-        "samples_per_s": _spread(t.get("samples_per_s") for t in timing),
-        "memory": mem,
-        "memory_total_bytes": number(_dict(mem).get("total")),
-        "cuda_peak_allocated_bytes": _median(s.get("cuda_peak_allocated_bytes") for s in summaries),
-        "cuda_peak_reserved_bytes": _median(p.get("cuda_peak_reserved_bytes") for p in probes),
-        "measured_step_peak_bytes": _median(p.get("step_peak_bytes") for p in probes),
-        "measured_step_peak_method": next((p.get("method") or p.get("reason") for p in probes), None),
-        "exact_activations_plus_gradients_bytes": _median(
-            _dict(p.get("exact_activations_plus_gradients")).get("total") for p in probes),
-        "matmul_dtype": matmul_dtype,
-        "peak_flops_per_s": peak,
-        "mfu": mfu,
-        "final_train_loss": _median(s.get("final_train_loss") for s in summaries),
-        "test_accuracy": _spread(s.get("test_accuracy") for s in summaries),
-        "test_loss": _spread(s.get("test_loss") for s in summaries),
-        "bits_per_char": _spread(s.get("bits_per_char") for s in summaries),
-        "language_model": any(s.get("bits_per_char") is not None for s in summaries) or None,
-        "skipped_steps": max((number(s.get("skipped_steps")) or 0 for s in summaries), default=None),
-        "final_loss_scale": _median(s.get("final_loss_scale") for s in summaries),
-        "speedup_vs_fp32": None,
-        "memory_saving_vs_fp32": None,
-        "accuracy_delta_vs_fp32_pp": None,
-        "test_loss_delta_vs_fp32": None,
-        "parity": None,
-    }
-
-
-def _compare_with_fp32(rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
-    ref = next((r for r in rows if r["recipe"] == "fp32"), None)
-    fp32_curves = [loss_curve(r) for r in results if r.get("recipe") == "fp32" and r["status"] == "ok"]
-    for row in rows:
-        if ref is None:
-            row["parity"] = {"verdict": "n/a", "reason": "fp32 was not run: add fp32 to --precisions"}
-            continue
-        median = (lambda k: _dict(row[k]).get("median")), (lambda k: _dict(ref[k]).get("median"))
-        row["speedup_vs_fp32"] = ratio(median[1]("epoch_time_s"), median[0]("epoch_time_s"))
-        saving = ratio(row["memory_total_bytes"], ref["memory_total_bytes"])
-        row["memory_saving_vs_fp32"] = None if saving is None else 1.0 - saving
-        a, a0 = median[0]("test_accuracy"), median[1]("test_accuracy")
-        row["accuracy_delta_vs_fp32_pp"] = 100.0 * (a - a0) if a is not None and a0 is not None else None
-        l, l0 = median[0]("test_loss"), median[1]("test_loss")
-        row["test_loss_delta_vs_fp32"] = l - l0 if l is not None and l0 is not None else None
-        mine = [r for r in results if r.get("recipe") == row["recipe"]]
-        curves = [loss_curve(r) for r in mine if r["status"] == "ok"]
-        stopped = any(r["summary"].get("stopped") for r in mine)
-        row["parity"] = convergence_parity(curves, fp32_curves, stopped=stopped).to_dict()
-
-
-# ------------------------------------------------------------------------------------------ formatting
-
-
-def _pct_spread(s: Any) -> str:
-    s = _dict(s)
-    half = ratio(ratio((number(s.get("max")) or 0) - (number(s.get("min")) or 0), 2), s.get("median"))
-    return f" ±{100 * half:.0f}%" if half is not None and (number(s.get("n")) or 0) > 1 else ""
-
-
-def _label(row: dict[str, Any]) -> str:
-    name = str(row.get("recipe"))
+def _label(row: SummaryRow) -> str:
     try:  # fp32 has no autocast, so no mechanism to name
-        scratch = row.get("impl") == "scratch" and resolve_recipe(name).autocast
+        scratch = row.impl == "scratch" and resolve_recipe(row.recipe).autocast
     except UsageError:
         scratch = False
-    return name + (" (scratch)" if scratch else "")
+    return row.recipe + (" (scratch)" if scratch else "")
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
-    row = {k: _clean(v) for k, v in _dict(row).items()}
-    get = row.get
-    et, sps, acc = _dict(get("epoch_time_s")), _dict(get("samples_per_s")), _dict(get("test_accuracy"))
-    measured = number(get("cuda_peak_allocated_bytes")) or number(get("measured_step_peak_bytes"))
-    runs_ok, runs_total = get("runs_ok"), get("runs_total")
-    return [
+def _cells(row: SummaryRow, *, invocations: bool) -> list[str]:
+    et, sps = row.epoch_time_s, row.samples_per_s
+    measured = number(row.cuda_peak_allocated_bytes) or number(row.measured_step_peak_bytes)
+    cells = [
         _label(row),
-        format_bytes(number(get("memory_total_bytes"))) if number(get("memory_total_bytes")) else DASH,
-        fmt(et.get("median"), ".3f", suffix=" s" + _pct_spread(et)),
-        fmt(get("speedup_vs_fp32"), ".2f", suffix="x") if number(get("speedup_vs_fp32")) else DASH,
-        fmt(get("memory_saving_vs_fp32"), ".0f", scale=100, suffix="%"),
+        format_bytes(row.memory_total_bytes) if number(row.memory_total_bytes) else DASH,
+        fmt(row.median("epoch_time_s"), ".3f", suffix=" s" + _pct_spread(et)),
+        fmt(row.speedup_vs_fp32, ".2f", suffix="x") if number(row.speedup_vs_fp32) else DASH,
+        fmt(row.memory_saving_vs_fp32, ".0f", scale=100, suffix="%"),
         format_bytes(measured) if measured else DASH,
-        fmt(sps.get("median"), ",.0f", suffix=_pct_spread(sps)) if number(sps.get("median")) else DASH,
-        fmt(get("mfu"), ".1f", scale=100, suffix=f"% of {get('matmul_dtype')}") if number(get("mfu")) else DASH,
-        fmt(get("final_train_loss"), ".4f"),
-        *_quality_cells(row, acc),
-        fmt(get("skipped_steps"), "d" if isinstance(get("skipped_steps"), int) else "g"),
-        fmt(get("final_loss_scale"), "g"),
-        str(_dict(get("parity")).get("verdict") or DASH),
-        f"{runs_ok}/{runs_total}" + ("" if runs_ok == runs_total else " FAILED"),
+        fmt(sps.median, ",.0f", suffix=_pct_spread(sps)) if sps and number(sps.median) else DASH,
+        fmt(row.mfu, ".1f", scale=100, suffix=f"% of {row.matmul_dtype}") if number(row.mfu) else DASH,
+        fmt(row.final_train_loss, ".4f"),
+        *_quality_cells(row),
+        fmt(row.skipped_steps, "d" if isinstance(row.skipped_steps, int) else "g"),
+        fmt(row.final_loss_scale, "g"),
+        row.parity.verdict if row.parity is not None else DASH,
+        f"{row.runs_ok}/{row.runs_total}" + ("" if row.runs_ok == row.runs_total else " FAILED"),
     ]
+    if invocations:
+        cells.append("+".join(map(str, row.invocations)) or DASH)
+    return cells
 
 
-LM_COLUMNS = {"test accuracy": "test loss / bits per char", "Δ accuracy vs fp32": "Δ test loss vs fp32"}
-"""Language models are judged by test loss (and bits per character), not accuracy."""
+def _quality_cells(row: SummaryRow) -> list[str]:
+    if row.language_model:
+        return [f"{fmt(row.median('test_loss'), '.4f')} / {fmt(row.median('bits_per_char'), '.3f')}",
+                fmt(row.test_loss_delta_vs_fp32, "+.4f")]
+    return [fmt(row.median("test_accuracy"), ".2f", scale=100, suffix="%"),
+            fmt(row.accuracy_delta_vs_fp32_pp, "+.2f", suffix=" pp")]
 
 
-def _is_lm(rows: list[dict[str, Any]]) -> bool:
-    return any(_dict(r).get("language_model") for r in rows)
+def _invocations(rows: list[SummaryRow]) -> list[int]:
+    return sorted({i for r in rows for i in r.invocations})
 
 
-def columns(rows: list[dict[str, Any]]) -> list[str]:
-    """The table's columns for these rows (language models show test loss where classifiers show accuracy)."""
-    return [LM_COLUMNS.get(c, c) for c in COLUMNS] if _is_lm(rows) else list(COLUMNS)
+def columns(rows: Iterable[SummaryRow | dict[str, Any]]) -> list[str]:
+    """The table's columns for these rows: language models show test loss where classifiers show accuracy,
+    and rows from several invocations get the invocation column."""
+    rows = as_rows(rows)
+    cols = [LM_COLUMNS.get(c, c) for c in COLUMNS] if any(r.language_model for r in rows) else list(COLUMNS)
+    return cols + [INVOCATION_COLUMN] if len(_invocations(rows)) > 1 else cols
 
 
-def _quality_cells(row: dict[str, Any], acc: dict) -> list[str]:
-    if row.get("language_model"):
-        loss, bpc = _dict(row.get("test_loss")).get("median"), _dict(row.get("bits_per_char")).get("median")
-        return [f"{fmt(loss, '.4f')} / {fmt(bpc, '.3f')}", fmt(row.get("test_loss_delta_vs_fp32"), "+.4f")]
-    return [fmt(acc.get("median"), ".2f", scale=100, suffix="%"),
-            fmt(row.get("accuracy_delta_vs_fp32_pp"), "+.2f", suffix=" pp")]
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """The comparison as a markdown table, failures listed under it with their reasons."""
-    rows = [_dict(r) for r in rows]
+def table(rows: Iterable[SummaryRow | dict[str, Any]]) -> str:
+    """The comparison as a markdown table, failures and caveats listed under it."""
+    rows = as_rows(rows)
     cols = columns(rows)
+    several = INVOCATION_COLUMN in cols
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    notes = [f"- {r.get('recipe')} seed {_dict(f).get('seed')}: FAILED — {_dict(f).get('reason')}"
-             for r in rows for f in (r.get("failures") if isinstance(r.get("failures"), list) else [])]
-    if any((number(r.get("mfu")) or 0) > 1 for r in rows):
+    lines += ["| " + " | ".join(_cells(r, invocations=several)) + " |" for r in rows]
+    notes = [f"- {r.recipe} seed {f.seed}: FAILED — {f.reason}" for r in rows for f in r.failures]
+    if several:
+        *first, last = map(str, _invocations(rows))
+        notes.append(f"- the rows come from invocations {', '.join(first)} and {last} of this bench (--resume; "
+                     "last column): their timings, speedups and MFU were not measured side by side")
+    if any((number(r.mfu) or 0) > 1 for r in rows):
         notes.append("- MFU above 100% means the peak matmul rate was under-measured (a busy machine while the "
                      "micro-benchmark ran?); rerun on a quiet machine or raise --peak-seconds")
     return "\n".join(lines + ([""] + notes if notes else []))
@@ -281,7 +132,7 @@ def _fmt_rate(x: float | None) -> str:
 
 def _state_lines(doc: dict[str, Any]) -> list[str]:
     """What the report does not cover: runs not finished (interrupted, or still running), failed plots."""
-    progress, out = _dict(doc.get("progress")), []
+    progress, out = doc.get("progress") or {}, []
     if progress and progress.get("state") != "complete":
         state = str(progress.get("state"))
         out += [f"**{state[:1].upper() + state[1:]}: {progress.get('finished')} of "
@@ -291,15 +142,33 @@ def _state_lines(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _invocation_lines(invocations: list[Any]) -> list[str]:
+    """One line per invocation when there were several (``--resume``): when, which runs, its peaks."""
+    if len(invocations) < 2:
+        return []
+    out = ["## Invocations", ""]
+    for inv in invocations:
+        inv = inv if isinstance(inv, dict) else {}
+        peaks = inv.get("peaks") if isinstance(inv.get("peaks"), dict) else {}
+        rates = ", ".join(f"{k} {_fmt_rate(v.get('flops_per_s') if isinstance(v, dict) else None)}"
+                          for k, v in peaks.items())
+        runs = inv.get("runs") if isinstance(inv.get("runs"), list) else []
+        out.append(f"- {inv.get('number')}: {inv.get('created')}, ran {', '.join(map(str, runs)) or 'nothing'}; "
+                   f"peaks {rates or DASH}")
+    return out + ["", "Rows from different invocations were not measured side by side: compare their ratios "
+                      "with care (or rerun the bench whole).", ""]
+
+
 def markdown_report(doc: dict[str, Any]) -> str:
     """``results.md``: the table, what ran where, how it was measured."""
-    env = doc["environment"]
+    env, bench = doc["environment"], doc["bench"]
+    train = bench["train"]
     fl = doc.get("flops_per_step") or {}
     out = [
-        f"# mixprec bench — {doc['config']['model']['name']} on {doc['config']['data']['name']}",
+        f"# mixprec bench — {train['model']['name']} on {train['data']['name']}",
         "",
         f"{doc['created']} · {env['device_name']} · torch {env['torch']} · {env['threads']} threads · "
-        f"{doc['repeats']} repeat(s) per recipe (seeds {', '.join(map(str, doc['seeds']))})",
+        f"{bench['repeats']} repeat(s) per recipe (seeds {', '.join(map(str, doc['seeds']))})",
         "",
         f"`{doc['command']}`",
         "",
@@ -310,19 +179,20 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "",
         *[f"- {p['line']}" for p in doc["preflight"]],
         "",
-        "## Peak matmul rates measured in this run",
+        "## Peak matmul rates measured in this invocation",
         "",
         *[f"- {k}: {_fmt_rate(v.get('flops_per_s'))} (n={v.get('n')})" for k, v in doc["peaks"].items()],
         "",
-        f"Model FLOPs per step (FlopCounterMode, batch {doc['config']['optim']['batch_size']}): forward "
+        f"Model FLOPs per step (FlopCounterMode, batch {train['optim']['batch_size']}): forward "
         f"{fmt(fl.get('forward'), ',')}, backward {fmt(fl.get('backward'), ',')}, total {fmt(fl.get('total'), ',')}"
         + (f"; x{fl['micro_batches_per_step']} micro-batches = {fmt(fl.get('per_step'), ',')} per optimizer step"
            if (number(fl.get("micro_batches_per_step")) or 1) > 1 else "") + ".",
         "",
+        *_invocation_lines(doc.get("invocations") or []),
         "## Method",
         "",
         "- Each (recipe, repeat) ran in its own fresh process; repeat r used seed base+r for every recipe.",
-        f"- Times exclude the first {doc['warmup_steps']} steps of every epoch; epoch time is the steady "
+        f"- Times exclude the first {bench['warmup_steps']} steps of every epoch; epoch time is the steady "
         "epoch (mean timed step x steps per epoch); ± is half the min..max range over repeats.",
         "- memory: exact accounting (params + grads + optimizer state + master copies + saved activations) "
         "of a sampled step. step peak (measured): "

@@ -9,7 +9,9 @@ across recipes, different ones across repeats.
 A worker that exits without a result file (killed by a signal, out of memory, a crash in native code),
 writes something that is not a result, cannot be started, or runs past ``timeout`` becomes a failed row
 whose reason names the exit status and quotes the last line of its log (``OUT/logs/RECIPE-rN.log``); the
-rest of the matrix still runs. Every finished run's result stays in ``OUT/runs/RECIPE-rN.json``.
+rest of the matrix still runs. Every finished run's result, completed with what the runner knows (exit
+status, process wall time, log, invocation), stays in ``OUT/runs/RECIPE-rN.json``: that file is what
+``--resume`` keeps.
 
 **Stopping.** No worker outlives the matrix. When bench is interrupted (SIGINT, or SIGTERM while inside
 :func:`stop_on_signals`, which raises :class:`Stopped`) or anything else escapes while a worker runs, the
@@ -33,7 +35,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .worker import failed_result
+from ..errors import OutputError
+from ..jsonio import write_json
+from .results import RunResult
 
 __all__ = ["RunSpec", "execute_matrix", "failed_reason", "Stopped", "stop_on_signals", "STOP_GRACE_S"]
 
@@ -80,13 +84,20 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSpec:
+    """What one worker runs (its ``SPEC`` file)."""
+
     recipe: str
+    """Canonical recipe name."""
     repeat: int
+    """Repeat index r."""
     seed: int
+    """Its seed (the bench's seed + r)."""
     config: dict[str, Any]
+    """The run's :meth:`TrainConfig.to_dict() <mixprec.train.config.TrainConfig.to_dict>`."""
     warmup_steps: int
+    """Steps of every epoch left out of the timings."""
 
     @property
     def name(self) -> str:
@@ -94,6 +105,10 @@ class RunSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunSpec:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
 def _last_line(path: str) -> str:
@@ -155,7 +170,7 @@ def _read_result(path: str) -> dict[str, Any] | None:
     return result if isinstance(result, dict) else None
 
 
-def _run_one(spec: RunSpec, out_dir: str, timeout: float | None, env: dict[str, str]) -> dict[str, Any]:
+def _run_one(spec: RunSpec, out_dir: str, timeout: float | None, env: dict[str, str], invocation: int) -> RunResult:
     """Run one worker to its end; its result, or a failed row saying why there is none."""
     spec_path = os.path.join(out_dir, "runs", f"{spec.name}.spec.json")
     result_path = os.path.join(out_dir, "runs", f"{spec.name}.json")
@@ -163,8 +178,7 @@ def _run_one(spec: RunSpec, out_dir: str, timeout: float | None, env: dict[str, 
     t0 = time.perf_counter()
     returncode: int | None = None
     try:
-        with open(spec_path, "w", encoding="utf-8") as f:
-            json.dump(spec.to_dict(), f, indent=2)
+        write_json(spec_path, spec.to_dict())
         if os.path.exists(result_path):
             os.unlink(result_path)
         with open(log_path, "w", encoding="utf-8") as log:
@@ -173,17 +187,18 @@ def _run_one(spec: RunSpec, out_dir: str, timeout: float | None, env: dict[str, 
                 stdout=log, stderr=subprocess.STDOUT, env=env,
             )
             returncode = _wait(proc, timeout)
-        result = _read_result(result_path)
+        raw = _read_result(result_path)
         reason = failed_reason(returncode, log_path, timeout=timeout)
-    except OSError as e:  # the spec, the log or the process could not be made: still a row
-        result, reason = None, f"could not run the worker: {e}"
-    base = failed_result(spec.to_dict(), reason)
-    result = base if result is None else {**base, "reason": None, **result}
-    if result.get("status") != "ok":
-        result["status"] = "failed"
-        result["reason"] = result.get("reason") or reason
-    result.update(recipe=spec.recipe, repeat=spec.repeat, seed=spec.seed, returncode=returncode,
-                  process_wall_s=time.perf_counter() - t0, log=os.path.relpath(log_path, out_dir))
+    except (OSError, OutputError) as e:  # the spec, the log or the process could not be made: still a row
+        raw, reason = None, f"could not run the worker: {e}"
+    result = RunResult.from_dict(raw)
+    if not result.ok:
+        result = dataclasses.replace(result, reason=result.reason or reason)
+    result = dataclasses.replace(result, recipe=spec.recipe, repeat=spec.repeat, seed=spec.seed, returncode=returncode,
+                                 process_wall_s=time.perf_counter() - t0, log=os.path.relpath(log_path, out_dir),
+                                 invocation=invocation)
+    with contextlib.suppress(OutputError):  # the row is in results.json either way
+        write_json(result_path, result)
     return result
 
 
@@ -192,10 +207,12 @@ def execute_matrix(
     out_dir: str,
     *,
     timeout: float | None = None,
-    on_done: Callable[[int, int, dict[str, Any]], None] | None = None,
+    on_done: Callable[[int, int, RunResult], None] | None = None,
     env: dict[str, str] | None = None,
-) -> list[dict[str, Any]]:
-    """Run every spec in its own ``python -m mixprec.bench.worker``; returns one result dict per spec.
+    invocation: int = 1,
+) -> list[RunResult]:
+    """Run every spec in its own ``python -m mixprec.bench.worker``; returns one result per spec, each
+    marked with ``invocation``.
 
     ``on_done(i, n, result)`` is called as each run finishes, so a caller that is interrupted (the
     KeyboardInterrupt or :class:`Stopped` propagates, after the running worker is stopped) still has
@@ -205,9 +222,9 @@ def execute_matrix(
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
-    results: list[dict[str, Any]] = []
+    results: list[RunResult] = []
     for i, spec in enumerate(specs):
-        results.append(_run_one(spec, out_dir, timeout, child_env))
+        results.append(_run_one(spec, out_dir, timeout, child_env, invocation))
         if on_done is not None:
             on_done(i + 1, len(specs), results[-1])
     return results

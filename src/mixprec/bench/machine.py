@@ -1,0 +1,59 @@
+"""What a bench measures about the machine before its runs: the model's FLOPs per step (on the plan's
+fp32 reference run, :mod:`mixprec.bench.flops`), the peak matmul rate of every dtype the recipes' matmuls
+run in (:func:`mixprec.bench.measure.measure_matmul_peak`) and the software and hardware it ran on.
+Every invocation measures them afresh, a resumed one included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy
+import torch
+
+from .. import __version__, hardware
+from .flops import StepFlops, count_step_flops
+from .measure import measure_matmul_peak
+from .plan import Plan
+
+__all__ = ["Machine", "measure_machine"]
+
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What was measured before the matrix."""
+
+    flops: StepFlops
+    """Model FLOPs of one micro-batch, forward and backward."""
+    peaks: dict[str, dict[str, Any]]
+    """Matmul dtype (fp32, tf32, bf16, fp16) -> its measured peak (``flops_per_s``, ``n``, ...)."""
+    env: dict[str, Any]
+    """Versions, device, CPU flags, threads (:func:`mixprec.hardware.environment`)."""
+
+
+def measure_machine(p: Plan) -> Machine:
+    """Count the model's FLOPs per step and measure the peak matmul rate of every dtype in play; drops the
+    plan's reference run afterwards."""
+    ref = p.reference
+    ref.train_loader.set_epoch(0)
+    xb, yb = next(iter(ref.train_loader))  # one micro-batch; an optimizer step runs `accum` of them
+    flops = count_step_flops(ref.model, xb.to(ref.device), yb.to(ref.device), ref.loss_fn)
+    peaks = {dt: measure_matmul_peak(_DTYPES[dt], ref.device, budget_s=p.config.peak_seconds, tf32=(dt == "tf32"))
+             for dt in dict.fromkeys(c.matmul_dtype for c in p.checks.values())}
+    env = _environment(ref.device)
+    p.reference = None  # the reference run's model and data are not needed any more
+    return Machine(flops=flops, peaks=peaks, env=env)
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    env = {"mixprec": __version__, **hardware.environment(device), "numpy": numpy.__version__}
+    try:  # optional: only the plots need it
+        import matplotlib
+
+        env["matplotlib"] = matplotlib.__version__
+    except ImportError:
+        env["matplotlib"] = None
+    return env

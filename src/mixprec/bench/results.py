@@ -1,0 +1,373 @@
+"""Typed records of a bench: one run's result (:class:`RunResult`), its timing and memory probe, and one
+summary row per recipe (:class:`SummaryRow`). Each has ``to_dict()`` (its JSON form in ``results.json``
+and ``OUT/runs/RECIPE-rN.json``) and ``from_dict()``.
+
+**Any run result is readable.** A run that diverged finishes with nulls where numbers would be (JSON has
+no NaN), a run that crashed has no summary at all, and a result file is whatever the worker managed to
+write. So ``from_dict`` accepts anything: a field of the wrong type or a non-finite number becomes "not
+measured" (None, or an empty record), ``status`` is "ok" only when it says so, and the trainer's own
+records (``history``, ``summary``) are kept as plain JSON data with non-finite numbers as None. Every
+computation on them treats None as "not measured" (:func:`number`, :func:`ratio`), so a damaged field is a
+dash in its cell, never a crash of the report that would lose the other rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import statistics
+from typing import Any
+
+from ..jsonio import to_jsonable
+from .parity import ParityResult
+
+__all__ = ["number", "ratio", "Spread", "Timing", "MemoryProbe", "RunResult", "Failure", "SummaryRow"]
+
+
+def number(x: Any) -> float | int | None:
+    """``x`` if it is a finite real number (not a bool), else None: the one test of "was it measured"."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    """``a / b`` when both are numbers and ``b`` is not 0, else None."""
+    a, b = number(a), number(b)
+    return a / b if a is not None and b else None
+
+
+def _dict(x: Any) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
+def _int(x: Any) -> int | None:
+    x = number(x)
+    return int(x) if x is not None and x == int(x) else None
+
+
+def _str(x: Any) -> str | None:
+    return x if isinstance(x, str) else None
+
+
+def _ints(x: Any) -> list[int]:
+    return [i for i in map(_int, x) if i is not None] if isinstance(x, list) else []
+
+
+def _read(cls: type, d: Any, kinds: dict[str, Any]) -> Any:
+    """``cls`` from the dict ``d``: each field read by its kind (``number``, ``_int``, ``_str``...); a
+    missing or damaged one becomes what the kind makes of it (None)."""
+    d = _dict(d)
+    return cls(**{name: kind(d.get(name)) for name, kind in kinds.items()})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spread:
+    """A number over the repeats of one recipe."""
+
+    median: float | None = None
+    """Median over the successful repeats."""
+    min: float | None = None
+    """Smallest value."""
+    max: float | None = None
+    """Largest value."""
+    n: int = 0
+    """How many repeats measured it."""
+
+    @classmethod
+    def of(cls, values: Any) -> Spread | None:
+        """The spread of the numbers among ``values`` (None when there is none)."""
+        vals = [v for v in map(number, values) if v is not None]
+        if not vals:
+            return None
+        return cls(median=statistics.median(vals), min=min(vals), max=max(vals), n=len(vals))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Spread | None:
+        if not isinstance(d, dict):
+            return None
+        return cls(median=number(d.get("median")), min=number(d.get("min")), max=number(d.get("max")),
+                   n=_int(d.get("n")) or 0)
+
+
+def _median(spread: Spread | None) -> float | None:
+    return spread.median if spread is not None else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timing:
+    """One run's timing with the warm-up steps of every epoch left out
+    (:func:`mixprec.bench.measure.timing_from_history`)."""
+
+    timed_steps: int | None = None
+    """Steps that were timed (all epochs, warm-up excluded)."""
+    warmup_steps_per_epoch: int | None = None
+    """Steps at the start of every epoch left out."""
+    step_time_s: float | None = None
+    """Median time of a timed optimizer step."""
+    step_time_p10_s: float | None = None
+    """10th percentile of the timed steps."""
+    step_time_p90_s: float | None = None
+    """90th percentile of the timed steps."""
+    epoch_time_s: float | None = None
+    """Steady epoch: mean timed step x steps per epoch, averaged over epochs."""
+    raw_epoch_time_s: float | None = None
+    """The trainer's own epoch clock, warm-up included, averaged over epochs."""
+    samples_per_s: float | None = None
+    """Samples per optimizer step / median step time."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Timing:
+        counts = ("timed_steps", "warmup_steps_per_epoch")
+        return _read(cls, d, {f.name: _int if f.name in counts else number for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryProbe:
+    """The measured peak of one training step (:func:`mixprec.bench.measure.probe_step_memory`)."""
+
+    method: str | None = None
+    """How it was measured; None when it could not be (then ``reason`` says why)."""
+    reason: str | None = None
+    """Why there is no measurement."""
+    step_peak_bytes: int | None = None
+    """What one step adds at its peak above the resident state (the largest over ``repeats``)."""
+    exact_activations: int | None = None
+    """The exact accounting's saved activations of the same step."""
+    exact_gradients: int | None = None
+    """The exact accounting's gradients of the same step."""
+    repeats: int | None = None
+    """Steps measured."""
+    cuda_peak_reserved_bytes: int | None = None
+    """CUDA: the caching allocator's peak reserved memory."""
+
+    @property
+    def exact_total(self) -> int | None:
+        """Exact activations + gradients: what the measured peak is compared with."""
+        a, g = number(self.exact_activations), number(self.exact_gradients)
+        return a + g if a is not None and g is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"method": self.method, "reason": self.reason, "step_peak_bytes": self.step_peak_bytes,
+               "exact_activations_plus_gradients": None, "repeats": self.repeats,
+               "cuda_peak_reserved_bytes": self.cuda_peak_reserved_bytes}
+        if self.exact_total is not None:
+            out["exact_activations_plus_gradients"] = {"activations": self.exact_activations,
+                                                       "gradients": self.exact_gradients, "total": self.exact_total}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any) -> MemoryProbe:
+        d = _dict(d)
+        exact = _dict(d.get("exact_activations_plus_gradients"))
+        return cls(method=_str(d.get("method")), reason=_str(d.get("reason")),
+                   step_peak_bytes=_int(d.get("step_peak_bytes")), exact_activations=_int(exact.get("activations")),
+                   exact_gradients=_int(exact.get("gradients")), repeats=_int(d.get("repeats")),
+                   cuda_peak_reserved_bytes=_int(d.get("cuda_peak_reserved_bytes")))
+
+
+def _records(x: Any) -> list[dict[str, Any]]:
+    return [to_jsonable(h) for h in x if isinstance(h, dict)] if isinstance(x, list) else []
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """One (recipe, repeat): what its worker wrote, completed by the runner (exit status, wall time, log)."""
+
+    status: str = "failed"
+    """"ok" or "failed"."""
+    reason: str | None = None
+    """Why it failed (the exception, the non-finite step, the exit status and the last log line)."""
+    recipe: str | None = None
+    """Canonical recipe name."""
+    repeat: int | None = None
+    """Repeat index r (0-based)."""
+    seed: int | None = None
+    """The seed it ran with (base seed + r)."""
+    impl: str | None = None
+    """The mechanism the recipe ran with (native or scratch)."""
+    describe: str | None = None
+    """The recipe's one-line description on its device."""
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The trainer's per-epoch records, as JSON data."""
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The trainer's summary, as JSON data."""
+    timing: Timing = dataclasses.field(default_factory=Timing)
+    """Step and epoch times, warm-up excluded."""
+    memory_probe: MemoryProbe = dataclasses.field(default_factory=MemoryProbe)
+    """The measured step peak."""
+    wall_s: float | None = None
+    """The worker's own time for building, training and probing."""
+    returncode: int | None = None
+    """The worker's exit status (None: it timed out and was killed)."""
+    process_wall_s: float | None = None
+    """Wall time of the worker process, start to exit."""
+    log: str | None = None
+    """Its log file, relative to the bench folder."""
+    invocation: int | None = None
+    """Which invocation of ``mixprec bench`` on this folder ran it (1, then 2, ... for each ``--resume``)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def name(self) -> str:
+        """``RECIPE-rN``, the stem of its files in ``runs/`` and ``logs/``."""
+        return f"{self.recipe}-r{self.repeat}"
+
+    def loss_curve(self) -> list[float]:
+        """Per-step training losses over all epochs (a missing or non-finite loss is NaN)."""
+        curves = [h.get("loss_curve") for h in self.history]
+        return [math.nan if number(v) is None else float(v) for c in curves if isinstance(c, list) for v in c]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RunResult:
+        """Whatever a result file holds, as a result (see the module docstring)."""
+        d = _dict(d)
+        return cls(status="ok" if d.get("status") == "ok" else "failed", reason=_str(d.get("reason")),
+                   recipe=_str(d.get("recipe")), repeat=_int(d.get("repeat")), seed=_int(d.get("seed")),
+                   impl=_str(d.get("impl")), describe=_str(d.get("describe")), history=_records(d.get("history")),
+                   summary=to_jsonable(_dict(d.get("summary"))), timing=Timing.from_dict(d.get("timing")),
+                   memory_probe=MemoryProbe.from_dict(d.get("memory_probe")), wall_s=number(d.get("wall_s")),
+                   returncode=_int(d.get("returncode")), process_wall_s=number(d.get("process_wall_s")),
+                   log=_str(d.get("log")), invocation=_int(d.get("invocation")))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Failure:
+    """A failed run of a recipe, as listed under the table."""
+
+    repeat: int | None = None
+    """Its repeat index."""
+    seed: int | None = None
+    """Its seed."""
+    reason: str | None = None
+    """Why it failed."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Failure:
+        return _read(cls, d, {"repeat": _int, "seed": _int, "reason": _str})
+
+
+def _parity(d: Any) -> ParityResult | None:
+    if not isinstance(d, dict) or not isinstance(d.get("verdict"), str):
+        return None
+    return ParityResult(verdict=d["verdict"], inside_fraction=number(d.get("inside_fraction")),
+                        max_excursion=number(d.get("max_excursion")), steps=_int(d.get("steps")) or 0,
+                        reason=_str(d.get("reason")) or "")
+
+
+_SPREADS = ("epoch_time_s", "raw_epoch_time_s", "step_time_s", "samples_per_s", "test_accuracy", "test_loss",
+            "bits_per_char")
+_NUMBERS = ("memory_total_bytes", "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes",
+            "measured_step_peak_bytes", "exact_activations_plus_gradients_bytes", "peak_flops_per_s", "mfu",
+            "final_train_loss", "skipped_steps", "final_loss_scale", "speedup_vs_fp32", "memory_saving_vs_fp32",
+            "accuracy_delta_vs_fp32_pp", "test_loss_delta_vs_fp32")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SummaryRow:
+    """One recipe's line of the comparison: medians (and spreads) over its successful repeats, and its
+    ratios to fp32 when fp32 ran (:func:`mixprec.bench.aggregate.aggregate`)."""
+
+    recipe: str
+    """Canonical recipe name."""
+    impl: str | None = None
+    """Mechanism (native or scratch)."""
+    runs_ok: int = 0
+    """Successful repeats."""
+    runs_total: int = 0
+    """Repeats that ran."""
+    failures: list[Failure] = dataclasses.field(default_factory=list)
+    """The failed repeats and why."""
+    invocations: list[int] = dataclasses.field(default_factory=list)
+    """Which invocations of ``mixprec bench`` ran its repeats (more than one after ``--resume``)."""
+    epoch_time_s: Spread | None = None
+    """Steady epoch time."""
+    raw_epoch_time_s: Spread | None = None
+    """The trainer's epoch clock, warm-up included."""
+    step_time_s: Spread | None = None
+    """Median timed step."""
+    samples_per_s: Spread | None = None
+    """Throughput."""
+    memory: dict[str, Any] | None = None
+    """Exact memory accounting of a sampled step, by category (bytes)."""
+    memory_total_bytes: int | None = None
+    """Its total."""
+    cuda_peak_allocated_bytes: float | None = None
+    """CUDA: the trainer's peak allocated memory (median)."""
+    cuda_peak_reserved_bytes: float | None = None
+    """CUDA: the probe's peak reserved memory (median)."""
+    measured_step_peak_bytes: float | None = None
+    """The probe's measured step peak (median)."""
+    measured_step_peak_method: str | None = None
+    """How it was measured, or why it was not."""
+    exact_activations_plus_gradients_bytes: float | None = None
+    """Exact activations + gradients of the probed step (median)."""
+    matmul_dtype: str | None = None
+    """The dtype the recipe's matmuls run in: whose peak MFU is measured against."""
+    peak_flops_per_s: float | None = None
+    """That dtype's measured peak matmul rate."""
+    mfu: float | None = None
+    """Model FLOPs per step / median step time / peak."""
+    final_train_loss: float | None = None
+    """Last epoch's training loss (median)."""
+    test_accuracy: Spread | None = None
+    """Classifiers: test accuracy (0..1)."""
+    test_loss: Spread | None = None
+    """Test loss."""
+    bits_per_char: Spread | None = None
+    """Language models: bits per character."""
+    language_model: bool | None = None
+    """True when its runs report bits per character (the table then shows test loss, not accuracy)."""
+    skipped_steps: int | None = None
+    """Most skipped (non-finite) steps of a repeat."""
+    final_loss_scale: float | None = None
+    """Loss scale at the end (median)."""
+    speedup_vs_fp32: float | None = None
+    """fp32's median epoch time / this recipe's."""
+    memory_saving_vs_fp32: float | None = None
+    """1 - this recipe's memory total / fp32's."""
+    accuracy_delta_vs_fp32_pp: float | None = None
+    """Test accuracy minus fp32's, in percentage points."""
+    test_loss_delta_vs_fp32: float | None = None
+    """Test loss minus fp32's."""
+    parity: ParityResult | None = None
+    """Convergence parity with fp32's seed band."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SummaryRow:
+        """Any dict as a row (damaged fields become None), so a stored table can always be printed."""
+        d = _dict(d)
+        failures = d.get("failures")
+        return cls(recipe=str(d.get("recipe")), impl=_str(d.get("impl")), runs_ok=_int(d.get("runs_ok")) or 0,
+                   runs_total=_int(d.get("runs_total")) or 0,
+                   failures=[Failure.from_dict(f) for f in failures] if isinstance(failures, list) else [],
+                   invocations=_ints(d.get("invocations")),
+                   memory=to_jsonable(d["memory"]) if isinstance(d.get("memory"), dict) else None,
+                   measured_step_peak_method=_str(d.get("measured_step_peak_method")),
+                   matmul_dtype=_str(d.get("matmul_dtype")),
+                   language_model=d.get("language_model") if isinstance(d.get("language_model"), bool) else None,
+                   parity=_parity(d.get("parity")),
+                   **{k: Spread.from_dict(d.get(k)) for k in _SPREADS}, **{k: number(d.get(k)) for k in _NUMBERS})
+
+    def median(self, field: str) -> float | None:
+        """The median of one of its spreads (``epoch_time_s``, ``test_accuracy``...), or None."""
+        return _median(getattr(self, field))

@@ -1,0 +1,122 @@
+"""One bench invocation, start to end: plan → measure the machine → run the matrix → report.
+
+- :func:`~mixprec.bench.plan.plan` checks everything before any run (exit 2 at once, not after an hour).
+- :func:`~mixprec.bench.machine.measure_machine` counts the FLOPs and measures the peaks; the console
+  shows the plan and one preflight line per recipe.
+- :func:`~mixprec.bench.runner.execute_matrix` runs each (recipe, repeat) in a fresh subprocess, one line
+  per finished run.
+- :meth:`Session.report` prints the table and writes ``results.json``, ``results.md`` and the plots.
+
+Nothing is lost: every finished run's result is in ``OUT/runs/RECIPE-rN.json``, and ``results.json`` /
+``results.md`` are rewritten after every finished run (``progress.state`` "running"), so they hold the
+finished rows whatever happens next. SIGINT or SIGTERM stops the running worker
+(:mod:`mixprec.bench.runner`); :meth:`Session.interrupted` writes the report of the finished runs
+(``progress.state`` "interrupted by SIGINT") and says in one line what was kept. ``--resume OUT`` then
+runs the rest (:mod:`mixprec.bench.resume`).
+
+Exit status: 0 when every run succeeded, 1 when any failed (their rows say why) or the report could not
+be written, 2 for usage errors (raised), 128 + the signal number when interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from ..errors import OutputError
+from .config import BenchConfig
+from .console import announce, progress_line, say
+from .document import build_document, draw_plots, write_documents
+from .machine import Machine, measure_machine
+from .plan import Plan, plan
+from .report import table
+from .results import RunResult
+from .resume import load_previous
+from .runner import execute_matrix, signal_of
+
+__all__ = ["Session"]
+
+
+class Session:
+    """One invocation's state, so an interrupt at any point knows what there is to keep."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.plan: Plan | None = None
+        self.machine: Machine | None = None
+        self.results: list[RunResult] = []
+        """Finished runs: the kept ones of a resumed bench, then this invocation's."""
+        self.doc: dict[str, Any] | None = None
+        """The final results.json document, once the report is written."""
+
+    def run(self) -> int:
+        """Plan, measure, run, report; the exit status (UsageError raised for exit 2)."""
+        previous = None
+        if self.config.resume is not None:
+            previous = load_previous(self.config.resume)
+            previous.check_same_bench(self.config)
+        self.plan = plan(self.config, previous)
+        self.machine = measure_machine(self.plan)
+        announce(self.plan, self.machine)
+        self.results = list(self.plan.kept)
+        execute_matrix(self.plan.to_run, self.plan.out_dir, timeout=self.config.timeout, on_done=self.finished,
+                       invocation=self.plan.invocation)
+        return self.report()
+
+    def finished(self, i: int, n: int, result: RunResult) -> None:
+        """A run finished: show it, and rewrite results.json / results.md with every finished run."""
+        self.results.append(result)
+        progress_line(i, n, result)
+        try:
+            write_documents(self.plan.out_dir, build_document(self.plan, self.machine, self.results, "running"))
+        except OutputError as e:
+            print(f"mixprec bench: warning: {e}; the run's own result is in {self.plan.out_dir}/runs/",
+                  file=sys.stderr, flush=True)
+
+    def report(self) -> int:
+        """Print the table, write results.json / results.md (first) and the plots; the exit status."""
+        p = self.plan
+        doc = self.doc = build_document(p, self.machine, self.results, "complete")
+        say("")
+        say(table(doc["summary"]))
+        try:
+            write_documents(p.out_dir, doc)  # before the plots: a plot that fails or hangs loses nothing
+            if p.config.plots:
+                draw_plots(p, self.machine, doc)
+                write_documents(p.out_dir, doc)
+        except OutputError as e:
+            print(f"mixprec bench: {e}; each run's result is in {p.out_dir}/runs/", file=sys.stderr)
+            return 1
+        say(f"\nwrote {p.out_dir}/results.json, results.md" + (", " + ", ".join(doc["plots"]) if doc["plots"] else "")
+            + " and logs/")
+        failed = sum(not r.ok for r in self.results)
+        if failed:
+            say(f"mixprec bench: {failed} of {len(self.results)} runs failed; their rows and {p.out_dir}/logs/ say why")
+        return 1 if failed else 0
+
+    def interrupted(self, e: BaseException) -> int:
+        """Write what the finished runs give, say in one line what was kept; 128 + the signal number."""
+        sig = signal_of(e)
+        p, done = self.plan, len(self.results)
+        head = f"mixprec bench: interrupted by {sig.name}"
+        if p is None or self.machine is None:
+            print(f"{head} before the first run; nothing was run", file=sys.stderr, flush=True)
+            return 128 + sig
+        ran = done - len(p.kept)  # finished in this invocation
+        if ran < len(p.to_run):
+            spec = p.to_run[ran]
+            head += (f" during {spec.recipe} seed {spec.seed} (run {ran + 1} of {len(p.to_run)}"
+                     + (" in this invocation" if p.kept else "") + "), its worker stopped")
+        else:
+            head += " while writing the report"
+        try:
+            write_documents(p.out_dir, build_document(p, self.machine, self.results, f"interrupted by {sig.name}"))
+            kept = (f"kept the {done} finished run{'s' if done != 1 else ''}: "
+                    f"{os.path.join(p.out_dir, 'results.json')} (partial), results.md and runs/*.json; "
+                    f"--resume {p.out_dir} runs the rest"
+                    if done else f"no run had finished; the started run's log is in {p.out_dir}/logs/")
+        except OutputError as err:
+            kept = f"could not write the report ({err}); finished runs are in {p.out_dir}/runs/"
+        print(f"{head}; {kept}", file=sys.stderr, flush=True)
+        return 128 + sig
