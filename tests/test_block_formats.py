@@ -384,6 +384,13 @@ def test_elements_are_format_values_and_scales_are_format_scales(fmt: str) -> No
         assert bool(((r.scales >= f.scale.min) & (r.scales <= f.scale.max)).all())
 
 
+def test_results_carry_no_autograd_history() -> None:
+    x = torch.randn(2, 128, requires_grad=True)
+    for fmt in BLOCK_FORMATS:
+        r = quantize_blocks_with_scales(x, fmt)
+        assert not (r.elements.requires_grad or r.scales.requires_grad or quantize_blocks(x, fmt).requires_grad)
+
+
 def test_empty_tensors() -> None:
     for fmt in BLOCK_FORMATS:
         assert quantize_blocks(torch.empty(0, 128), fmt).shape == (0, 128)
@@ -687,8 +694,12 @@ def test_sqnr_floors_on_gaussian_data() -> None:
     assert 10 < got[("mxfp4", "floor")] < 25  # a floor that a lossless (or broken) quantizer would not meet
 
 
-def test_block_format_is_accepted_as_an_object() -> None:
-    f = dataclasses.replace(BLOCK_FORMATS["mxfp8_e4m3"])
+def test_a_block_format_object_is_accepted_and_its_fields_rule() -> None:
+    x = block_rows(16, 2, 64, 16, -3, 3)
+    f = dataclasses.replace(BLOCK_FORMATS["mxfp4"], name="mxfp4_b16", block_size=16)
     assert isinstance(f, BlockFormat)
-    x = block_rows(16, 2, 64, 32, -3, 3)
-    assert_bits(quantize_blocks(x, f), quantize_blocks(x, "mxfp8_e4m3"))
+    two = quantize_blocks(x.reshape(-1, 32), "mxfp4").reshape(x.shape)
+    per16 = torch.stack([quantize_blocks(torch.cat([b, torch.zeros(2, 16)], 1), "mxfp4")[:, :16]
+                         for b in x.split(16, dim=1)], 1).reshape(x.shape)  # a 16-block padded with zeros
+    assert_bits(quantize_blocks(x, f), per16, "mxfp4 with 16-blocks")
+    assert not torch.equal(two, per16)  # the block size matters on this data

@@ -96,6 +96,8 @@ Zero, subnormal and non-finite blocks
   TransformerEngine's kernel instead uses ``m = 1`` for a non-finite amax, so inf saturates to 448 and
   a NaN stays in place -- an overflow a loss scaler would not see).
 * NVFP4: inf or NaN anywhere makes the tensor scale, and so the whole tensor, NaN.
+* Values near FLT_MAX can read back as inf: an element may round up to a value whose product with
+  the scale exceeds float32 (block128 or RCEIL: FLT_MAX -> element 256, scale 2**120, value 2**128).
 
 Where torchao 0.18 departs from these rules (tests pin each one)
 ----------------------------------------------------------------
@@ -118,7 +120,8 @@ Where torchao 0.18 departs from these rules (tests pin each one)
 
 Inputs are float32, bfloat16 or float16, converted to float32 exactly; every reduced dimension must
 be a multiple of the block size (a layer filter skips a layer that does not fit: nothing is padded).
-Everything is elementwise torch arithmetic on float32/int32, on ``x``'s device.
+Everything is elementwise torch arithmetic on float32/int32 (float64 for the rowwise scale), on
+``x``'s device, without host syncs and without autograd history (a recipe supplies the gradient).
 """
 
 from __future__ import annotations
@@ -388,13 +391,19 @@ def _nvfp4(blocks: torch.Tensor, f: BlockFormat, rule: str, in_dtype: torch.dtyp
     return _saturate_round(blocks, m, el), s, t
 
 
-_QUANTIZERS = {"fp8_e4m3_rowwise": _rowwise, "fp8_e4m3_block128": _block128, "mxfp8_e4m3": _mx,
-               "mxfp8_e5m2": _mx, "mxfp4": _mx, "nvfp4": _nvfp4}
+def _quantizer(f: BlockFormat):
+    """The scale family of a format: e8m0 scales are MX; a tensor scale is NVFP4; else fp32 per row or tile."""
+    if f.scale.name == "e8m0":
+        return _mx
+    if f.tensor_scale:
+        return _nvfp4
+    return _rowwise if f.block_size is None else _block128
 
 
 # ------------------------------------------------------------------------------------------- public
 
 
+@torch.no_grad()
 def quantize_blocks_with_scales(
     x: torch.Tensor, fmt: str | BlockFormat, *, axis: int = -1, scale_rule: str | None = None
 ) -> BlockQuantized:
@@ -432,7 +441,7 @@ def quantize_blocks_with_scales(
         return BlockQuantized(format=f, scale_rule=rule, axis=ax, block_size=bs, elements=x32.clone(),
                               scales=scales, tensor_scale=t)
     blocks = rows.reshape(*rows.shape[:-1], n // bs, bs)
-    elements, scales, t = _QUANTIZERS[f.name](blocks, f, rule, x.dtype)
+    elements, scales, t = _quantizer(f)(blocks, f, rule, x.dtype)
     return BlockQuantized(format=f, scale_rule=rule, axis=ax, block_size=bs,
                           elements=elements.reshape(rows.shape).movedim(-1, ax), scales=scales.movedim(-1, ax),
                           tensor_scale=t)
