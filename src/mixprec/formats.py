@@ -73,6 +73,13 @@ with ``u ~ U[0, 1)`` drawn as a float64 from ``generator`` on ``2**-53`` steps, 
 probability is exact to within ``2**-53`` of an ulp. Given the generator's state the result is
 deterministic; each call advances the generator by one ``torch.rand`` of ``x.numel()`` float64s.
 Outside ``[-max, max]`` SR falls back to RNE, so overflow behaves exactly like the cast.
+
+Block-scaled formats
+--------------------
+FP8 and FP4 as GEMMs consume them -- one scale per row, per 1x128 tile, per 32 (MX) or 16 (NVFP4)
+values -- live in :mod:`mixprec.blockformats` and are re-exported here: ``quantize_blocks(x, fmt,
+axis=...)``, ``quantize_blocks_with_scales``, ``BLOCK_FORMATS``. That module's docstring states each
+format's rounding and scale rules and where torchao departs from them.
 """
 
 from __future__ import annotations
@@ -81,7 +88,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Format", "FORMATS", "get_format", "quantize"]
+from .blockformats import (
+    BLOCK_FORMATS,
+    BlockFormat,
+    BlockQuantized,
+    get_block_format,
+    quantize_blocks,
+    quantize_blocks_with_scales,
+)
+
+__all__ = ["Format", "FORMATS", "get_format", "quantize",
+           # block-scaled FP8/FP4 (rowwise, 1x128, MXFP8, MXFP4, NVFP4): see mixprec.blockformats
+           "BlockFormat", "BlockQuantized", "BLOCK_FORMATS", "get_block_format", "quantize_blocks",
+           "quantize_blocks_with_scales"]
 
 
 @dataclass(frozen=True)
