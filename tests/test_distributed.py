@@ -126,6 +126,7 @@ def test_bad_accumulation_and_check_flags_exit_2(cli, flag, value):
 # ------------------------------------------------------------------------------- one-process accumulation
 
 
+@pytest.mark.slow
 def test_grad_accum_k2_equals_one_batch_of_2b(tmp_path):
     """digits has 1438 training samples: the last step is 30 samples in both runs (one short micro-batch)."""
     base = dict(dataset="digits", model="mlp", width=32, depth=1, epochs=1, momentum=0.9, lr=0.05, log_every=0,
