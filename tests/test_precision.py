@@ -41,18 +41,22 @@ def test_contradictions():
         build_recipe("bf16-mixed", amp_impl="cuda")
 
 
-def test_auto_impl_picks_emulated_scratch_for_fp16_on_cpu_without_fast_fp16():
+@pytest.mark.parametrize("fast_fp16", [True, False])
+def test_auto_impl_picks_emulated_scratch_for_fp16_on_cpu_without_fast_fp16(fast_fp16, monkeypatch):
     from mixprec import hardware
 
+    monkeypatch.setattr(hardware, "has_fast_fp16", lambda device: fast_fp16)
     r = build_recipe("amp", device="cpu")
-    if hardware.has_fast_fp16(torch.device("cpu")):
-        assert r.impl == "native"
+    if fast_fp16:
+        assert r.impl == "native" and not r.emulate and "EMULATED" not in r.describe()
     else:
         assert r.impl == "scratch" and r.emulate
-        assert "EMULATED" in r.describe()
+        assert "EMULATED" in r.describe() and r.hardware_facts().matmul_dtype == "fp32"
     assert build_recipe("bf16-mixed", device="cpu").impl == "native"
     native = build_recipe("amp", device="cpu", amp_impl="native")
     assert not native.emulate and "EMULATED" not in native.describe()
+    scratch = build_recipe("amp", device="cpu", amp_impl="scratch")
+    assert scratch.emulate == (not fast_fp16)
 
 
 # What each recipe's description must state, written out here (not read from the spec): the params a
