@@ -9,6 +9,8 @@ from mixprec.train.config import TrainConfig
 from mixprec.train.build import build_run
 from mixprec.train.loop import train
 
+pytestmark = pytest.mark.slow  # every test here trains on digits
+
 DIGITS = dict(dataset="digits", model="mlp", width=64, depth=1, batch_size=32, log_every=0, progress="off")
 
 
