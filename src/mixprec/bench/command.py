@@ -415,7 +415,7 @@ def _document(p: Plan, machine: Machine, results: list[dict[str, Any]], state: s
 
 def _write_documents(p: Plan, doc: dict[str, Any]) -> None:
     """Write results.json and results.md (atomically: a reader never sees half a file)."""
-    from ..train.report import write_json
+    from ..jsonio import write_json
     from .report import markdown_report
 
     write_json(os.path.join(p.out_dir, "results.json"), doc)

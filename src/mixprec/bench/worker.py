@@ -67,7 +67,7 @@ def train_and_measure(spec: dict[str, Any]) -> dict[str, Any]:
         run = build_run(config)
         out["impl"] = run.recipe.impl
         out["describe"] = run.recipe.describe()
-        result = train(config, run=run, reporter=Reporter(progress="off"))
+        result = train(run, reporter=Reporter(progress="off"))
         out["history"] = result.history
         out["summary"] = result.summary
         out["timing"] = timing_from_history(result.history, warmup_steps=spec["warmup_steps"],
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
     result = train_and_measure(spec)
-    from ..train.report import write_json  # after the run: the test hook fires before torch is imported
+    from ..jsonio import write_json  # after the run: the test hook fires before torch is imported
     write_json(argv[1], result)
     return 0 if result["status"] == "ok" else 1
 
