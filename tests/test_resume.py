@@ -19,7 +19,7 @@ from mixprec.train.args import typed_flags
 from mixprec.train.build import build_run
 from mixprec.train.checkpoint import load_checkpoint, mechanism, save_checkpoint
 from mixprec.train.config import TrainConfig
-from mixprec.train.resume import RESUME_MAY_CHANGE, check_resume, resume_config
+from mixprec.train.resume import RESUME_MAY_CHANGE, resume_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "main_d16a38d_bf16_digits_mlp.pt"
 """Written by main at d16a38d: `--precision bf16 --dataset digits --model mlp --width 8 --depth 1 --batch-size 256
@@ -162,6 +162,16 @@ def test_help_shows_the_config_defaults(capsys):
     for flag, value in [("--init-scale", f"{d.recipe.scaler.init_scale:g}"), ("--lr", f"{d.optim.lr:g}"),
                         ("--growth-interval", d.recipe.scaler.growth_interval), ("--model", d.model.name)]:
         assert f"(default {value})" in text.split(flag + " ", 2)[-1].split(" --")[0], flag
+
+
+def test_resuming_a_complete_run_says_how_to_extend_it(cli, saved, monkeypatch):
+    monkeypatch.chdir(saved.parent)
+    before = (saved / "last.pt").read_bytes()
+    code, out, err = cli("train", "--resume", "run")
+    assert code == 0, err
+    assert ("the run is already complete at step 3 (--epochs 2, --max-steps 3): pass a larger --epochs or "
+            "--max-steps (none: no limit) to train further") in out
+    assert (saved / "last.pt").read_bytes() == before
 
 
 @pytest.mark.slow

@@ -40,9 +40,9 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
     _announce(run, reporter)
     checkpointer = Checkpointer(run)
     state, resumed = checkpointer.resume()
-    if resumed:
-        reporter.info(resumed)
     total = _total_steps(run)
+    if resumed:
+        reporter.info(resumed + (_complete(run, state.global_step) if state.global_step >= total else ""))
     stopped: str | None = None
     run.model.train()
     compile_time = _compile(run, reporter) if config.run.compile else None
@@ -137,6 +137,14 @@ def _total_steps(run: Run) -> int:
     cfg = run.config.optim
     total = math.ceil(len(run.train_loader) / cfg.grad_accum) * cfg.epochs
     return total if cfg.max_steps is None else min(total, cfg.max_steps)
+
+
+def _complete(run: Run, step: int) -> str:
+    """Why a resumed run has nothing left to train, and how to extend it."""
+    o = run.config.optim
+    limits = f"--epochs {o.epochs}" + (f", --max-steps {o.max_steps}" if o.max_steps is not None else "")
+    return (f"; the run is already complete at step {step} ({limits}): pass a larger --epochs"
+            + (" or --max-steps (none: no limit)" if o.max_steps is not None else "") + " to train further")
 
 
 def _announce(run: Run, reporter: Reporter) -> None:

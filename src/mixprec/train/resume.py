@@ -79,7 +79,7 @@ def _check(path: str | os.PathLike, stored: TrainConfig, stored_mech: dict[str, 
     diffs = [_diff(k, theirs[k], v) for k, v in ours.items()
              if k not in RESUME_MAY_CHANGE and k not in _MECHANISM_FLAGS and v != theirs[k]]
     if dataclasses.replace(stored.recipe, amp_impl=config.recipe.amp_impl) == config.recipe:
-        diffs += _mechanism_diffs(theirs, stored_mech, ours, config)  # another recipe differs anyway
+        diffs += _mechanism_diffs(theirs, stored_mech, ours, config)  # (another recipe is named above)
     if diffs:
         raise CheckpointError(
             f"--resume {path}: the checkpoint is from a different run: " + "; ".join(diffs)
