@@ -210,7 +210,7 @@ def test_fsdp_stopped_and_resumed_ends_bit_identical(tmp_path, fsdp_digits):
     _torchrun(*DIGITS, "--strategy", "fsdp", "--out", part, "--max-steps", 30)  # mid-epoch 2 of 23 steps/epoch
     ck = torch.load(part / "last.pt", weights_only=True)
     assert (ck["epoch"], ck["batch"], ck["global_step"], ck["world_size"]) == (1, 7, 30, 2)
-    _torchrun(*DIGITS, "--strategy", "fsdp", "--out", part, "--resume", part)
+    _torchrun(*DIGITS, "--strategy", "fsdp", "--out", part, "--resume", part, "--max-steps", "none")
     _assert_identical(_model(d / "out"), _model(part))
 
 
@@ -228,7 +228,7 @@ def test_fsdp_resumes_a_stateless_optimizer(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     _torchrun(*args, "--out", full)
     _torchrun(*args, "--out", part, "--max-steps", 5)
-    r = _torchrun(*args, "--out", part, "--resume", part)
+    r = _torchrun(*args, "--out", part, "--resume", part, "--max-steps", "none")
     assert "resumed from" in r.stdout
     _assert_identical(_model(full), _model(part))
 

@@ -30,7 +30,7 @@ def _fraction_of_weights_changed(precision: str, stochastic_rounding: bool = Fal
     cfg = TrainConfig.from_flags(**DIGITS, epochs=2, lr=1e-3, precision=precision, stochastic_rounding=stochastic_rounding)
     run = build_run(cfg)
     before = {k: v.clone() for k, v in run.model.state_dict().items() if k.endswith("weight")}
-    result = train(cfg, run=run)
+    result = train(run)
     after = run.model.state_dict()
     changed = sum(int((after[k] != v).sum()) for k, v in before.items())
     return changed / sum(v.numel() for v in before.values()), result.summary["final_train_loss"]
