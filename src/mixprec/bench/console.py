@@ -53,6 +53,14 @@ def progress_line(i: int, n: int, r: RunResult | dict[str, Any]) -> None:
         return
     say(f"{head} {fmt(t.epoch_time_s, '.3f')} s/epoch, {fmt(t.samples_per_s, ',.0f')} samples/s, "
         f"train loss {fmt(s.get('final_train_loss'), '.4f')}, "
-        + (f"test loss {fmt(s.get('test_loss'), '.4f')}, {fmt(s.get('bits_per_char'), '.3f')} bits/char"
-           if s.get("bits_per_char") is not None else
-           f"test accuracy {fmt(s.get('test_accuracy'), '.2f', scale=100, suffix='%')}") + f", {wall}")
+        + _quality(s) + f", {wall}")
+
+
+def _quality(s: dict[str, Any]) -> str:
+    """The run's main metric (as its summary names it) in words."""
+    metric = s.get("metric")
+    if s.get("bits_per_char") is not None:
+        return f"test loss {fmt(s.get('test_loss'), '.4f')}, {fmt(s.get('bits_per_char'), '.3f')} bits/char"
+    if isinstance(metric, str) and metric != "test_accuracy":
+        return f"{metric.replace('_', ' ')} {fmt(s.get(metric), '.4f')}"
+    return f"test accuracy {fmt(s.get('test_accuracy'), '.2f', scale=100, suffix='%')}"

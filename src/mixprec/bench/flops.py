@@ -19,11 +19,11 @@ The count runs on a fresh fp32 copy of the model, outside any timed region, once
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from ..train.contract import Batch, Objective
 
 __all__ = ["StepFlops", "count_step_flops"]
 
@@ -51,19 +51,14 @@ def _by_op(counter: FlopCounterMode) -> dict[str, int]:
     return out
 
 
-def count_step_flops(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> StepFlops:
-    """FLOPs of one forward and one backward of ``loss_fn(model(x), y)``.
+def count_step_flops(model: nn.Module, batch: Batch, objective: Objective) -> StepFlops:
+    """FLOPs of one forward and one backward of ``objective(model, batch)`` (the model contract's loss).
 
     The model's ``.grad`` fields are restored to None afterwards; nothing else is changed (call it on a
     copy when BatchNorm running statistics matter).
     """
     with FlopCounterMode(display=False) as fwd:
-        loss = loss_fn(model(x), y)
+        loss = objective(model, batch)
     with FlopCounterMode(display=False) as bwd:
         loss.backward()
     for p in model.parameters():

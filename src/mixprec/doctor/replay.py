@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..autocast import autocast as scratch_autocast
+from ..train.contract import Batch, Objective
 from ..autocast.hooks import ForwardHooks
 from .attribution import ModuleTracker, display_path
 from .nonfinite import NonFiniteEvent, NonFiniteWatch
@@ -86,9 +87,8 @@ class Fp32Modules:
 def replay_step(
     model: nn.Module,
     autocast: Callable[[], contextlib.AbstractContextManager],
-    loss_fn: Callable,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    objective: Objective,
+    batch: Batch,
     *,
     scale: float = 1.0,
     fp32: Iterable[str] = (),
@@ -102,18 +102,19 @@ def replay_step(
     """
     replica = copy.deepcopy(model)
     replica.train(model.training)
-    device_type = x.device.type
+    device = _device(batch)
+    device_type = device.type
     tracker = ModuleTracker(replica)
     watch = NonFiniteWatch()
-    devices = [x.device] if x.device.type == "cuda" else []
+    devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), tracker, Fp32Modules(replica, fp32, device_type), \
             OpObserver(tracker, [watch]):
         if rng is not None:
             torch.set_rng_state(rng[0])
             if rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1], x.device)
+                torch.cuda.set_rng_state(rng[1], device)
         with autocast():
-            loss = loss_fn(replica(x), y)
+            loss = objective(replica, batch)
         if watch.first is None:
             (loss * scale).backward()
     if watch.first is not None:
@@ -121,13 +122,17 @@ def replay_step(
     return watch.first
 
 
-def max_finite_scale(model, autocast, loss_fn, x, y, *, scale: float, fp32: Iterable[str] = (),
-                     rng: tuple | None = None) -> float | None:
+def _device(batch: Batch) -> torch.device:
+    return next((t.device for t in batch.inputs()), torch.device("cpu"))
+
+
+def max_finite_scale(model, autocast, objective: Objective, batch: Batch, *, scale: float,
+                     fp32: Iterable[str] = (), rng: tuple | None = None) -> float | None:
     """Largest power of two ``<= scale`` at which the step is finite; None if not even at 1."""
     fp32 = list(fp32)
 
     def finite(s: float) -> bool:
-        return replay_step(model, autocast, loss_fn, x, y, scale=s, fp32=fp32, rng=rng) is None
+        return replay_step(model, autocast, objective, batch, scale=s, fp32=fp32, rng=rng) is None
 
     if not finite(1.0):
         return None
@@ -161,9 +166,8 @@ class ReplayResult:
 def minimal_fp32_set(
     model: nn.Module,
     autocast: Callable[[], contextlib.AbstractContextManager],
-    loss_fn: Callable,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    objective: Objective,
+    batch: Batch,
     *,
     scale: float = 1.0,
     base: Iterable[str] = (),
@@ -179,7 +183,7 @@ def minimal_fp32_set(
     trials: list[dict[str, Any]] = []
 
     def trial(mods: list[str]) -> NonFiniteEvent | None:
-        ev = replay_step(model, autocast, loss_fn, x, y, scale=scale, fp32=base + mods, rng=rng)
+        ev = replay_step(model, autocast, objective, batch, scale=scale, fp32=base + mods, rng=rng)
         trials.append({"fp32": [display_path(m) for m in mods],
                        "first_nonfinite": None if ev is None else ev.describe()})
         return ev

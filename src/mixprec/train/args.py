@@ -116,7 +116,10 @@ def _model_and_data_arguments(add: _Flags) -> None:
     add("--n-layers", type=int, help="transformer / gpt blocks")
     add("--patch-size", type=int, help="transformer patch size")
     add("--block-size", type=int, help="gpt / text: context length")
-    add("--loss", metavar="cross-entropy|MODULE:CALLABLE", help="loss(outputs, targets) -> scalar")
+    add("--loss", metavar="auto|cross-entropy|MODULE:CALLABLE",
+        help="auto: the model's own loss, else the task's; or loss(model output, targets) -> scalar")
+    add("--task", choices=("auto", "classify", "binary", "multilabel", "regression", "lm"),
+        help="what the model predicts (auto: inferred from the targets and the model's output)")
     add("--dataset", metavar="NAME|MODULE:CALLABLE",
         help="fashion-mnist, mnist, digits, synthetic, text, or your own: module:factory returning (train, test) "
              "datasets or tensor pairs")

@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import ConfigError, RecipeError
 from ..precision import RecipeConfig, ScalerConfig, resolve_recipe
 from ..validate import F32_MAX, is_int, nonnegative, nonnegative_int, one_of, positive, positive_int
+from .tasks import TASKS
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "OPTIMIZERS", "STRATEGIES",
            "PROGRESS"]
@@ -54,13 +55,18 @@ class ModelConfig:
     """transformer: image patch size."""
     block_size: int = 64
     """gpt and text data: context length in tokens."""
-    loss: str = "cross-entropy"
-    """cross-entropy (over the last dimension, so (B, C) and (B, T, V) logits both work) or user code
-    ``module:callable`` taking (outputs, targets) and returning a scalar (flag ``--loss``)."""
+    loss: str = "auto"
+    """auto (the loss the model returns, else the task's default: cross-entropy, BCE, MSE), cross-entropy (over
+    the last dimension of the logits, so (B, C) and (B, T, V) both work) or user code ``module:callable``
+    taking (the model's raw output, targets) and returning a scalar (flag ``--loss``)."""
+    task: str = "auto"
+    """classify, binary, multilabel, regression, lm, or auto: inferred from the first batch's targets and the
+    model's output (flag ``--task``; see :mod:`mixprec.train.tasks`)."""
 
     def validate(self) -> None:
         for flag in ("width", "depth", "channels", "d_model", "n_heads", "n_layers", "patch_size", "block_size"):
             positive_int(flag, getattr(self, flag))
+        one_of("task", self.task, ("auto", *TASKS))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

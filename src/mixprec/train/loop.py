@@ -22,9 +22,10 @@ from . import distributed
 from .build import Run, build_run
 from .checkpointer import Checkpointer, TrainState
 from .config import TrainConfig
+from .contract import as_batch
 from .meter import EpochMeter
 from .report import Reporter, summary_table
-from .results import RunSummary, TrainResult
+from .results import METRIC_KEYS, RunSummary, TrainResult
 from .step import accumulate_step, compile_warmup, evaluate
 from .stops import StopRules
 
@@ -108,11 +109,11 @@ def _compile(run: Run, reporter: Reporter) -> float:
     """Compile before the clock starts: the first batch's shape, and the epoch's last (smaller) one."""
     loader, batch_size = run.train_loader, run.config.optim.batch_size
     loader.set_epoch(0)
-    xb, yb = next(iter(loader))
-    shapes = [(xb, yb)]
+    first = as_batch(next(iter(loader)))
+    shapes = [first]
     rest = loader.num_samples % batch_size
-    if rest and rest < len(yb):
-        shapes.append((xb[:rest], yb[:rest]))
+    if rest and rest < len(first):
+        shapes.append(first.head(rest))
     with run.recipe.run_context():
         seconds = compile_warmup(run.ctx, shapes)
     reporter.info(f"torch.compile: {seconds:.1f} s to compile {len(shapes)} batch shape(s), not counted in "
@@ -123,9 +124,9 @@ def _compile(run: Run, reporter: Reporter) -> float:
 def _step_batches(loader, accum: int, first: int) -> Iterator[tuple[int, list]]:
     """Yield ``(index of the first batch, [accum consecutive batches])`` per optimizer step, from batch
     ``first`` on (the last group of an epoch may be shorter)."""
-    group: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for batch_idx, (xb, yb) in enumerate(loader.iter_from(first), start=first):
-        group.append((xb, yb))
+    group: list = []
+    for batch_idx, batch in enumerate(loader.iter_from(first), start=first):
+        group.append(batch)
         if len(group) == accum:
             yield batch_idx - accum + 1, group
             group = []
@@ -155,6 +156,8 @@ def _announce(run: Run, reporter: Reporter) -> None:
         f"[{run.data.n_train:,} train / {run.data.n_test:,} test from {run.data.source}], "
         f"device {device} ({hardware.device_name(device)}), {torch.get_num_threads()} threads"
     )
+    for note in run.notes:
+        reporter.info(note)
     if run.world_size > 1 or cfg.optim.grad_accum > 1:
         per_step = cfg.optim.batch_size * cfg.optim.grad_accum * run.world_size
         reporter.info(
@@ -179,7 +182,7 @@ def summarize(run: Run, state: TrainState, stopped: str | None, *, compile_time_
         state.history, stopped=stopped, skipped_steps=state.skipped_total, recipe=run.recipe.name,
         impl=run.recipe.impl, model=cfg.model.name, dataset=run.data.name, device=str(run.device),
         world_size=run.world_size, strategy=cfg.run.strategy, grad_accum=cfg.optim.grad_accum,
-        compile_time_s=compile_time_s)
+        compile_time_s=compile_time_s, task=run.task.name, metric=METRIC_KEYS[run.task.main])
 
 
 def _write_metrics(run: Run, history: list, summary: RunSummary) -> None:

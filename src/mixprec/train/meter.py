@@ -16,8 +16,7 @@ from .. import hardware
 from ..memory import MemoryReport, SavedTensorTracker, static_memory
 from ..precision import StepResult
 from . import distributed
-from .data.text import bits_per_char, perplexity
-from .results import EpochRecord
+from .results import METRIC_KEYS, EpochRecord
 
 if TYPE_CHECKING:
     from .build import Run
@@ -25,13 +24,15 @@ if TYPE_CHECKING:
 __all__ = ["EpochMeter", "test_metrics"]
 
 
-def test_metrics(task: str, accuracy: float, loss: float) -> dict[str, Any]:
-    """The :class:`EpochRecord` fields of an evaluation. Classification: accuracy. Language models:
-    perplexity and bits per character (token accuracy kept apart, under its own name)."""
-    if task != "language-model":
-        return {"test_accuracy": accuracy}
-    return {"test_accuracy": None, "test_token_accuracy": accuracy, "test_perplexity": perplexity(loss),
-            "bits_per_char": bits_per_char(loss)}
+def test_metrics(task: Any, metrics: dict[str, float | None], loss: float) -> dict[str, Any]:
+    """The :class:`EpochRecord` fields of an evaluation: the task's name and main metric (as a record key),
+    ``test_loss``, ``test_accuracy`` (None for tasks without one) and the task's other metrics by their
+    record keys (``test_f1``, ``test_r2``, ``bits_per_char``...)."""
+    fields = {"task": task.name, "metric": METRIC_KEYS[task.main], "test_loss": loss, "test_accuracy": None}
+    for name, value in metrics.items():
+        if name != "loss":
+            fields[METRIC_KEYS[name]] = value
+    return fields
 
 
 class EpochMeter:
@@ -115,8 +116,8 @@ class EpochMeter:
         return distributed.max_over_ranks(self.elapsed_before + time.perf_counter() - self.t_start,
                                           self.run.device)
 
-    def record(self, epoch: int, epoch_time: float, test_accuracy: float, test_loss: float) -> EpochRecord:
-        """The epoch's record (reads the losses on the host, once)."""
+    def record(self, epoch: int, epoch_time: float, metrics: dict[str, float | None], test_loss: float) -> EpochRecord:
+        """The epoch's record from the evaluation's metrics and loss (reads the losses on the host, once)."""
         run, cfg = self.run, self.run.config.optim
         samples_per_step = cfg.batch_size * cfg.grad_accum * run.world_size
         curve = distributed.mean_over_ranks(torch.stack(self.losses).float()).cpu().tolist()
@@ -124,8 +125,7 @@ class EpochMeter:
             epoch=epoch,
             steps=self.n_steps,
             train_loss=distributed.mean_over_ranks(self.loss_sum).item() / self.n_steps,
-            test_loss=test_loss,
-            **test_metrics(run.data.task, test_accuracy, test_loss),
+            **test_metrics(run.task, metrics, test_loss),
             epoch_time_s=epoch_time,
             samples_per_s=self.n_steps * samples_per_step / epoch_time,
             step_times_s=list(self.step_times),
