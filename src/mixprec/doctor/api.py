@@ -138,14 +138,14 @@ def _is_batch(b: Any) -> bool:
     """One batch of the contract: a dict of tensors, or a tuple of >= 2 items whose first is a tensor."""
     if isinstance(b, Mapping):
         return bool(b) and any(isinstance(v, torch.Tensor) for v in b.values())
-    return isinstance(b, tuple) and len(b) >= 2 and isinstance(b[0], torch.Tensor)
+    return (isinstance(b, tuple) and len(b) >= 2 and isinstance(b[0], torch.Tensor) and b[0].dim() > 0)
 
 
 def _batches(batch: Any) -> list[Any]:
     if _is_batch(batch):
         return [batch]
     try:
-        out = [b if isinstance(b, Mapping) else tuple(b) for b in batch]
+        out = [tuple(b) if isinstance(b, list) else b for b in batch]
     except TypeError:
         out = []
     if not out or not all(_is_batch(b) for b in out):
