@@ -20,7 +20,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import ROOT
 from mixprec import hardware

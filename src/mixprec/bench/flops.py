@@ -19,7 +19,7 @@ The count runs on a fresh fp32 copy of the model, outside any timed region, once
 from __future__ import annotations
 
 import dataclasses
-import torch
+
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 

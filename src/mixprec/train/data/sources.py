@@ -205,10 +205,15 @@ def infer_num_classes(labels: Any, what: str) -> int:
 
 def output_width(targets: torch.Tensor, what: str) -> int:
     """The output width the targets imply (offered to a model factory as ``num_classes``): classes for integer
-    class labels, else the number of target values per sample (1 for a binary or scalar regression target)."""
-    if targets.is_floating_point() or targets.dim() != 1:
-        return targets[0].numel() if targets.dim() > 0 and len(targets) else 1
-    return infer_num_classes(targets, what)
+    class labels (the vocabulary for token ids), else the number of target values per sample (1 for a binary
+    or scalar regression target, L for 0/1 multi-label targets)."""
+    per_sample = targets[0].numel() if targets.dim() > 0 and len(targets) else 1
+    if targets.is_floating_point() or targets.is_complex() or targets.dim() == 0:
+        return per_sample
+    if targets.dim() == 1:
+        return infer_num_classes(targets, what)
+    kept = targets[targets != IGNORE_INDEX]
+    return int(kept.max()) + 1 if len(kept) and int(kept.max()) > 1 else per_sample
 
 
 def _targets_of(batch: Batch) -> torch.Tensor | None:
