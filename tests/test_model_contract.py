@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from userpkg import contract_models as cm  # noqa: E402
 
 M = "userpkg.contract_models"
+M_FILE = str(ROOT / "tests" / "userpkg" / "contract_models.py")  # what bench's worker processes can import
 QUIET = dict(log_every=0, progress="off")
 RECIPES = ("fp32", "bf16-mixed", "fp16-mixed", "fp8-mixed")
 
@@ -209,7 +210,7 @@ def test_bench_on_a_llama_names_the_tasks_metric(corpus, tmp_path):
     from mixprec.cli import main
 
     out = tmp_path / "bench"
-    code = main(["bench", "--precisions", "fp32,bf16-mixed", "--repeats", "1", "--model", f"{M}:llama",
+    code = main(["bench", "--precisions", "fp32,bf16-mixed", "--repeats", "1", "--model", f"{M_FILE}:llama",
                  "--dataset", "text", "--data-path", corpus, "--block-size", "16", "--limit-test", "16",
                  "--batch-size", "8", "--max-steps", "4", "--epochs", "1", "--warmup-steps", "1",
                  "--peak-seconds", "0.05", "--device", "cpu", "--no-plots", "--out", str(out)])
