@@ -19,7 +19,7 @@ from mixprec.train.api import fit
 from mixprec.train.build import build_run
 from mixprec.train.config import TrainConfig
 from mixprec.train.contract import as_batch
-from mixprec.train.data.sources import UserBatches
+from mixprec.train.data.sources import UserBatches, data_from_splits
 from mixprec.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +86,57 @@ def test_a_model_that_shifts_its_labels_gets_no_token_accuracy_and_is_not_shifte
     assert any("shifted twice" in n for n in run.notes)
     out = run.objective.forward(run.model, as_batch((ids[:, :-1], ids[:, 1:])))
     assert out.loss is None  # labels not passed: the task's cross-entropy on aligned logits trains it
+
+
+# ---------------------------------------------------------------------------- data: dtypes, several inputs
+
+
+class FloatTargets(torch.utils.data.Dataset):
+    """A map-style dataset of float targets (numpy float64, as a pandas column gives them)."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.x = np.random.default_rng(0).normal(size=(8, 3))
+        self.y = np.array([-1.5, 0.25, 2.75, -0.5, 1.0, 0.0, 3.5, -2.25])
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_a_datasets_float_targets_are_kept_not_truncated():
+    src = data_from_splits((FloatTargets(), FloatTargets()), "floats")
+    assert src.task is None and src.num_classes == 1 and src.notes  # float64 inputs: said once
+    x, y = next(iter(src.eval_batches(torch.arange(8), 8)))
+    assert x.dtype == torch.float32 and y.dtype == torch.float32
+    assert y.tolist() == [-1.5, 0.25, 2.75, -0.5, 1.0, 0.0, 3.5, -2.25]  # int() would have made -1, 0, 2...
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(2, 4)
+
+    def forward(self, x1, x2):
+        return self.a(x1) + self.b(x2)
+
+
+def test_several_inputs_reach_forward_in_order():
+    from mixprec.train.step import train_step
+
+    g = torch.Generator().manual_seed(0)
+    split = (torch.randn(16, 3, generator=g), torch.randn(16, 2, generator=g), torch.randint(0, 4, (16,), generator=g))
+    config = TrainConfig.from_flags(model="TwoInputs", dataset="two inputs", precision="fp32", batch_size=8, **QUIET)
+    torch.manual_seed(0)
+    run = build_run(config, data=data_from_splits((split, split), "two inputs"), model=TwoInputs())
+    assert run.task.name == "classify"
+    batch = next(iter(run.train_loader))
+    assert len(batch) == 3 and [t.shape[1:] for t in batch[:2]] == [(3,), (2,)]
+    loss, _ = train_step(run.ctx, *batch)
+    assert math.isfinite(float(loss))
 
 
 # ------------------------------------------------------------------------------- bad input, one line each
