@@ -25,6 +25,8 @@ Pieces:
 - :mod:`mixprec.master` — :class:`MasterWeights`: fp32 copies for the optimizer when the model's params are
   fp16/bf16, so updates smaller than half an ulp of the weight are not rounded away.
 - :mod:`mixprec.memory` — exact bytes by category (params, grads, optimizer state, masters, activations).
+- :mod:`mixprec.watching` — ``mixprec.watch(model, optimizer, scaler=...)``: the doctor's checks inside the
+  user's own loop (hooks only), with integrations for Hugging Face and Lightning in :mod:`mixprec.integrations`.
 - :mod:`mixprec.precision` — the recipes (``fp32``, ``amp``, ``bf16-mixed``, ``bf16-master``...) built
   from these pieces or from PyTorch's own, behind one interface the trainer uses.
 """
@@ -36,6 +38,7 @@ from .memory import MemoryReport, SavedTensorTracker, static_memory
 from .policy import CastKind, CastPolicy, default_policy
 from .precision import RECIPES, Recipe, RecipeConfig, ScalerConfig, StepResult, build_recipe, resolve_recipe
 from .scaler import DynamicLossScaler
+from .watching import watch
 
 __version__ = "0.1.0"
 
@@ -62,5 +65,6 @@ __all__ = [
     "StepResult",
     "build_recipe",
     "resolve_recipe",
+    "watch",
     "__version__",
 ]
