@@ -53,7 +53,7 @@ class Output:
         self._tb = None
         tb = cfg.tensorboard if cfg.tensorboard is not None else importlib.util.find_spec("tensorboard") is not None
         self._want_tb = self.writes and tb
-        self._last_plot = -math.inf
+        self._last_plot = time.monotonic()  # the first PNGs at a trigger, at close or after plot_seconds
 
     def path(self, name: str) -> str:
         os.makedirs(self.out, exist_ok=True)

@@ -178,6 +178,20 @@ def _nonfinite(ts: list[torch.Tensor | None]) -> bool:
     return any(t is not None and not bool(torch.isfinite(t).all()) for t in ts)
 
 
+def _seed_fault(batches: list[MicroBatch], step: int, scale: float) -> FaultAnalysis:
+    """The model's forward replays finite: the seed (the gradient that reached its output) was not.
+
+    With a loss scale above 1 and only infs, the scaled gradient overflowed the output's dtype on its way back
+    from the loss (a scale overflow: the scaler's backoff handles it); otherwise the loss itself was non-finite.
+    """
+    seeds = [g for mb in batches for g in mb.seed if g is not None]
+    if not any(_nonfinite([g]) for g in seeds):
+        return FaultAnalysis(step, None, "not reproduced", loss_scale=scale)
+    if scale > 1 and not any(bool(torch.isnan(g).any()) for g in seeds):
+        return FaultAnalysis(step, None, "scale overflow", loss_scale=scale)
+    return FaultAnalysis(step, None, LOSS_OUTSIDE, loss_scale=scale)
+
+
 def localize(model: nn.Module, batches: list[MicroBatch], *, step: int, scale: float, search: bool = True,
              bisect: bool = True) -> FaultAnalysis:
     """Replay the step's micro-batches on copies of ``model``; the first non-finite op, classified."""
@@ -191,13 +205,11 @@ def localize(model: nn.Module, batches: list[MicroBatch], *, step: int, scale: f
             if ev is not None:
                 break
         else:
-            if any(_nonfinite(mb.seed) for mb in batches):
-                return FaultAnalysis(step, None, LOSS_OUTSIDE, loss_scale=scale)
-            return FaultAnalysis(step, None, "not reproduced", loss_scale=scale)
+            return _seed_fault(batches, step, scale)
         ev.step = step
         if not ev.inputs_finite:
             if ev.module is None:  # the seed: what the user's loss sent back into the model
-                return FaultAnalysis(step, None, LOSS_OUTSIDE, loss_scale=scale)
+                return _seed_fault(batches, step, scale)
             return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
         args = (model, mb.autocast.context, _seed_loss, mb.inputs, seed)
         if ev.phase == "backward" and scale > 1 and bisect:
