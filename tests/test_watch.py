@@ -75,22 +75,23 @@ def test_backward_overflow_fp16_gradscaler_is_named_backward(tmp_path):
     assert [s["scale"] for s in hist["steps"]][2:5] == [256.0, 256.0, 128.0]
 
 
+@pytest.mark.slow
 def test_gradscaler_skips_and_scale_history(tmp_path):
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
-    w, rep, text, out = _run(tmp_path, dtype=torch.float16, scaler=scaler, steps=20, fault_at=None, every=5,
-                             plots=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    w, rep, text, out = _run(tmp_path, dtype=torch.float16, scaler=scaler, steps=12, fault_at=None, every=5,
+                             plots=True, max_localized=1)
     hist = rep["loss_scale_history"]
     skipped = [s for s in hist["steps"] if s["skipped"]]
     assert skipped and skipped[0]["step"] == 0
     for s in skipped:  # every skip halves the scale
         assert s["next_scale"] == s["scale"] / 2
-    assert hist["summary"]["final_scale"] < 2.0**30
+    assert hist["summary"]["final_scale"] < 2.0**24
     first = rep["nonfinite"]["first"]
     assert first["step"] == 0 and first["classification"] == "scale overflow"
     rows = (out / "steps.csv").read_text().splitlines()
-    assert len(rows) == 21 and rows[1].split(",")[4] == "1"
+    assert len(rows) == 13 and rows[1].split(",")[4] == "1"
     assert (out / "scale_history.png").stat().st_size > 0
-    assert "Loss-scale history: 1.07374e+09 ->" in text and "scale overflow" in text
+    assert "Loss-scale history: 1.67772e+07 ->" in text and "scale overflow" in text
 
 
 def test_bf16_weights_with_tiny_lr_show_lost_updates(tmp_path):
@@ -265,6 +266,7 @@ def test_watch_json_shares_doctor_json_keys(tmp_path):
     assert set(doctor["title"]) - {"data"} <= set(rep["title"])
 
 
+@pytest.mark.slow
 def test_reports_and_tensorboard_are_written(tmp_path):
     pytest.importorskip("tensorboard")
     _, rep, text, out = _run(tmp_path, steps=4, fault_at=None, plots=True)
