@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import NonFiniteError, UsageError
+from ..scaler import ScalerConfig
 from ..train.build import Run, build_run
 from ..train.config import TrainConfig
 from ..train.data.sources import UserBatches
@@ -314,8 +315,8 @@ def diagnose(
     optimizer: Any = None,
     lr: float = 1e-2,
     amp_impl: str = "auto",
-    init_scale: float = 2.0**16,
-    growth_interval: int = 2000,
+    init_scale: float = ScalerConfig.init_scale,
+    growth_interval: int = ScalerConfig.growth_interval,
     stochastic_rounding: bool = False,
     keep_fp32: tuple[str, ...] = (),
     clip_grad_norm: float | None = None,
@@ -333,7 +334,8 @@ def diagnose(
         precision: a recipe name (``fp16-mixed``, ``bf16-mixed``, ``bf16-true``, ...; see mixprec.precision).
         optimizer: None (SGD with ``lr``), an optimizer class, an optimizer instance (class and defaults
             reused over the recipe's tensors, which may be fp32 master copies), or ``params -> optimizer``.
-        init_scale, growth_interval: the dynamic loss scaler (fp16 recipes).
+        init_scale, growth_interval: the dynamic loss scaler (fp16 recipes); defaults are
+            :class:`~mixprec.scaler.ScalerConfig`'s.
         formats: formats the range profile projects onto.
         replay: classify non-finite steps and search the minimal fp32 module set.
         out: also write doctor.json and the PNG plots into this folder.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..jsonio import write_json, write_text
 from .attribution import display_path
 from .lost_updates import LostUpdates
 from .precision_map import PrecisionMap
@@ -157,20 +157,12 @@ class DoctorReport:
     def write(self, out_dir: str, *, plots: bool = True) -> list[str]:
         """Write doctor.json, report.txt and (with matplotlib) the PNG plots; returns the paths.
 
-        doctor.json is strict JSON: non-finite numbers (the loss of a failed step) are written as null.
+        Both text files are written atomically by :mod:`mixprec.jsonio`; doctor.json is strict JSON:
+        non-finite numbers (the loss of a failed step) are written as null.
         """
-        os.makedirs(out_dir, exist_ok=True)
-        paths = []
-        p = os.path.join(out_dir, "doctor.json")
-        tmp = p + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(_strict(self.to_dict()), f, indent=1, default=_json_default, allow_nan=False)
-        os.replace(tmp, p)
-        paths.append(p)
-        p = os.path.join(out_dir, "report.txt")
-        with open(p, "w", encoding="utf-8") as f:
-            f.write(self.render() + "\n")
-        paths.append(p)
+        paths = [os.path.join(out_dir, "doctor.json"), os.path.join(out_dir, "report.txt")]
+        write_json(paths[0], self.to_dict(), indent=1)
+        write_text(paths[1], self.render() + "\n")
         if plots:
             from .plots import write_plots
 
@@ -337,23 +329,3 @@ class DoctorReport:
         if len(recs) > 12:
             lines.append(f"  (steps without events omitted; all {len(recs)} in doctor.json)")
         return lines
-
-
-def _strict(o: Any) -> Any:
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {k: _strict(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_strict(v) for v in o]
-    return o
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    if isinstance(o, (torch.dtype, torch.device)):
-        return str(o)
-    if dataclasses.is_dataclass(o):
-        return dataclasses.asdict(o)
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")

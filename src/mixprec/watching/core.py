@@ -7,7 +7,8 @@ What it hooks
   state and the gradient backward sends into the output (:mod:`.recorder`);
 * the optimizer's step (``register_step_pre_hook`` / ``register_step_post_hook``): the gradients are final
   and not applied yet (the check), and the update was applied;
-* the scaler object, read (never called) through :func:`.scaler_state.read_scaler`.
+* the scaler object, read (never called) through :class:`mixprec.scaler_view.ScalerView`
+  (:func:`.scaler_state.read_scaler`).
 Framework callbacks (:mod:`mixprec.integrations`) drive the same events where a hook cannot see them.
 
 A step ends when the optimizer applied it (the post hook), or, with a loss scaler, when the scaler finished
@@ -298,9 +299,7 @@ class Watch:
         sc = self._scaler()
         if st.applied or not sc.enabled:
             return False
-        if sc.kind == "torch":
-            return sc.iteration is not st.scaler.iteration
-        return (sc.skipped_steps or 0) > (st.scaler.skipped_steps or 0)
+        return sc.iteration != st.scaler.iteration
 
     def step_finished(self) -> bool:
         """A step is open and reached its optimizer step (checked, applied or skipped by the scaler)."""

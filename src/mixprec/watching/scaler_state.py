@@ -1,10 +1,11 @@
 """What the watch reads of a loss scaler: ``torch.amp.GradScaler`` (and its subclass ``ShardedGradScaler``),
-:class:`mixprec.DynamicLossScaler`, or none.
+:class:`mixprec.DynamicLossScaler`, or none -- through :class:`mixprec.scaler_view.ScalerView`, the one wrapper
+of scaler internals, and nothing else.
 
-Neither scaler exposes its per-iteration state (the scale as a device tensor, this iteration's inf check, whether
-the gradients were already unscaled) publicly, and reading them through ``get_scale()`` would sync with the
-device. :func:`read_scaler` is the one place that reads those internals; everything else in the watch sees a
-:class:`ScalerState`. (The project's shared wrapper of scaler internals replaces this function when it lands.)
+Besides the view's tensors (scale, found_inf), the watch needs to know when the scaler finished an iteration
+without calling ``optimizer.step()`` (a skipped step, which no optimizer hook sees): every ``update()`` changes
+the growth tracker *in place*, which bumps the tensor's ``_version`` counter, a host-side integer. Comparing
+it costs no sync.
 
 Nothing here syncs: tensors are handed back as they are.
 """
@@ -15,6 +16,8 @@ import dataclasses
 from typing import Any
 
 import torch
+
+from ..scaler_view import ScalerView
 
 __all__ = ["ScalerState", "scaler_kind", "read_scaler"]
 
@@ -29,44 +32,35 @@ class ScalerState:
     scale: torch.Tensor | None
     """The scale as a 0-dim device tensor (None before the first ``scale()`` call, or disabled)."""
     init_scale: float
-    """The scale before the first ``scale()`` call."""
+    """The scale before the first ``scale()`` call (1 when disabled)."""
     found_inf: torch.Tensor | None
     """This iteration's inf/NaN check for the optimizer (0-dim, > 0 if any), None before it ran."""
     unscaled: bool
-    """The optimizer's gradients were divided by the scale this iteration."""
+    """The optimizer's gradients were divided by the scale this iteration (checked and not fused)."""
     iteration: Any
-    """An object the scaler replaces at every ``update()`` (GradScaler); compare with ``is``. None: mixprec."""
-    skipped_steps: int | None
-    """The scaler's own count of skipped steps (DynamicLossScaler); None where it keeps none."""
+    """Changes at every ``update()`` (the growth tracker's version); compare with ``!=``."""
 
 
 def scaler_kind(scaler: Any) -> str | None:
     """``none``, ``torch`` or ``mixprec``; None for an object the watch does not know."""
-    from ..scaler import DynamicLossScaler
-
     if scaler is None:
         return "none"
-    if isinstance(scaler, torch.amp.GradScaler):
-        return "torch"
-    if isinstance(scaler, DynamicLossScaler):
-        return "mixprec"
-    return None
+    try:
+        view = ScalerView(scaler)
+    except TypeError:
+        return None
+    return "mixprec" if view.kind == "DynamicLossScaler" else "torch"
 
 
 def read_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> ScalerState:
     """The scaler's state for ``optimizer`` now (no host-device sync)."""
     kind = scaler_kind(scaler)
-    if kind == "none" or kind is None or not scaler.is_enabled():
-        return ScalerState("none", False, None, 1.0, None, True, None, None)
-    if kind == "torch":
-        states = scaler._per_optimizer_states
-        st = states.get(id(optimizer))  # a defaultdict: .get() adds nothing
-        per_device = list(st["found_inf_per_device"].values()) if st else []
-        found = per_device[0] if len(per_device) == 1 else (sum(per_device) if per_device else None)
-        unscaled = bool(st) and st["stage"].name == "UNSCALED"
-        return ScalerState("torch", True, scaler._scale, float(scaler._init_scale), found, unscaled, states, None)
-    st = scaler._per_optimizer.get(id(optimizer))
-    unscaled = st is not None and st.stage.name == "UNSCALED"
-    found = st.found_inf if st is not None else None
-    return ScalerState("mixprec", True, scaler._scale, float(scaler._init_scale), found, unscaled, None,
-                       scaler.skipped_steps)
+    if kind in (None, "none") or not ScalerView(scaler).enabled:
+        return ScalerState("none", False, None, 1.0, None, True, None)
+    view = ScalerView(scaler)
+    scale, tracker = view.scale(), view.growth_tracker()
+    init = view.scale_value() if scale is None else float("nan")  # no tensor yet: the initial scale, no sync
+    found = view.found_inf(optimizer)
+    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    iteration = None if tracker is None else tracker._version
+    return ScalerState(kind, True, scale, init, found, found is not None and not fused, iteration)
