@@ -57,7 +57,7 @@ from ..errors import NonFiniteError
 from .config import WatchConfig
 from .recorder import AutocastState, MicroBatch, localize, save_capture
 from .sample import InertHook, Sampler
-from .scaler_state import ScalerState, read_scaler
+from .scaler_state import ScalerState, iteration_changed, read_scaler
 
 __all__ = ["Watch"]
 
@@ -299,7 +299,7 @@ class Watch:
         sc = self._scaler()
         if st.applied or not sc.enabled:
             return False
-        return sc.iteration != st.scaler.iteration
+        return iteration_changed(st.scaler.iteration, sc.iteration)
 
     def step_finished(self) -> bool:
         """A step is open and reached its optimizer step (checked, applied or skipped by the scaler)."""

@@ -3,9 +3,8 @@
 of scaler internals, and nothing else.
 
 Besides the view's tensors (scale, found_inf), the watch needs to know when the scaler finished an iteration
-without calling ``optimizer.step()`` (a skipped step, which no optimizer hook sees): every ``update()`` changes
-the growth tracker *in place*, which bumps the tensor's ``_version`` counter, a host-side integer. Comparing
-it costs no sync.
+without calling ``optimizer.step()`` (a skipped step, which no optimizer hook sees): the view's
+:meth:`~mixprec.scaler_view.ScalerView.iteration` token, compared with :func:`iteration_changed`.
 
 Nothing here syncs: tensors are handed back as they are.
 """
@@ -19,7 +18,7 @@ import torch
 
 from ..scaler_view import ScalerView
 
-__all__ = ["ScalerState", "scaler_kind", "read_scaler"]
+__all__ = ["ScalerState", "scaler_kind", "read_scaler", "iteration_changed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +37,7 @@ class ScalerState:
     unscaled: bool
     """The optimizer's gradients were divided by the scale this iteration (checked and not fused)."""
     iteration: Any
-    """Changes at every ``update()`` (the growth tracker's version); compare with ``!=``."""
+    """The view's iteration token; :func:`iteration_changed` compares two."""
 
 
 def scaler_kind(scaler: Any) -> str | None:
@@ -58,9 +57,13 @@ def read_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> ScalerState:
     if kind in (None, "none") or not ScalerView(scaler).enabled:
         return ScalerState("none", False, None, 1.0, None, True, None)
     view = ScalerView(scaler)
-    scale, tracker = view.scale(), view.growth_tracker()
+    scale = view.scale()
     init = view.scale_value() if scale is None else float("nan")  # no tensor yet: the initial scale, no sync
     found = view.found_inf(optimizer)
     fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-    iteration = None if tracker is None else tracker._version
-    return ScalerState(kind, True, scale, init, found, found is not None and not fused, iteration)
+    return ScalerState(kind, True, scale, init, found, found is not None and not fused, view.iteration())
+
+
+def iteration_changed(before: Any, now: Any) -> bool:
+    """Whether the scaler ended an iteration between two looks (identity for objects, equality for counts)."""
+    return before != now if isinstance(before, int) else before is not now
