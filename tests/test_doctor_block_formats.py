@@ -268,7 +268,7 @@ def test_cli_doctor_block_formats_on_the_builtin_mlp(cli, tmp_path):
     d = json.loads((tmp_path / "doctor.json").read_text())["block_formats"]
     assert d["formats"] == ["fp8_e4m3", "mxfp8_e4m3", "nvfp4"]
     assert [lr["layer"] for lr in d["layers"]] == ["body.0", "head"]
-    assert d["tensors"]["body.0"]["mxfp8_e4m3"]["x"]["status"] == "ok"  # digits: 64 features fit MX
+    assert d["tensors"]["body.0"]["mxfp8_e4m3"]["x"]["status"] in ("ok", "exact")  # digits: 64 features fit MX
     assert d["tensors"]["head"]["mxfp8_e4m3"]["dy"]["status"] == "n/a"  # 10 classes do not
 
 

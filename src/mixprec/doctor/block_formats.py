@@ -48,7 +48,8 @@ An operand whose reduced dimension is not a multiple of the format's block size 
 reason (recipes skip such layers; nothing is padded): in/out features are the layer's, the tokens are the
 batch's, checked each step. A layer's row in the report shows, per tensor (``x``, ``w``, ``dy``), the
 worse of its two GEMMs, ``n/a`` if either does not fit, and is flagged when it is more than
-``flag_db`` below the median of all layers for that tensor and format: the evidence for a layer filter.
+``flag_db`` below the median of the layers for that tensor and format (the layers it loses anything in;
+with two, their mean): the evidence for a layer filter.
 
 Cost
 ----
@@ -332,11 +333,12 @@ class BlockFormatProfile:
     layers: list[LayerBlockStats]
 
     def medians(self) -> dict[str, dict[str, float | None]]:
-        """format -> tensor -> median over layers of the tensor's SQNR (exact counts as +inf)."""
+        """format -> tensor -> median over the layers of the tensor's SQNR; only lossy cells count (an input
+        the format holds exactly, such as integer pixels, says nothing about what is typical), None for none."""
         out: dict[str, dict[str, float | None]] = {}
         for f in self.config.formats:
             for t in ("x", "w", "dy"):
-                vals = [v for v in (lr.tensor_cell(t, f).value for lr in self.layers) if v is not None]
+                vals = [c.sqnr_db for lr in self.layers if (c := lr.tensor_cell(t, f)).status == "ok"]
                 out.setdefault(f, {})[t] = statistics.median(vals) if vals else None
         return out
 
@@ -349,7 +351,7 @@ class BlockFormatProfile:
                     c, m = lr.tensor_cell(t, f), med[f][t]
                     if c.status == "ok" and m is not None and c.sqnr_db < m - self.config.flag_db:
                         out.append({"layer": lr.name, "format": f, "tensor": t, "gemm": c.gemm,
-                                    "sqnr_db": c.sqnr_db, "median_db": m, "below_db": min(m, 1e9) - c.sqnr_db})
+                                    "sqnr_db": c.sqnr_db, "median_db": m, "below_db": m - c.sqnr_db})
         return sorted(out, key=lambda d: -d["below_db"])
 
     def worst_first(self) -> list[LayerBlockStats]:
@@ -359,7 +361,7 @@ class BlockFormatProfile:
         def deficit(lr: LayerBlockStats) -> float:
             gaps = [med[f][t] - c.sqnr_db for f in self.config.formats for t in ("x", "w", "dy")
                     if (c := lr.tensor_cell(t, f)).status == "ok" and med[f][t] is not None]
-            return max([g for g in gaps if math.isfinite(g)], default=-math.inf)
+            return max(gaps, default=-math.inf)
 
         return sorted(self.layers, key=lambda lr: (-deficit(lr), -lr.in_features * lr.out_features))
 
@@ -368,9 +370,12 @@ class BlockFormatProfile:
         out = []
         for lr in self.layers:
             for f in self.config.formats:
-                reasons = dict.fromkeys(c[f].reason for c in lr.operands.values() if c[f].status == "n/a")
-                if reasons:
-                    out.append((lr.name, f, "; ".join(reasons)))
+                dims = dict.fromkeys(c[f].reason.split(" is not")[0] for c in lr.operands.values()
+                                     if c[f].status == "n/a")
+                if dims:
+                    bs = block_size(f, 0)
+                    verb = "is not a multiple" if len(dims) == 1 else "are not multiples"
+                    out.append((lr.name, f, f"{', '.join(dims)} {verb} of {bs}"))
         return out
 
     def format_totals(self) -> dict[str, dict[str, Any]]:

@@ -358,8 +358,7 @@ class DoctorReport:
                 rows.append(label + [t] + [_sqnr(lr.tensor_cell(t, f), (lr.name, f, t) in flagged) for f in fmts])
         for i, t in enumerate(("x", "w", "dy")):
             rows.append(["median" if i == 0 else "", "", t]
-                        + ["-" if med[f][t] is None else "exact" if math.isinf(med[f][t]) else f"{med[f][t]:.1f}"
-                           for f in fmts])
+                        + ["-" if med[f][t] is None else f"{med[f][t]:.1f}" for f in fmts])
         lines += _table(["layer", "in x out", "tensor"] + [SHORT[f] for f in fmts], rows)
         if len(bf.layers) > len(shown):
             lines.append(f"  ... {len(bf.layers) - len(shown)} more layers in doctor.json")
@@ -384,5 +383,5 @@ def _not_applicable_lines(bf: BlockFormatProfile) -> list[str]:
     by_layer: dict[str, dict[str, list[str]]] = {}
     for name, f, reason in bf.not_applicable():
         by_layer.setdefault(name, {}).setdefault(reason, []).append(SHORT[f])
-    return [f"  n/a {display_path(name)}: " + "; ".join(f"{r} ({', '.join(fs)})" for r, fs in reasons.items())
+    return [f"  n/a {display_path(name)}: " + "; ".join(f"{', '.join(fs)}: {r}" for r, fs in reasons.items())
             for name, reasons in by_layer.items()]
