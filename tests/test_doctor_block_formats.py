@@ -251,6 +251,7 @@ def test_diagnose_writes_the_section_to_doctor_json_and_the_report(tmp_path):
     assert [lr["layer"] for lr in bf["layers"]] == ["inp", "mid", "out"]
     assert bf["tensors"]["mid"]["nvfp4"]["w"]["status"] == "ok" and bf["axes"]["dy/grad_weight"] == "tokens"
     assert any(f["layer"] == "mid" and f["format"] == "nvfp4" for f in bf["flagged"])
+    assert (tmp_path / "block_formats.png").stat().st_size > 0
     text = (tmp_path / "report.txt").read_text()
     assert "6. Block formats, what-if" in text and "keep mid" in text
     assert json.dumps(to_jsonable(report.to_dict()), allow_nan=False)
