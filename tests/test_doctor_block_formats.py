@@ -201,6 +201,23 @@ def test_config_canonicalizes_aliases_and_refuses_unknown_formats():
         BlockFormatConfig.coerce("mxfp4,fp12")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (host syncs are a GPU matter)")
+def test_the_probe_hooks_make_no_host_sync_on_a_gpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).cuda()
+    probe = BlockFormatProbe(model, BlockFormatConfig(max_elements=1024))  # sampled: the argmax row path too
+    x = torch.randn(256, 64, device="cuda")
+    with probe.watching():
+        out = model(x)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out.square().sum().backward()  # the grad hooks
+            model(x)  # the forward hooks
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert probe.result().layers[0].tensor_cell("x", "nvfp4").status == "ok"
+
+
 # ---------------------------------------------------------------------------------------------------
 # a planted bad layer: flagged, named in the advice, in the report and doctor.json
 # ---------------------------------------------------------------------------------------------------

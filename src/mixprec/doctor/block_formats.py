@@ -84,7 +84,8 @@ from ..blockformats import (
 )
 from ..errors import ConfigError
 from ..formats import get_format
-from ..fp8 import Fp8AdaptedLinear, _adapter_for, fp8_scale
+from ..fp8 import _EXP_LIMIT, Fp8AdaptedLinear, _adapter_for, fp8_scale
+from ..validate import positive, positive_int
 from .attribution import display_path
 
 __all__ = ["BlockFormatConfig", "BlockFormatProbe", "BlockFormatProfile", "LayerBlockStats", "Cell",
@@ -107,7 +108,6 @@ _STATS = ("signal", "noise", "nonzero", "underflow", "subnormal", "blocks", "cla
           "row_noise")
 """What :func:`operand_stats` sums (``row_noise``: the sum over non-zero rows of noise / signal)."""
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-_FP8_EXP_LIMIT = 126  # fp8.py clamps the per-tensor scale's exponent to [-126, 126]
 
 
 def _canonical(name: str) -> str:
@@ -142,12 +142,9 @@ class BlockFormatConfig:
             raise ConfigError("BlockFormatConfig(formats=()): name at least one format, or pass "
                               "block_formats=None to skip the block-format section")
         object.__setattr__(self, "formats", tuple(f for f in WHAT_IF_FORMATS if f in names))
-        for field in ("steps", "max_elements"):
-            v = getattr(self, field)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"BlockFormatConfig({field}={v!r}): must be an integer >= 1")
-        if not (isinstance(self.flag_db, (int, float)) and self.flag_db > 0):
-            raise ConfigError(f"BlockFormatConfig(flag_db={self.flag_db!r}): must be a positive number of dB")
+        positive_int("BlockFormatConfig.steps", self.steps)
+        positive_int("BlockFormatConfig.max_elements", self.max_elements)
+        positive("BlockFormatConfig.flag_db", self.flag_db)
 
     @classmethod
     def coerce(cls, spec: BlockFormatConfig | Sequence[str] | str | None) -> BlockFormatConfig | None:
@@ -169,7 +166,7 @@ def scale_clamped(fmt: BlockFormat | str, amax: torch.Tensor, tensor_amax: torch
     """Which blocks (their ``amax``; ``tensor_amax`` for NVFP4) get a scale clamped at its format's limit."""
     if fmt in _FP8_DTYPES:
         _, e = torch.frexp(torch.finfo(_FP8_DTYPES[fmt]).max / amax.double().clamp(min=2.0**-1000))
-        return (e - 1 < -_FP8_EXP_LIMIT) | (e - 1 > _FP8_EXP_LIMIT)
+        return (e - 1 < -_EXP_LIMIT) | (e - 1 > _EXP_LIMIT)
     f = get_block_format(fmt)
     el, sf = f.element, f.scale
     if sf.name == "e8m0":

@@ -342,11 +342,12 @@ class DoctorReport:
     def _render_blocks(self) -> list[str]:
         bf = self.block_formats
         cfg, fmts = bf.config, bf.config.formats
-        lines = [f"6. Block formats, what-if (fp32 pass of {bf.steps} step(s); SQNR in dB of each linear layer's GEMM "
-                 "operands quantized in each format: x is the worse of forward (along in_features) and grad_weight "
-                 "(along tokens), w of forward and grad_input (along out_features), dy of grad_input and "
-                 f"grad_weight; ! = more than {cfg.flag_db:g} dB below the layers' median; e4m3/e5m2 per tensor "
-                 "as fp8-mixed)"]
+        lines = [f"6. Block formats, what-if (fp32 pass of {bf.steps} step(s): each linear layer's GEMM operands in "
+                 "each format, SQNR per dot product in dB)",
+                 "  x: the worse of forward (along in_features) and grad_weight (along tokens); w: of forward and "
+                 "grad_input (along out_features); dy: of grad_input and grad_weight",
+                 f"  ! = more than {cfg.flag_db:g} dB below the layers' median; e4m3, e5m2: per tensor, as fp8-mixed; "
+                 "the rest: blockformats, default scale rules"]
         if not bf.layers:
             return lines + ["  no linear layer ran in the observed steps"]
         flagged = {(d["layer"], d["format"], d["tensor"]) for d in bf.flagged()}
