@@ -16,7 +16,9 @@ dict, the output a tensor, a tuple or a ``ModelOutput``, and the loss the model'
    produced inf/nan; more replays classify it (a loss-scale overflow that a smaller scale avoids, or a
    fault) and, for the first fault, search the smallest set of modules to keep in fp32;
 4. ``optimizer.step`` is hooked to count lost updates (:mod:`.lost_updates`);
-5. the loss scale, skips and their causes are recorded (:mod:`.scale_history`).
+5. the loss scale, skips and their causes are recorded (:mod:`.scale_history`);
+6. the fp32 pass of the first steps also quantizes every linear layer's GEMM operands in each FP8/FP4
+   format (:mod:`.block_formats`: SQNR, clamped block scales, underflow), a what-if table per layer.
 
 The observation costs a lot more than training (an extra fp32 pass and a weight snapshot per step, a shadow
 optimizer step, replays of failed steps, a Python call per op on step 0), which is why it lives here and
@@ -31,7 +33,7 @@ import copy
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,16 +43,17 @@ from ..errors import NonFiniteError, UsageError
 from ..scaler import ScalerConfig
 from ..train.build import Run, build_run, probe
 from ..train.config import TrainConfig
-from ..train.contract import Batch, Objective, as_batch
+from ..train.contract import Batch, Objective, as_batch, parse_output
 from ..train.data.sources import UserBatches
 from ..train.step import train_step
 from .attribution import ModuleTracker
+from .block_formats import BlockFormatConfig, BlockFormatProbe
 from .lost_updates import LostUpdateMonitor, optimizer_param_names, same_optimizer
 from .nonfinite import NonFiniteEvent
 from .observer import OpObserver
 from .precision_map import PrecisionMap, PrecisionMapSink
 from .ranges import DEFAULT_FORMATS, RangeProfile, RangeProfiler
-from .replay import ReplayResult, max_finite_scale, minimal_fp32_set, replay_step
+from .replay import ModelInputs, ReplayResult, max_finite_scale, minimal_fp32_set, replay_step
 from .report import DoctorReport, GradientLoss
 from .scale_history import ScaleHistory, StepRecord
 
@@ -188,6 +191,14 @@ def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return True
 
 
+def _replay_call(objective: Objective, batch: Batch) -> tuple[Callable, ModelInputs, Any]:
+    """The replays' ``(loss_fn, x, y)`` for one batch: the forward the model contract makes
+    (:class:`~mixprec.doctor.replay.ModelInputs`) and a loss that takes it by the contract's rule."""
+    args, kwargs = objective.call.arguments(batch)
+    return (lambda out, _y: objective.loss(parse_output(out), batch)), ModelInputs(tuple(args), dict(kwargs)), \
+        batch.targets
+
+
 def _locate(run: Run, pre_step: nn.Module, batch: Batch, rng: tuple, step: int, scale: float, bad_params: bool,
             *, bisect: bool, search: bool) -> FaultAnalysis:
     """Find and classify the first non-finite op of a failed step by replaying it on ``pre_step``.
@@ -196,9 +207,10 @@ def _locate(run: Run, pre_step: nn.Module, batch: Batch, rng: tuple, step: int, 
     the step's RNG state (same dropout masks) and loss scale, under the non-finite watch. ``bisect``: find
     the largest finite loss scale for backward overflows; ``search``: the minimal fp32 module set for faults.
     """
-    autocast, objective = run.recipe.autocast, run.objective
+    autocast = run.recipe.autocast
+    loss_fn, x, y = _replay_call(run.objective, batch)
     base = list(run.recipe.keep_fp32)
-    ev = replay_step(pre_step, autocast, objective, batch, scale=scale, fp32=base, rng=rng)
+    ev = replay_step(pre_step, autocast, loss_fn, x, y, scale=scale, fp32=base, rng=rng)
     if ev is None:
         kind = "optimizer step" if bad_params else "not reproduced"
         return FaultAnalysis(step, None, kind, loss_scale=scale)
@@ -206,21 +218,22 @@ def _locate(run: Run, pre_step: nn.Module, batch: Batch, rng: tuple, step: int, 
     if not ev.inputs_finite:
         return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
     if ev.phase == "backward" and scale > 1 and bisect:
-        mfs = max_finite_scale(pre_step, autocast, objective, batch, scale=scale, fp32=base, rng=rng)
+        mfs = max_finite_scale(pre_step, autocast, loss_fn, x, y, scale=scale, fp32=base, rng=rng)
         if mfs is not None:
             return FaultAnalysis(step, ev, "scale overflow", loss_scale=scale, max_finite_scale=mfs)
     kind = "overflow" if ev.output.n_nan == 0 else "nan"
     analysis = FaultAnalysis(step, ev, f"{ev.phase} {kind}", loss_scale=scale)
     if search:
-        analysis.replay = minimal_fp32_set(pre_step, autocast, objective, batch, scale=1.0, base=base, rng=rng)
+        analysis.replay = minimal_fp32_set(pre_step, autocast, loss_fn, x, y, scale=1.0, base=base, rng=rng)
     return analysis
 
 
 class _Watch:
     """The observers one diagnosis attaches to a run, and what they found so far."""
 
-    def __init__(self, run: Run, formats: Iterable[str]) -> None:
+    def __init__(self, run: Run, formats: Iterable[str], block_formats: BlockFormatConfig | None) -> None:
         self.tracker = ModuleTracker(run.model)
+        self.blocks = BlockFormatProbe(run.model, block_formats)
         self.map_sink = PrecisionMapSink(run.recipe.low_dtype)
         self.profiler = RangeProfiler(run.model, formats)
         self.monitor = LostUpdateMonitor(run.optimizer, optimizer_param_names(run.optimizer, run.model))
@@ -235,6 +248,7 @@ def diagnose_run(
     *,
     steps: int = 8,
     formats: Iterable[str] = DEFAULT_FORMATS,
+    block_formats: BlockFormatConfig | Sequence[str] | str | None = BlockFormatConfig(),
     replay: bool = True,
     max_analyzed: int = 3,
     title: dict[str, Any] | None = None,
@@ -245,13 +259,15 @@ def diagnose_run(
     Args:
         steps: optimizer steps to observe; the run's batches are cycled if there are fewer (a shuffling
             loader is re-shuffled per pass).
+        block_formats: the what-if formats of the block-format section (a
+            :class:`~mixprec.doctor.block_formats.BlockFormatConfig`, format names, ``"all"``), or None to skip it.
         replay: classify non-finite steps and search the minimal fp32 module set (replays a copy).
         max_analyzed: classify at most this many non-finite steps (the rest keep their first op as cause).
         title: extra facts for the report header (model name, dataset...).
     """
     if steps < 1:
         raise DoctorError(f"--steps must be >= 1, got {steps}")
-    watch = _Watch(run, formats)
+    watch = _Watch(run, formats, BlockFormatConfig.coerce(block_formats))
     scale = run.recipe.loss_scale()  # the initial scale: no step has run
     run.model.train()
     with run.recipe.run_context(), watch.monitor:
@@ -266,7 +282,8 @@ def diagnose_run(
 def _observe_step(run: Run, watch: _Watch, step: int, batch: Batch, scale: float, *, replay: bool,
                   max_analyzed: int, log: Callable[[str], None] | None) -> tuple[float, bool]:
     """One watched step; returns the next step's loss scale and whether the diagnosis must stop."""
-    ref_grads = watch.profiler.observe(run.objective, batch)
+    with watch.blocks.watching():
+        ref_grads = watch.profiler.observe(run.objective, batch)
     pre_step = copy.deepcopy(run.model) if len(watch.faults) < max_analyzed else None
     rng = _rng_state(run.device)
     stopped = False
@@ -315,6 +332,7 @@ def _report(run: Run, watch: _Watch, scale: float, title: dict[str, Any] | None)
         faults=watch.faults,
         lost_updates=watch.monitor.result(order),
         history=watch.history,
+        block_formats=watch.blocks.result(),
     )
 
 
@@ -335,6 +353,7 @@ def diagnose(
     clip_grad_norm: float | None = None,
     device: str | torch.device = "cpu",
     formats: Iterable[str] = DEFAULT_FORMATS,
+    block_formats: BlockFormatConfig | Sequence[str] | str | None = BlockFormatConfig(),
     replay: bool = True,
     out: str | None = None,
 ) -> DoctorReport:
@@ -352,14 +371,16 @@ def diagnose(
         init_scale, growth_interval: the dynamic loss scaler (fp16 recipes); defaults are
             :class:`~mixprec.scaler.ScalerConfig`'s.
         formats: formats the range profile projects onto.
+        block_formats: the block-format what-if section's formats or config (None: skip it).
         replay: classify non-finite steps and search the minimal fp32 module set.
         out: also write doctor.json and the PNG plots into this folder.
     """
+    block_formats = BlockFormatConfig.coerce(block_formats)  # a bad format name fails before anything is built
     run = _user_run(model, batch, loss_fn, precision=precision, optimizer=optimizer, lr=lr, device=device,
                     amp_impl=amp_impl, init_scale=init_scale, growth_interval=growth_interval,
                     stochastic_rounding=stochastic_rounding, keep_fp32=tuple(keep_fp32),
                     clip_grad_norm=clip_grad_norm)
-    report = diagnose_run(run, steps=steps, formats=formats, replay=replay,
+    report = diagnose_run(run, steps=steps, formats=formats, block_formats=block_formats, replay=replay,
                           title={"model": type(model).__name__, "data": run.data.name})
     if out is not None:
         report.write(out)

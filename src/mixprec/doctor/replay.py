@@ -35,13 +35,33 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..autocast import autocast as scratch_autocast
-from ..train.contract import Batch, Objective
 from ..autocast.hooks import ForwardHooks
 from .attribution import ModuleTracker, display_path
 from .nonfinite import NonFiniteEvent, NonFiniteWatch
 from .observer import OpObserver
 
-__all__ = ["Fp32Modules", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult"]
+__all__ = ["Fp32Modules", "ModelInputs", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult"]
+
+
+@dataclasses.dataclass
+class ModelInputs:
+    """The arguments of one forward call, for replays of models that take more than one tensor: passed as ``x``,
+    the replay calls ``model(*args, **kwargs)`` instead of ``model(x)`` (``mixprec.watch`` records these)."""
+
+    args: tuple
+    kwargs: dict
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the first tensor argument (CPU if there is none)."""
+        for t in (*self.args, *self.kwargs.values()):
+            if isinstance(t, torch.Tensor):
+                return t.device
+        return torch.device("cpu")
+
+
+def _forward(model: nn.Module, x: Any) -> Any:
+    return model(*x.args, **x.kwargs) if isinstance(x, ModelInputs) else model(x)
 
 
 class Fp32Modules:
@@ -87,8 +107,9 @@ class Fp32Modules:
 def replay_step(
     model: nn.Module,
     autocast: Callable[[], contextlib.AbstractContextManager],
-    objective: Objective,
-    batch: Batch,
+    loss_fn: Callable,
+    x: torch.Tensor,
+    y: torch.Tensor,
     *,
     scale: float = 1.0,
     fp32: Iterable[str] = (),
@@ -97,24 +118,24 @@ def replay_step(
     """Forward + ``(loss * scale).backward()`` on a copy of ``model``; the first non-finite op, or None.
 
     Args:
+        x: the model's input, or a :class:`ModelInputs` (then the forward is ``model(*x.args, **x.kwargs)``).
         rng: ``(cpu_state, cuda_state_or_None)`` to replay with (the failed step's dropout masks); the
             caller's RNG state is restored afterwards either way.
     """
     replica = copy.deepcopy(model)
     replica.train(model.training)
-    device = _device(batch)
-    device_type = device.type
+    device_type = x.device.type
     tracker = ModuleTracker(replica)
     watch = NonFiniteWatch()
-    devices = [device] if device.type == "cuda" else []
+    devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), tracker, Fp32Modules(replica, fp32, device_type), \
             OpObserver(tracker, [watch]):
         if rng is not None:
             torch.set_rng_state(rng[0])
             if rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1], device)
+                torch.cuda.set_rng_state(rng[1], x.device)
         with autocast():
-            loss = objective(replica, batch)
+            loss = loss_fn(_forward(replica, x), y)
         if watch.first is None:
             (loss * scale).backward()
     if watch.first is not None:
@@ -122,17 +143,13 @@ def replay_step(
     return watch.first
 
 
-def _device(batch: Batch) -> torch.device:
-    return next((t.device for t in batch.inputs()), torch.device("cpu"))
-
-
-def max_finite_scale(model, autocast, objective: Objective, batch: Batch, *, scale: float,
-                     fp32: Iterable[str] = (), rng: tuple | None = None) -> float | None:
+def max_finite_scale(model, autocast, loss_fn, x, y, *, scale: float, fp32: Iterable[str] = (),
+                     rng: tuple | None = None) -> float | None:
     """Largest power of two ``<= scale`` at which the step is finite; None if not even at 1."""
     fp32 = list(fp32)
 
     def finite(s: float) -> bool:
-        return replay_step(model, autocast, objective, batch, scale=s, fp32=fp32, rng=rng) is None
+        return replay_step(model, autocast, loss_fn, x, y, scale=s, fp32=fp32, rng=rng) is None
 
     if not finite(1.0):
         return None
@@ -166,8 +183,9 @@ class ReplayResult:
 def minimal_fp32_set(
     model: nn.Module,
     autocast: Callable[[], contextlib.AbstractContextManager],
-    objective: Objective,
-    batch: Batch,
+    loss_fn: Callable,
+    x: torch.Tensor,
+    y: torch.Tensor,
     *,
     scale: float = 1.0,
     base: Iterable[str] = (),
@@ -183,7 +201,7 @@ def minimal_fp32_set(
     trials: list[dict[str, Any]] = []
 
     def trial(mods: list[str]) -> NonFiniteEvent | None:
-        ev = replay_step(model, autocast, objective, batch, scale=scale, fp32=base + mods, rng=rng)
+        ev = replay_step(model, autocast, loss_fn, x, y, scale=scale, fp32=base + mods, rng=rng)
         trials.append({"fp32": [display_path(m) for m in mods],
                        "first_nonfinite": None if ev is None else ev.describe()})
         return ev
