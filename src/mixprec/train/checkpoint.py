@@ -174,6 +174,7 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "config": (lambda v: isinstance(v, dict), "a dict"),
     "world_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "history": (lambda v: isinstance(v, list) and all(isinstance(h, dict) for h in v), "a list of dicts"),
+    "evals": (lambda v: isinstance(v, list) and all(isinstance(h, dict) for h in v), "a list of dicts"),
     "counters": (lambda v: isinstance(v, dict) and all(_int(x) for x in v.values()), "a dict of integers"),
     "partial": (lambda v: v is None or isinstance(v, dict), "a dict or None"),
     "mechanism": (lambda v: isinstance(v, dict) and isinstance(v.get("impl"), str), "a dict with an 'impl'"),

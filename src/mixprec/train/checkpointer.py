@@ -19,7 +19,7 @@ from ..memory import local_tensor
 from . import distributed
 from .checkpoint import (LAST, load_checkpoint, mechanism, remove_stale_temporaries, rng_state, save_checkpoint,
                          set_rng_state)
-from .results import EpochRecord
+from .results import EpochRecord, EvalRecord
 
 if TYPE_CHECKING:
     from .build import Run
@@ -41,6 +41,11 @@ class TrainState:
     consecutive_skips: int = 0
     partial: dict[str, Any] | None = None
     """The running sums of the epoch a mid-epoch checkpoint interrupted (see EpochMeter.state_dict)."""
+    evals: list[EvalRecord] = dataclasses.field(default_factory=list)
+    """The ``--eval-every`` evaluations so far."""
+    last_eval: tuple[float, float] | None = None
+    """What the latest of them returned (accuracy, loss), so an epoch ending on that step is not evaluated
+    again (not saved: a resumed run evaluates again, to the same numbers)."""
 
     def counters(self) -> dict[str, int]:
         return {"skipped_total": self.skipped_total, "consecutive_skips": self.consecutive_skips}
@@ -80,13 +85,14 @@ class Checkpointer:
             raise CheckpointError(f"--resume {path}: checkpoint does not fit this model: {one_line(e)}") from None
         try:
             history = [EpochRecord.from_dict(h) for h in ck.get("history") or []]
+            evals = [EvalRecord.from_dict(h) for h in ck.get("evals") or []]
         except TypeError as e:
-            raise CheckpointError(f"--resume {path}: field 'history' holds a record this version cannot read "
-                                  f"({e}); the file is corrupt or was edited") from None
+            raise CheckpointError(f"--resume {path}: field 'history' or 'evals' holds a record this version cannot "
+                                  f"read ({e}); the file is corrupt or was edited") from None
         set_rng_state(ck["rng"])
         counters = ck.get("counters") or {}
         state = TrainState(epoch=ck["epoch"], batch=ck["batch"], global_step=ck["global_step"],
-                           history=history, partial=ck.get("partial"),
+                           history=history, partial=ck.get("partial"), evals=evals,
                            skipped_total=counters.get("skipped_total", 0),
                            consecutive_skips=counters.get("consecutive_skips", 0))
         if state.partial is not None and state.history and state.history[-1].epoch == state.epoch:
@@ -112,7 +118,8 @@ class Checkpointer:
             "model": model_state, "optimizer": optimizer_state, "recipe": run.recipe.state_dict(),
             "world_size": run.world_size, "rng": rng_state(), "epoch": epoch, "batch": batch,
             "global_step": state.global_step, "config": run.config.to_dict(),
-            "history": [h.to_dict() for h in state.history], "counters": state.counters(),
+            "history": [h.to_dict() for h in state.history], "evals": [e.to_dict() for e in state.evals],
+            "counters": state.counters(),
             "partial": None if meter is None else meter.state_dict(), "mechanism": mechanism(run.recipe),
         }
         if run.rank == 0:
