@@ -285,3 +285,16 @@ def test_fsdp_with_a_user_optimizer_and_a_schedule_resumes_bit_identically(tmp_p
     a, b = (torch.load(p / "last.pt", weights_only=True) for p in (full, part))
     _assert_same(a["optimizer"], b["optimizer"])
     assert _evals(a["evals"]) == _evals(b["evals"]) and [e["step"] for e in a["evals"]] == [10, 20, 30, 40]
+
+
+@pytest.mark.slow
+def test_fit_takes_an_optimizer_factory_by_reference(tmp_path):
+    from userpkg.optimizers import adamw
+
+    from mixprec.train.api import fit
+
+    m = tmp_path / "m.json"
+    result = fit("mlp", "digits", precision="fp32", optimizer=adamw, lr=0.01, lr_schedule="linear", max_steps=4,
+                 width=16, depth=1, log_every=0, progress="off", metrics_json=str(m))
+    assert result.summary.final_train_loss > 0
+    assert json.loads(m.read_text())["config"]["optim"]["optimizer"] == "userpkg.optimizers:adamw"
