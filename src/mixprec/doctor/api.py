@@ -267,7 +267,7 @@ def _observe_step(run: Run, watch: _Watch, step: int, xb, yb, scale: float, *, r
         except NonFiniteError:
             loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
     if observe:
-        watch.pmap = watch.map_sink.result()
+        watch.pmap = watch.map_sink.result(run.model)
     bad_params = not skipped and not stopped and not _all_finite(run.model.parameters())
     cause = None
     if skipped or stopped or bad_params or not math.isfinite(loss_value):
@@ -367,7 +367,7 @@ def precision_map(model: nn.Module, batch: Any, loss_fn: Callable, *, precision:
             train_step(run.ctx, x, y, step=0)
         except NonFiniteError:
             pass  # the map of what ran so far is still the answer
-    return sink.result()
+    return sink.result(run.model)
 
 
 def range_profile(model: nn.Module, batch: Any, loss_fn: Callable, *,

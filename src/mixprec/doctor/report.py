@@ -196,6 +196,8 @@ class DoctorReport:
         em = " emulated: fp32 arithmetic on operands and results rounded to fp16" if sm["emulated"] else ""
         lines.append(f"  FLOPs in low precision ({low}): {_pct(sm['low_flop_share'])} of "
                      f"{sm['total_flops'] / 1e6:.2f} MFLOP (forward + backward){';' + em if em else ''}")
+        if sm["uncounted"]:
+            lines.append(f"  FLOPs unknown (left out of the share) for: {', '.join(sm['uncounted'])}")
         ops = sm["ops"]
         lines.append(f"  ops: {ops.get('forward', 0)} forward, {ops.get('backward', 0)} backward, "
                      f"{ops.get('step', 0)} optimizer step; {sm['casts']} dtype casts wrote "
