@@ -6,9 +6,11 @@ Every CLI case asserts the exit code, a one-line message, no traceback, and that
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -223,8 +225,15 @@ def test_a_flipped_bit_in_a_weight_fails_the_digest(tmp_path):
         load_checkpoint(out)
 
 
-@pytest.mark.parametrize("content, match", [(b"", "not a readable checkpoint"), (b"\x00" * 10, "not a readable")])
+@pytest.mark.parametrize("content, match", [
+    (b"", "is empty (0 bytes), not a mixprec checkpoint"),
+    (b"\x00" * 10, "neither a zip archive (what torch.save writes) nor a pickle (it starts with bytes 00 00 00 00)"),
+    (bytes(np.random.default_rng(21).integers(0, 256, 4096, dtype=np.uint8)), "neither a zip archive"),
+    (b"PK\x03\x04garbage", "not a readable checkpoint (a zip archive)"),
+])
 def test_empty_and_garbage_last_pt(cli, tmp_path, content, match):
+    """Random bytes are called what they are, never "pickled Python objects" (torch's weights-only unpickler
+    says weights_only about anything that is not a zip); a damaged zip is named as one."""
     (tmp_path / "last.pt").write_bytes(content)
     code, _, err = cli("train", *TINY, "--epochs", "1", "--resume", tmp_path)
     _one_line_error(code, err, match=match)
@@ -240,6 +249,9 @@ def test_a_malicious_pickle_is_refused_without_inviting_weights_only_false(tmp_p
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(tmp_path)
     assert "pickled Python objects" in str(e.value) and "weights_only=False" not in str(e.value)
+    pickle.dump({"format": "mixprec-checkpoint", "evil": Evil()}, (tmp_path / "last.pt").open("wb"))  # bare pickle
+    with pytest.raises(CheckpointError, match="not a readable checkpoint \\(a pickle\\): it holds pickled Python"):
+        load_checkpoint(tmp_path)
 
 
 def test_resume_position_past_the_end_of_an_epoch_is_refused(tmp_path):

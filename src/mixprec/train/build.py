@@ -29,7 +29,7 @@ from .data.builtin import load_dataset
 from .data.protocol import DataSource, Loader
 from .data.sources import user_data
 from .models import build_model
-from .outputs import check_outputs
+from .outputs import OutputLock, check_outputs
 from .resume import check_resume
 from .step import StepContext
 from .usercode import UserCodeError, call_declared, is_reference, load_callable
@@ -53,6 +53,8 @@ class Run:
     """This rank's training batches: ``set_epoch(epoch)``, ``iter_from(batch)``, ``__iter__``, ``__len__``."""
     ctx: StepContext
     """What a step needs: model, recipe, optimizer, loss, device, clip."""
+    lock: OutputLock | None = None
+    """This process's hold on ``--out`` (the writing rank of a run with one); :func:`train` releases it."""
 
     @property
     def model(self) -> nn.Module:
@@ -229,7 +231,7 @@ def build_run(
             model is used as it is (not re-seeded); it is converted and wrapped like a built-in one.
     """
     config.validate()
-    check_outputs(config.run)
+    lock = check_outputs(config.run, lock=True)
     check_resume(config)
     config = config.with_flags(strategy=distributed.resolve_strategy(config.run.strategy))
     seed = config.run.seed
@@ -254,4 +256,4 @@ def build_run(
                          num_workers=config.data.num_workers, device=device)
     ctx = StepContext(model=model, recipe=recipe, optimizer=optimizer, loss_fn=loss_fn,
                       device=device, clip_grad_norm=config.optim.clip_grad_norm)
-    return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx)
+    return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx, lock=lock)
