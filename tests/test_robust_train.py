@@ -155,6 +155,25 @@ def test_nonfinite_weights_are_never_saved_and_never_exit_0(cli, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_stop_before_the_first_save_does_not_promise_a_checkpoint(cli, tmp_path):
+    """--weight-decay 3e38 --lr 100 makes the weights non-finite at step 1, before anything was saved: the
+    message used to say OUT/last.pt "keeps the last finite state saved before", a file that is not there."""
+    out = tmp_path / "o"
+    bad = ["--weight-decay", "3e38", "--lr", "100", "--epochs", "1"]
+    code, _, err = cli("train", *TINY, *bad, "--out", out)
+    _one_line_error(code, err, expect_code=1, match="non-finite loss at step 1")
+    assert "no state of this run is on disk (none had been saved yet)" in err
+    assert "keeps the last finite state" not in err and "was left as it was" not in err
+    assert not (out / "last.pt").exists()
+
+    shutil.copy(FIXTURE, out / "last.pt")  # an earlier run's checkpoint that --overwrite was to replace
+    code, _, err = cli("train", *TINY, *bad, "--out", out, "--overwrite")
+    _one_line_error(code, err, expect_code=1, match="no state of this run is on disk")
+    assert f"{out}/last.pt is still the earlier run's file that --overwrite was to replace" in err
+    assert _digest(out / "last.pt") == _digest(FIXTURE)
+
+
+@pytest.mark.slow
 def test_a_run_that_skips_nearly_every_step_fails_and_keeps_its_state(cli, tmp_path):
     out = tmp_path / "o"
     code, _, err = cli("train", *TINY, "--precision", "fp16-mixed", "--lr", "1e30", "--epochs", "2", "--out", out)
