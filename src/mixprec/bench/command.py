@@ -90,7 +90,7 @@ def bench_main(args: argparse.Namespace) -> int:
     """``mixprec bench``: exit 0, 1 (a run failed), 2 (usage error, raised) or 128 + signal (interrupted)."""
     resume = args.resume if isinstance(args.resume, str) else None
     # --resume reads the folder's results.json first: a live bench there is named before that
-    held = OutputLock.acquire(resume, command="mixprec bench") if resume and os.path.isdir(resume) else None
+    held = OutputLock.acquire(resume, command="mixprec bench", flag="--resume") if resume and os.path.isdir(resume) else None
     try:
         session = Session(config_from_args(args))
         with stop_on_signals():

@@ -151,15 +151,16 @@ class OutputLock:
         self._finalizer = weakref.finalize(self, _drop, os.path.realpath(folder))
 
     @classmethod
-    def acquire(cls, folder: str | os.PathLike, *, command: str = "mixprec") -> OutputLock:
-        """Take the folder (it must exist) or raise ConfigError naming the run that writes it."""
+    def acquire(cls, folder: str | os.PathLike, *, command: str = "mixprec", flag: str = "--out") -> OutputLock:
+        """Take the folder (it must exist) or raise ConfigError naming the run that writes it (``flag``: the
+        option that named the folder, for the message)."""
         folder = os.fspath(folder)
         key = os.path.realpath(folder)
         with _HELD_LOCK:
             if key in _HELD:
                 _HELD[key][1] += 1
                 return cls(folder, _HELD[key])
-            fd, note = _take(folder, command)
+            fd, note = _take(folder, command, flag)
             _HELD[key] = state = [fd, 1, os.getpid()]
         if note:
             print(f"mixprec: note: {note}", file=sys.stderr, flush=True)
@@ -188,17 +189,17 @@ def _drop(key: str) -> None:
         os.close(fd)
 
 
-def _take(folder: str, command: str) -> tuple[int, str]:
+def _take(folder: str, command: str, flag: str) -> tuple[int, str]:
     """Open and lock ``FOLDER/.mixprec.lock``; (fd, a note about a stale holder taken over, or "")."""
     path = os.path.join(folder, LOCK_NAME)
     for _ in range(20):  # the holder may remove the file between our open and our lock: then open the new one
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise ConfigError(f"--out {folder}: cannot create the lock file {LOCK_NAME}: {e.strerror or e}; pick a "
-                              "writable place") from None
+            raise ConfigError(f"{flag} {folder}: cannot write into the folder: {e.strerror or e}; pick a writable "
+                              "place") from None
         try:
-            note = _lock(fd, folder)
+            note = _lock(fd, folder, flag)
             if os.fstat(fd).st_ino != os.stat(path).st_ino:
                 raise FileNotFoundError
         except FileNotFoundError:
@@ -212,38 +213,38 @@ def _take(folder: str, command: str) -> tuple[int, str]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, text.encode(), 0)
         return fd, note
-    raise ConfigError(f"--out {folder}: the lock file {LOCK_NAME} keeps changing under this run; is another run "
+    raise ConfigError(f"{flag} {folder}: the lock file {LOCK_NAME} keeps changing under this run; is another run "
                       "starting on the same folder?")
 
 
-def _lock(fd: int, folder: str) -> str:
+def _lock(fd: int, folder: str, flag: str) -> str:
     """flock the file, or refuse naming its holder; returns the note for a stale holder taken over."""
     holder = _read_holder(fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise ConfigError(_busy(folder, _read_holder(fd) or holder)) from None
+        raise ConfigError(_busy(flag, folder, _read_holder(fd) or holder)) from None
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise ConfigError(f"--out {folder}: cannot lock {LOCK_NAME}: {e.strerror or e}") from None
-        return _lock_by_text(folder, holder)  # no flock on this filesystem: the text decides
+            raise ConfigError(f"{flag} {folder}: cannot lock {LOCK_NAME}: {e.strerror or e}") from None
+        return _lock_by_text(flag, folder, holder)  # no flock on this filesystem: the text decides
     holder = _read_holder(fd)  # read again under the lock: the writer may have filled it meanwhile
     if holder:
-        return (f"--out {folder}: took over the lock of a run that ended without releasing it ({_who(holder)}; "
+        return (f"{flag} {folder}: took over the lock of a run that ended without releasing it ({_who(holder)}; "
                 "killed?); this run writes the folder now")
     return ""
 
 
-def _lock_by_text(folder: str, holder: dict[str, str]) -> str:
+def _lock_by_text(flag: str, folder: str, holder: dict[str, str]) -> str:
     if not holder:
         return ""
     mine = holder.get("host") == socket.gethostname()
     pid = int(holder["pid"]) if holder.get("pid", "").isdigit() else None
     if mine and pid is not None and pid != os.getpid() and not _alive(pid):
-        return f"--out {folder}: took over the stale lock of {_who(holder)}, which no longer runs"
+        return f"{flag} {folder}: took over the stale lock of {_who(holder)}, which no longer runs"
     if mine and pid == os.getpid():
         return ""
-    raise ConfigError(_busy(folder, holder) + (
+    raise ConfigError(_busy(flag, folder, holder) + (
         "" if mine else f"; if that run is gone, delete {os.path.join(folder, LOCK_NAME)}"))
 
 
@@ -266,8 +267,8 @@ def _who(holder: dict[str, str]) -> str:
             f"{holder.get('host', '?')}, started {holder.get('started', '?')}")
 
 
-def _busy(folder: str, holder: dict[str, str]) -> str:
-    return (f"--out {folder} is being written by another run ({_who(holder)}); wait for it to finish or stop it, "
+def _busy(flag: str, folder: str, holder: dict[str, str]) -> str:
+    return (f"{flag} {folder} is being written by another run ({_who(holder)}); wait for it to finish or stop it, "
             "or choose another --out (--overwrite replaces a finished run's files, never a live run's)")
 
 
