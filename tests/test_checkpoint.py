@@ -72,11 +72,12 @@ def test_killed_run_resumes_bit_identically(tmp_path):
     assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
     ck = load_checkpoint(killed)
     assert 0 < ck["global_step"] < total
-    leftovers = [f for f in os.listdir(killed) if f != "last.pt"]
+    leftovers = [f for f in os.listdir(killed) if f not in ("last.pt", ".mixprec.lock")]  # the lock: stale now
     assert not [f for f in leftovers if not f.endswith(".tmp")]  # only last.pt (a killed write may leave a .tmp)
     r = subprocess.run([sys.executable, "-m", "mixprec", "train", "--resume", str(killed)],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
+    assert os.listdir(killed) == ["last.pt"]  # the killed run's lock taken over and released, temporaries cleaned
     _assert_identical(_params(full / "last.pt"), _params(killed / "last.pt"))
 
 
