@@ -251,3 +251,27 @@ def test_an_unknown_mechanism_lists_the_registered_ones():
     with pytest.raises(RecipeError) as e:
         build_recipe("bf16-mixed", amp_impl="apex")
     assert "'apex'" in str(e.value) and "auto, native, scratch" in str(e.value)
+
+
+def test_a_recipe_to_run_on_a_device_this_machine_lacks_is_refused_and_a_target_is_not(cli):
+    """``build_recipe`` refuses a device that is not here, as ``--device`` does (the GPU index one past the
+    last refuses on any machine: ``cuda:0`` without CUDA, ``cuda:1`` on one GPU); planning for it is
+    ``for_target=True``, whose recipe answers the device-free questions (what runs in which dtype)."""
+    absent = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(RecipeError) as e:
+        build_recipe("fp32", device=absent)
+    msg = str(e.value)
+    assert msg.startswith(f"build_recipe('fp32', device='{absent}'): ") and "for_target=True" in msg
+    assert ("no CUDA device is available" in msg) if not torch.cuda.is_available() else (f"no {absent}" in msg)
+    if not torch.cuda.is_available():  # the issue's case, word for word
+        with pytest.raises(RecipeError, match="no CUDA device is available"):
+            build_recipe("fp32", device="cuda")
+    code, _, err = cli("train", "--device", absent, "--dataset", "digits", "--epochs", "1")
+    assert code == 2 and f"--device {absent} was requested but" in err and "Traceback" not in err
+
+    target = build_recipe("fp16-mixed", device=absent, for_target=True)
+    assert target.device == torch.device(absent) and target.impl == "native"  # a GPU has fast fp16: native
+    assert target.facts() == {"compute": "fp16", "params": "fp32", "loss_scaling": True, "master_weights": False,
+                              "emulated": False, "stochastic_rounding": False}
+    assert build_recipe("bf16-master", device=absent, for_target=True).facts()["master_weights"] is True
+    assert build_recipe("fp32", device="cpu").device == torch.device("cpu")  # here: no flag needed

@@ -28,6 +28,7 @@ __all__ = [
     "has_fp8_matmul",
     "has_tf32",
     "resolve_device",
+    "missing_device",
 ]
 
 
@@ -96,19 +97,38 @@ def has_fp8_matmul(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def missing_device(device: torch.device | str) -> str | None:
+    """Why this process cannot run on ``device`` (no CUDA, no such GPU index), or None if it can."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"no CUDA device is available (torch {torch.__version__})"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"this machine has {torch.cuda.device_count()} CUDA device(s), so there is no {device}"
+        return None
+    backend = getattr(torch, device.type, None)
+    if backend is not None and callable(getattr(backend, "is_available", None)) and backend.is_available():
+        return None
+    return f"no {device.type} device is available (torch {torch.__version__})"
+
+
 def resolve_device(name: str) -> torch.device:
-    """``auto`` → cuda if available, else cpu. Raises ValueError for an unavailable device."""
+    """``auto`` → cuda if available, else cpu. Raises ConfigError for an unavailable device."""
     from .errors import ConfigError
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"--device {name} was requested but no CUDA device is available "
-                f"(torch {torch.__version__}); use --device cpu or --device auto"
-            )
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ConfigError(f"unknown --device {name!r}; choose auto, cpu, cuda or cuda:N") from None
+        why = missing_device(device)
+        if why is not None:
+            raise ConfigError(f"--device {name} was requested but {why}; use --device cpu or --device auto")
+        return device
     if name == "cpu":
         return torch.device("cpu")
     raise ConfigError(f"unknown --device {name!r}; choose auto, cpu or cuda")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -399,6 +400,7 @@ def build_recipe(
     device: torch.device | str = "cpu",
     seed: int = 0,
     world_size: int = 1,
+    for_target: bool = False,
     **options: Any,
 ) -> Recipe:
     """Resolve a recipe for a device and mechanism; contradictions raise RecipeError (exit 2).
@@ -407,9 +409,14 @@ def build_recipe(
         recipe: a :class:`RecipeConfig`, or a recipe name or alias (``amp``, ``bf16``...) with the
             config's other fields as keyword ``options`` (``amp_impl``, ``scaler``, ``stochastic_rounding``,
             ``keep_fp32``).
-        device: where the run trains.
+        device: where the run trains. It must be one this machine has (``cuda`` without CUDA, or ``cuda:3``
+            on a two-GPU machine, raises RecipeError, as ``--device`` does), unless ``for_target``.
         seed: seeds stochastic rounding.
         world_size: processes in the run (the loss scaler then agrees on skips across them).
+        for_target: ``device`` is a target being planned for, not where this process will train: its presence
+            and its capabilities are not checked (nor queried). Such a recipe must never run; only its
+            device-free answers (``spec``, ``facts()``, ``label``, ``low_dtype``, ``impl``, ``fsdp_policy()``)
+            are meaningful; the hardware ones (``hardware_facts()``, ``describe()``) need the device itself.
 
     ``amp_impl``: a name in :data:`mixprec.mechanisms.MECHANISMS` (``native``: torch.autocast + GradScaler;
     ``scratch``: mixprec's engine), or ``auto`` (:func:`mixprec.mechanisms.auto_mechanism`: native, except
@@ -426,17 +433,27 @@ def build_recipe(
     recipe.validate()
     spec = resolve_recipe(recipe.precision)
     device = torch.device(device)
+    missing = None if for_target else hardware.missing_device(device)
+    if missing is not None:
+        raise RecipeError(
+            f"build_recipe({recipe.precision!r}, device={str(device)!r}): {missing}; build it for a device this "
+            "machine has (device='cpu', or --device auto), or pass for_target=True to plan for one it lacks")
     impl = auto_mechanism(spec, device) if recipe.amp_impl == "auto" else recipe.amp_impl
-    mechanism = MECHANISMS[impl](spec, scaler=recipe.scaler, keep_fp32=tuple(recipe.keep_fp32), device=device,
-                                 world_size=world_size, emulate_fp16=not hardware.has_fast_fp16(device))
-    _refuse_contradictions(spec, recipe, device)
-    mechanism.refuse_options()
-    return Recipe(spec, recipe, device=device, mechanism=mechanism, seed=seed, world_size=world_size)
+    with warnings.catch_warnings():
+        if for_target:  # GradScaler("cuda") on a machine without CUDA warns that it disables itself
+            warnings.simplefilter("ignore", UserWarning)
+        mechanism = MECHANISMS[impl](spec, scaler=recipe.scaler, keep_fp32=tuple(recipe.keep_fp32), device=device,
+                                     world_size=world_size, emulate_fp16=not hardware.has_fast_fp16(device))
+        _refuse_contradictions(spec, recipe, device, query_device=not for_target)
+        mechanism.refuse_options()
+        return Recipe(spec, recipe, device=device, mechanism=mechanism, seed=seed, world_size=world_size)
 
 
-def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, device: torch.device) -> None:
-    """What this recipe cannot do with these options on this device, whatever the mechanism."""
-    if device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
+def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, device: torch.device, *,
+                           query_device: bool = True) -> None:
+    """What this recipe cannot do with these options on this device, whatever the mechanism (the device's
+    own capabilities only with ``query_device``: a planned target is not here to ask)."""
+    if query_device and device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
         including_emulation=False
     ):
         raise RecipeError(

@@ -41,6 +41,7 @@ from ..scaler import ScalerConfig
 from ..train.build import Run, build_run
 from ..train.config import TrainConfig
 from ..train.data.sources import UserBatches
+from ..train.outputs import check_folder
 from ..train.step import train_step
 from .attribution import ModuleTracker
 from .block_formats import BlockFormatConfig, BlockFormatProbe
@@ -352,6 +353,8 @@ def diagnose(
         out: also write doctor.json and the PNG plots into this folder.
     """
     block_formats = BlockFormatConfig.coerce(block_formats)  # a bad format name fails before anything is built
+    if out is not None:
+        check_folder(out, "out")  # before the diagnosis, as the CLI's --out
     run = _user_run(model, batch, loss_fn, precision=precision, optimizer=optimizer, lr=lr, device=device,
                     amp_impl=amp_impl, init_scale=init_scale, growth_interval=growth_interval,
                     stochastic_rounding=stochastic_rounding, keep_fp32=tuple(keep_fp32),

@@ -29,7 +29,7 @@ from .data.builtin import load_dataset
 from .data.protocol import DataSource, Loader
 from .data.sources import user_data
 from .models import build_model
-from .outputs import check_outputs
+from .outputs import OutputLock, check_outputs
 from .resume import check_resume, stored_config
 from .schedule import LRSchedule, planned_steps
 from .step import StepContext
@@ -56,6 +56,8 @@ class Run:
     """What a step needs: model, recipe, optimizer, loss, device, clip."""
     schedule: LRSchedule | None = None
     """The learning-rate schedule the loop applies before every optimizer step (None: the rate stays)."""
+    lock: OutputLock | None = None
+    """This process's hold on ``--out`` (the writing rank of a run with one); :func:`train` releases it."""
 
     @property
     def model(self) -> nn.Module:
@@ -261,7 +263,7 @@ def build_run(
             model is used as it is (not re-seeded); it is converted and wrapped like a built-in one.
     """
     config.validate()
-    check_outputs(config.run)
+    lock = check_outputs(config.run, lock=True)
     check_resume(config)
     config = config.with_flags(strategy=distributed.resolve_strategy(config.run.strategy))
     make_optimizer = make_optimizer or optimizer_factory(config.optim)  # a user factory is imported now
@@ -288,4 +290,4 @@ def build_run(
     config, schedule = build_schedule(config, optimizer, len(loader))
     ctx = StepContext(model=model, recipe=recipe, optimizer=optimizer, loss_fn=loss_fn,
                       device=device, clip_grad_norm=config.optim.clip_grad_norm)
-    return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx, schedule=schedule)
+    return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx, schedule=schedule, lock=lock)

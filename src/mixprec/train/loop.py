@@ -68,6 +68,8 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
     summary = summarize(run, state, stopped, compile_time_s=compile_time)
     reporter.summary(summary_table([summary]))
     _write_metrics(run, state, summary)
+    if run.lock is not None:  # the folder is complete: another run may write it now
+        run.lock.release()
     return TrainResult(history=state.history, summary=summary, stopped=stopped, evals=state.evals)
 
 
