@@ -64,7 +64,8 @@ def test_auto_impl_picks_emulated_scratch_for_fp16_on_cpu_without_fast_fp16(fast
 _STATES = {  # name: (autocast, loss scaler, params rounded to)
     "fp32": (False, False, None), "tf32": (False, False, None), "fp16-mixed": (True, True, None),
     "bf16-mixed": (True, False, None), "fp16-master": (True, True, "fp16"), "bf16-master": (True, False, "bf16"),
-    "bf16-true": (True, False, None), "fp8-mixed": (True, False, None),
+    "bf16-true": (True, False, None), "fp8-mixed": (True, False, None), "fp8-rowwise": (True, False, None),
+    "mxfp8": (True, False, None), "mxfp4": (True, False, None), "nvfp4": (True, False, None),
 }
 _WORDS = {"native": ("torch.autocast", "torch.amp.GradScaler"), "scratch": ("mixprec autocast", "DynamicLossScaler")}
 
