@@ -55,6 +55,29 @@ def test_operands_are_the_block_formats_values_in_bf16(fmt, block, rule, axis):
     torch.testing.assert_close(q.float(), ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt,block,rule", [("e4m3-row", "fp8_e4m3_rowwise", None), ("mxfp8", "mxfp8_e4m3", "rceil"),
+                                            ("mxfp8", "mxfp8_e4m3", "floor"), ("mxfp4", "mxfp4", "floor"),
+                                            ("nvfp4", "nvfp4", None)])
+def test_the_fused_operand_path_handles_zero_tiny_huge_inf_and_nan_blocks(fmt, block, rule):
+    x = _structured(12, 64)
+    x[0] = 0
+    x[1] = torch.randn(64) * 2.0**-120  # tiny: MX scales near 2**-127
+    x[2] = torch.randn(64) * 2.0**100
+    x[3, 5] = float("inf")
+    x[4, 40] = float("nan")
+    x[5, :32] = torch.tensor([448.0, 464.0, 480.0, 13.0, 0.8125, 2.0**-10, 3 * 2.0**-10, 1.0] * 4)  # ties
+    if fmt == "nvfp4":  # one inf or NaN makes a whole NVFP4 tensor NaN: the finite rows here (and that case below)
+        x = x[[0, 1, 5, 6, 7]]
+    q, _ = quantize_operand(x, fmt, 1, scale_rule=rule)
+    bq = quantize_blocks_with_scales(x, block, axis=1, scale_rule=rule)
+    ref = bq.elements * bq.scales.repeat_interleave(bq.block_size, dim=1)  # block scales in, as the GEMM sees them
+    torch.testing.assert_close(q.float(), ref.to(BF16).float(), rtol=0, atol=0, equal_nan=True)
+    if fmt == "nvfp4":
+        bad = x.clone()
+        bad[0, 0] = float("inf")
+        assert quantize_operand(bad, fmt, 1)[1].isnan() and quantize_operand(bad, fmt, 1)[0].isnan().all()
+
+
 @pytest.mark.parametrize("axis", [0, 1])
 def test_nvfp4_operands_keep_the_tensor_scale_outside_the_gemm(axis):
     x = _structured(64, 96)

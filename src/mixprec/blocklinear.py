@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from . import hardware
-from .blockformats import quantize_blocks, quantize_blocks_with_scales
+from .blockformats import ELEMENT_FORMATS, mx_scale_exponent, quantize_blocks, quantize_blocks_with_scales
 from .gemm_recipes import LinearRecipe
 
 __all__ = ["BlockLinear", "block_linear", "quantize_operand", "hadamard_matrix"]
@@ -108,6 +108,74 @@ def _nvfp4_stochastic(t: torch.Tensor, axis: int, generator: torch.Generator | N
     return v.to(_BF16), bq.tensor_scale
 
 
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2**k`` for integer ``k`` in [-127, 127] (2**-127 is subnormal)."""
+    k = k.to(torch.int32)
+    return torch.where(k >= -126, (k + 127) << 23, torch.full_like(k, 1 << 22)).view(torch.float32)
+
+
+def _mx_scales(amax: torch.Tensor, el, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    k = mx_scale_exponent(amax, el, rule)
+    nan = torch.isnan(amax)
+    return (torch.where(nan, torch.nan, _pow2(-k)), torch.where(nan, torch.nan, _pow2(k)))
+
+
+def _rowwise_scales(amax: torch.Tensor, el, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # blockformats' rowwise "pow2" rule: torchao's float32 m = 448 / max(amax, 1e-12), rounded down to 2**k by
+    # exp2(floor(log2(m))) in float32; a non-finite amax makes the row NaN
+    m = (el.max / torch.clamp(amax.double(), min=1e-12)).float()
+    m = torch.exp2(torch.floor(torch.log2(m)))
+    m = torch.where(torch.isfinite(amax), m, torch.nan)
+    return m, torch.reciprocal(m)
+
+
+def _nvfp4_scales(amax: torch.Tensor, el, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # blockformats' nvfp4: tensor scale t (floored at 2**-121, NaN for inf/NaN), e4m3 block scales s >= 2**-6
+    amax_t = amax.max()
+    t = torch.clamp(amax_t / (448.0 * el.max), min=2.0**-121)
+    t = torch.where(torch.isinf(amax_t), torch.nan, t)
+    s = torch.clamp(amax / el.max / t, 2.0**-6, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    return (1.0 / t) / s, s, t
+
+
+_E4M3, _E2M1 = ELEMENT_FORMATS["e4m3"], ELEMENT_FORMATS["e2m1"]
+_FAST = {"mxfp8": (_E4M3, 32, _mx_scales), "mxfp4": (_E2M1, 32, _mx_scales), "e4m3-row": (_E4M3, None, _rowwise_scales),
+         "nvfp4": (_E2M1, 16, _nvfp4_scales)}
+"""Operand formats with a fused path: element format, block (None: the row) and the scale rule."""
+
+
+def _fast_values(t: torch.Tensor, fmt: str, axis: int, rule: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`quantize_operand` for the formats of :data:`_FAST`, in few passes and without FP8 casts.
+
+    The values are those of :func:`mixprec.blockformats.quantize_blocks` (tests check every format along both
+    axes, with zero, tiny, huge, inf and NaN blocks): ``v = clamp(x * m, -max, max)`` is rounded to the element
+    grid by the add/subtract of :func:`mixprec.fp8.to_fp8_as_bf16` -- ``M = 1.5 * 2**(max(e, emin) + 23 - mbits)``
+    from v's own exponent ``e``, so fp32's spacing at ``M`` is the element format's at ``v`` and ``(v + M) - M``
+    rounds to it, ties to even -- and the block scale is multiplied in on the way to bf16 (exact, one pass).
+    Signed zeros come out as +0.
+    """
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():  # a transposed view: quantise the
+        v, ts = _fast_values(t.t(), fmt, 1 - axis, rule)                   # stored tensor along the other axis
+        return v.t(), ts
+    el, block, scales = _FAST[fmt]
+    axis = axis % t.dim()
+    n = t.shape[axis]
+    v = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+    v.copy_(t)  # a fresh fp32 copy in t's layout: everything below is in place on it; blocks along ``axis``
+    b = v.view(*t.shape[:axis], n // (block or n), block or n, *t.shape[axis + 1:])
+    amax = torch.maximum(b.amax(axis + 1), b.amin(axis + 1).neg())  # two read-only passes, NaN propagates
+    got = scales(amax, el, rule)
+    m, s = got[0].unsqueeze(axis + 1), got[1].unsqueeze(axis + 1)
+    b.mul_(m).clamp_(-el.max, el.max)
+    magic = torch.bitwise_and(v.view(torch.int32), 0x7F800000)
+    magic.clamp_(min=(127 + el.emin) << 23).add_(((23 - el.mantissa_bits) << 23) | 0x400000)
+    mf = magic.view(torch.float32)
+    v.add_(mf).sub_(mf)
+    out = torch.empty(t.shape, dtype=_BF16, device=t.device)
+    torch.mul(b, s, out=out.view(b.shape))
+    return out, (got[2] if len(got) > 2 else None)
+
+
 def quantize_operand(t: torch.Tensor, fmt: str, axis: int, *, scale_rule: str | None = None,
                      stochastic: bool = False, generator: torch.Generator | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -127,13 +195,9 @@ def quantize_operand(t: torch.Tensor, fmt: str, axis: int, *, scale_rule: str | 
         # torchao's tensorwise rule with power-of-two scales = its rowwise rule over the flattened tensor
         v = quantize_blocks(t.reshape(1, -1), "fp8_e4m3_rowwise", axis=1).reshape(t.shape)
         return v.to(_BF16), None
-    if fmt == "nvfp4":
-        if stochastic:
-            return _nvfp4_stochastic(t, axis, generator)
-        bq = quantize_blocks_with_scales(t, "nvfp4", axis=axis)
-        v = bq.elements * bq.scales.repeat_interleave(16, dim=bq.axis)
-        return v.to(_BF16), bq.tensor_scale
-    return quantize_blocks(t, _BLOCK_FORMAT[fmt], axis=axis, scale_rule=scale_rule).to(_BF16), None
+    if fmt == "nvfp4" and stochastic:
+        return _nvfp4_stochastic(t, axis, generator)
+    return _fast_values(t, fmt, axis, scale_rule)
 
 
 def _real_rowwise_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
