@@ -376,3 +376,32 @@ def test_torchao_import_noise_stays_out_of_the_output(torchao, capfd, caplog):
         r.convert_module(nn.Sequential(nn.Linear(32, 32)))
     out, err = capfd.readouterr()
     assert out == "" and err == "" and not [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
+
+
+# -- the commands end to end -----------------------------------------------------------------------------------------
+TINY = ["--model", "mlp", "--width", "32", "--depth", "1", "--dataset", "synthetic", "--synthetic-train", "64",
+        "--synthetic-test", "32", "--synthetic-shape", "1,8,8", "--batch-size", "32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,flags", [("fp8-rowwise", ["--wgrad-hp"]), ("mxfp8", ["--mx-scale-rule", "floor"]),
+                                          ("mxfp4", []), ("nvfp4", ["--fp4-hadamard", "--fp4-stochastic-rounding"])])
+def test_train_doctor_run_each_new_recipe(cli, one_thread, tmp_path, recipe, flags):
+    code, out, err = cli("train", "--precision", recipe, *flags, *TINY, "--max-steps", "2", "--epochs", "1",
+                         "--progress", "off", "--log-every", "0", "--device", "cpu")
+    assert code == 0, err
+    assert f"| {recipe} |" in out and "EMULATED" in out and "1 linear layer(s) in" in out
+    code, out, err = cli("doctor", "--precision", recipe, *flags, *TINY, "--steps", "2", "--out", tmp_path / "d")
+    assert code == 0, err
+    assert (tmp_path / "d" / "doctor.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_compares_the_new_recipes_and_drops_options_where_they_do_not_apply(cli, tmp_path):
+    code, out, err = cli("bench", "--precisions", "bf16-mixed,fp8-rowwise,mxfp8,mxfp4,nvfp4", *TINY, "--max-steps", "2",
+                         "--warmup-steps", "1", "--epochs", "1", "--repeats", "1", "--no-plots", "--fp4-hadamard",
+                         "--out", tmp_path / "b")
+    assert code == 0, err
+    for recipe in ("fp8-rowwise", "mxfp8", "mxfp4", "nvfp4"):
+        assert f"| {recipe} |" in out
+    assert "--fp4-hadamard does not apply" in out + err
