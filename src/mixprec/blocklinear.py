@@ -54,12 +54,12 @@ from torch import nn
 
 from . import hardware
 from .blockformats import ELEMENT_FORMATS, mx_scale_exponent, quantize_blocks, quantize_blocks_with_scales
+from .gemm_context import no_autocast, output_dtype
 from .gemm_recipes import LinearRecipe
 
 __all__ = ["BlockLinear", "block_linear", "quantize_operand", "hadamard_matrix"]
 
 _BF16 = torch.bfloat16
-_BLOCK_FORMAT = {"e4m3-row": "fp8_e4m3_rowwise", "mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 _HADAMARD_SEED = 0x4AD
 """Seed of the fixed random signs of the Hadamard transform (the same in every layer and run)."""
 
@@ -187,11 +187,9 @@ def quantize_operand(t: torch.Tensor, fmt: str, axis: int, *, scale_rule: str | 
     t = t.detach()
     if fmt == "bf16":
         return t.to(_BF16), None
-    if fmt in ("e4m3-tensor", "e5m2-tensor"):
-        if fmt == "e5m2-tensor":
-            from .fp8 import E5M2, to_fp8_as_bf16
-
-            return to_fp8_as_bf16(t, E5M2)
+    if fmt == "e5m2-tensor":
+        raise ValueError("per-tensor e5m2 operands are mixprec.fp8's (the tensorwise recipe), not a block format")
+    if fmt == "e4m3-tensor":
         # torchao's tensorwise rule with power-of-two scales = its rowwise rule over the flattened tensor
         v = quantize_blocks(t.reshape(1, -1), "fp8_e4m3_rowwise", axis=1).reshape(t.shape)
         return v.to(_BF16), None
@@ -238,9 +236,7 @@ class _BlockMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, out_dtype, recipe, mode, generator):
-        from .fp8 import _no_autocast
-
-        with _no_autocast(x.device.type):
+        with no_autocast(x.device.type):
             y = _gemm(x, recipe.output[0], weight.t(), recipe.output[1], out_dtype, recipe, mode)
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.mode, ctx.generator = recipe, mode, generator
@@ -248,12 +244,10 @@ class _BlockMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .fp8 import _no_autocast
-
         x, weight = ctx.saved_tensors
         r, mode = ctx.recipe, ctx.mode
         dx = dw = None
-        with _no_autocast(dy.device.type):
+        with no_autocast(dy.device.type):
             if ctx.needs_input_grad[0]:
                 dx = _gemm(dy, r.grad_input[0], weight, r.grad_input[1], x.dtype, r, mode,
                            stochastic_a=r.stochastic_rounding, generator=ctx.generator)
@@ -279,10 +273,8 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  mode: str | None = None) -> torch.Tensor:
     """``F.linear`` with the three GEMMs of ``recipe``. ``emulate`` as :func:`mixprec.fp8.fp8_linear`;
     ``mode`` (tests, benchmarks) forces ``"emulated"``, ``"reference"`` or ``"real"``."""
-    from .fp8 import _output_dtype
-
     mode = mode or _gemm_mode(x.device, recipe, emulate)
-    out = _BlockMatmul.apply(x.reshape(-1, x.shape[-1]), weight, _output_dtype(x), recipe, mode, generator)
+    out = _BlockMatmul.apply(x.reshape(-1, x.shape[-1]), weight, output_dtype(x), recipe, mode, generator)
     out = out.reshape(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias.to(out.dtype)
 
