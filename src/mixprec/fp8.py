@@ -110,7 +110,6 @@ layout and Parameter names (state_dicts and optimizers unaffected) and runs ``fp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -121,7 +120,8 @@ import torch
 from torch import nn
 
 from . import hardware
-from .autocast import autocast, autocast_dtype, is_autocast_active
+from .gemm_context import no_autocast as _no_autocast
+from .gemm_context import output_dtype as _output_dtype
 
 __all__ = [
     "E4M3",
@@ -288,20 +288,6 @@ def _gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Te
     return out if bias is None else out + bias.to(out_dtype)
 
 
-@contextlib.contextmanager
-def _no_autocast(device_type: str):
-    """Turn off torch.autocast and mixprec's autocast, so the FP8 GEMMs' operands are not re-cast."""
-    if not (torch.is_autocast_enabled(device_type) or is_autocast_active()):  # backward: nothing to turn off
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        if torch.is_autocast_enabled(device_type):
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-        if is_autocast_active():
-            stack.enter_context(autocast(device_type=device_type, enabled=False))
-        yield
-
-
 def _quantize(t: torch.Tensor, fp8_dtype: torch.dtype, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8_as_bf16(t, fp8_dtype) if mode == "emulated" else to_fp8(t, fp8_dtype)
 
@@ -334,13 +320,6 @@ class _Fp8Matmul(torch.autograd.Function):
             if b_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy.sum(0, dtype=torch.float32).to(b_dtype)
         return dx, dw, db, None, None
-
-
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return autocast_dtype() or x.dtype
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
