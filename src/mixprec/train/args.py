@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..precision import ALIASES, AMP_IMPLS, RECIPES
+from ..precision import ALIASES, AMP_IMPLS, FP8_IMPL_CHOICES, RECIPES
 from .config import OPTIMIZERS, PROGRESS, SCHEDULES, STRATEGIES, TrainConfig
 
 __all__ = ["add_train_arguments", "add_output_arguments", "config_from_args", "typed_flags"]
@@ -109,6 +109,18 @@ def _recipe_arguments(add: _Flags, with_precision: bool) -> None:
     add("--keep-fp32", type=_names, metavar="NAMES",
         help="comma-separated module names/types to keep in fp32 (scratch autocast)")
     add("--max-consecutive-skips", type=int, help="stop after this many skipped (inf/nan) steps in a row")
+    add("--fp8-impl", choices=FP8_IMPL_CHOICES,
+        help="whose layers run the FP8/FP4 recipes' GEMMs: mixprec's scratch layers, torchao's (pip install "
+             "'mixprec[fp8]'), or auto (torchao where the GPU has units for the format, else scratch)")
+    add("--wgrad-hp", action="store_true",
+        help="fp8-rowwise, mxfp8, mxfp4, nvfp4: the weight-gradient GEMM in bf16 (fp8-rowwise: torchao's "
+             "rowwise_with_gw_hp)")
+    add("--mx-scale-rule", choices=("rceil", "floor"),
+        help="mxfp8, mxfp4: e8m0 scale rule (default rceil, as NVIDIA hardware; floor: the OCP MX spec)")
+    add("--fp4-hadamard", action="store_true",
+        help="nvfp4: random Hadamard transform of the weight-gradient GEMM's inputs (TransformerEngine's RHT)")
+    add("--fp4-stochastic-rounding", action="store_true",
+        help="nvfp4: round output gradients to FP4 stochastically in backward (as TransformerEngine)")
 
 
 def _model_and_data_arguments(add: _Flags) -> None:
