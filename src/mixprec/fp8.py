@@ -235,7 +235,7 @@ def _work_buffers(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     784x512 layer, more than the arithmetic). They hold 2 x 4 bytes per element of the largest operand seen.
     Other devices have caching allocators.
     """
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" or _is_fake(t):  # fake tensors (mixprec plan): the real buffers cannot take them
         v, magic = torch.empty(t.shape, device=t.device), torch.empty(t.shape, dtype=torch.int32, device=t.device)
         return v, v.view(torch.int32), magic, magic.view(torch.float32)
     views = _WORK.__dict__.setdefault("views", {})

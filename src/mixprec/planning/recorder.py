@@ -120,6 +120,7 @@ class StepRecorder(TorchDispatchMode):
 
     def _freed(self, ref: weakref.ref, a: Alloc) -> None:
         self._refs.pop(id(ref), None)
+        self.seq += 1  # every event gets its own number, so a free right after the peak is not before it
         a.died = self.seq
         self.live -= a.nbytes
 
@@ -147,7 +148,7 @@ class StepRecorder(TorchDispatchMode):
             self.phase_peak_seq[self.phase] = self.seq
 
     def live_at(self, seq: int) -> list[Alloc]:
-        """Storages alive just after op ``seq``."""
+        """Storages alive at event ``seq`` (the counter moves on at every op and every free)."""
         return [a for a in self.allocs if a.born <= seq and (a.died is None or a.died > seq)]
 
     # -- ops -------------------------------------------------------------------------------------------
