@@ -111,18 +111,22 @@ def plot_memory(p, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(p.recipes) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(p.recipes) + 3.5), 4.2))
     names = [r.recipe for r in p.recipes]
+    top = max(r.peak_bytes for r in p.recipes)
+    unit, k = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
     bottom = [0.0] * len(names)
     for c in AT_PEAK_CATEGORIES:
-        vals = [r.at_peak.get(c, 0) / 2**30 for r in p.recipes]
+        vals = [r.at_peak.get(c, 0) / k for r in p.recipes]
         if any(vals):
             ax.bar(names, vals, bottom=bottom, label=_SHORT[c])
             bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.axhline(p.target.memory_bytes / 2**30, color="k", linestyle="--", linewidth=1)
-    ax.text(len(names) - 0.5, p.target.memory_bytes / 2**30, f" {p.target.name}", va="bottom", ha="right")
-    ax.set_ylabel("GiB alive at the peak")
-    ax.set_title(f"{p.model}, batch {p.batch_size}: memory at the peak by category")
+    cap = p.target.memory_bytes / k
+    if cap <= 2 * top / k:  # the target's memory, where it is on the same scale as the bars
+        ax.axhline(cap, color="k", linestyle="--", linewidth=1)
+        ax.text(len(names) - 0.5, cap, f" {p.target.name} memory", va="bottom", ha="right", fontsize=8)
+    ax.set_ylabel(f"{unit} alive at the peak")
+    ax.set_title(f"{p.model}, batch {p.batch_size}, on {p.target.name} ({gib(p.target.memory_bytes)})", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
