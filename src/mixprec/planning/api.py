@@ -25,7 +25,7 @@ from torch import nn
 from ..errors import UsageError
 from .roofline import StepTime, efficiency_for, step_time
 from .targets import Target, get_target
-from .trace import AT_PEAK_CATEGORIES, FakeModelSource, StepTrace, TraceError, trace_step
+from .trace import FakeModelSource, StepTrace, TraceError, trace_step
 
 __all__ = ["RecipePlan", "Plan", "plan", "PlanError"]
 
@@ -149,8 +149,8 @@ def plan(
     """Predict memory by category, peak, largest batch, FLOPs by dtype and step time of each recipe.
 
     Args:
-        precisions: recipe names or aliases (a comma-separated string too), as ``mixprec bench`` takes them.
-        target: ``cpu`` (this machine, measured) or a GPU of :data:`mixprec.planning.targets.TARGETS`.
+        precisions: recipe names or aliases (or one comma-separated string); target: ``cpu`` (this machine,
+            measured) or a GPU of :data:`mixprec.planning.targets.TARGETS`.
         config: a :class:`~mixprec.train.config.TrainConfig`; else one is made from ``flags`` (train's flag
             names: ``model="mlp"``, ``dataset="digits"``, ``batch_size=64``, ``optimizer="adamw"``...).
         model: instead of the config's model: a module (copied, never changed) or a zero-argument factory
@@ -163,14 +163,11 @@ def plan(
         fallback_real: when the model cannot be traced under fake tensors, run the same step for real on the
             CPU on ``fallback_batch_size`` samples and scale what grows with the batch (instead of failing).
     """
-    from ..train.build import cross_entropy, load_data, loss_from_config, model_from_config, optimizer_factory
+    from ..train.build import loss_from_config, optimizer_factory
     from ..train.config import TrainConfig
-    from ..train.contract import as_batch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if isinstance(precisions, str):
-        precisions = [p for p in (s.strip() for s in precisions.split(",")) if p]
-    precisions = list(precisions)
+    precisions = [p.strip() for p in (precisions.split(",") if isinstance(precisions, str) else precisions)
+                  if p.strip()]
     if not precisions:
         raise PlanError("plan(precisions=[]): name at least one recipe, e.g. --precisions fp32,bf16-mixed")
     if isinstance(model, str):  # a model name or module:factory, as --model takes it
@@ -178,6 +175,52 @@ def plan(
     config = config or TrainConfig.from_flags(**flags)
     config.validate()
     tgt = get_target(target)
+    build, model_name, batch = _inputs(config, model, batch)
+    if loss_fn is None and config.model.loss != "cross-entropy":
+        loss_fn = loss_from_config(config.model)
+    make_optimizer = make_optimizer or optimizer_factory(config.optim)
+    names = [_canonical(p) for p in precisions]
+    kw = dict(config=config, target=tgt, build=build, make_optimizer=make_optimizer, loss_fn=loss_fn)
+    traced, scale = "fake", 1.0
+    try:
+        results = _trace_all(names, batch, fake=True, **kw)
+    except TraceError as e:
+        if not fallback_real:
+            raise
+        small = _slice_batch(batch, fallback_batch_size)
+        results = [(_scaled(tr, len(batch)), notes + [f"traced for real on {len(small)} samples ({e}); what "
+                                                      "grows with the batch scaled to the asked batch"], tf)
+                   for tr, notes, tf in _trace_all(names, small, fake=False, **kw)]
+        traced, scale = "real", len(batch) / len(small)
+    plans = tuple(_recipe_plan(tr, tgt, tf32=tf, notes=notes, scaled_ops=scale) for tr, notes, tf in results)
+    return Plan(target=tgt, recipes=plans, model=model_name, batch_size=len(batch), traced=traced,
+                efficiency_source=efficiency_for(tgt).source)
+
+
+def _trace_all(names, batch, *, fake: bool, config, target, build, make_optimizer, loss_fn
+               ) -> list[tuple[StepTrace, list[str], bool]]:
+    """One trace per recipe, all from one model builder (fake, or real for ``--fallback-real``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..train.build import cross_entropy
+
+    fake_mode = FakeTensorMode() if fake else None
+    models = FakeModelSource(build, fake_mode)
+    out = []
+    for name in names:
+        recipe_config, notes = config.recipe.for_recipe(name)
+        tr = trace_step(recipe_config=recipe_config, target=target, models=models, fake_mode=fake_mode,
+                        batch=batch, make_optimizer=make_optimizer, loss_fn=loss_fn, default_loss=cross_entropy,
+                        clip_grad_norm=config.optim.clip_grad_norm)
+        out.append((tr, notes, _tf32(name)))
+    return out
+
+
+def _inputs(config, model, batch) -> tuple[Callable[[], nn.Module], str, Any]:
+    """The model builder (shared by every recipe), the model's name and the batch (the contract's Batch)."""
+    from ..train.build import load_data, model_from_config
+    from ..train.contract import as_batch
+
     seed = config.run.seed
     data = None
     if batch is None or model is None:
@@ -186,52 +229,19 @@ def plan(
         loader = data.loader(config.optim.batch_size, seed=seed, rank=0, world_size=1, num_workers=0,
                              device=torch.device("cpu"))
         batch = next(iter(loader))
-    batch = as_batch(batch)
     if isinstance(model, nn.Module):
         import copy
 
         module = model
-        build = lambda: copy.deepcopy(module)  # noqa: E731
-        model_name = type(module).__name__
-    elif callable(model):
-        build = model
-        model_name = getattr(model, "__name__", type(model).__name__)
-    else:
-        def build() -> nn.Module:
-            torch.manual_seed(seed)
-            return model_from_config(config.model, data)
-        model_name = config.model.name
-    if loss_fn is None and config.model.loss != "cross-entropy":
-        loss_fn = loss_from_config(config.model)
-    make_optimizer = make_optimizer or optimizer_factory(config.optim)
-    names = [_canonical(p) for p in precisions]
+        return (lambda: copy.deepcopy(module)), type(module).__name__, as_batch(batch)
+    if callable(model):
+        return model, getattr(model, "__name__", type(model).__name__), as_batch(batch)
 
-    def traces(fake: bool, run_batch) -> list[tuple[StepTrace, list[str], bool]]:
-        fake_mode = FakeTensorMode() if fake else None
-        models = FakeModelSource(build, fake_mode)
-        out = []
-        for name in names:
-            recipe_config, notes = config.recipe.for_recipe(name)
-            tr = trace_step(recipe_config=recipe_config, target=tgt, models=models, fake_mode=fake_mode,
-                            batch=run_batch, make_optimizer=make_optimizer, loss_fn=loss_fn,
-                            default_loss=cross_entropy, clip_grad_norm=config.optim.clip_grad_norm)
-            out.append((tr, notes, _tf32(name)))
-        return out
+    def build() -> nn.Module:
+        torch.manual_seed(seed)
+        return model_from_config(config.model, data)
 
-    traced, scale = "fake", 1.0
-    try:
-        results = traces(True, batch)
-    except TraceError as e:
-        if not fallback_real:
-            raise
-        small = _slice_batch(batch, fallback_batch_size)
-        results = [(_scaled(tr, len(batch)), notes + [f"traced for real on {len(small)} samples ({e}); what "
-                                                      "grows with the batch scaled to the asked batch"], tf)
-                   for tr, notes, tf in traces(False, small)]
-        traced, scale = "real", len(batch) / len(small)
-    plans = tuple(_recipe_plan(tr, tgt, tf32=tf, notes=notes, scaled_ops=scale) for tr, notes, tf in results)
-    return Plan(target=tgt, recipes=plans, model=model_name, batch_size=len(batch), traced=traced,
-                efficiency_source=efficiency_for(tgt).source)
+    return build, config.model.name, as_batch(batch)
 
 
 def _canonical(name: str) -> str:
@@ -254,5 +264,3 @@ def _slice_batch(batch, n: int):
 
     return Batch(tuple(s(a) for a in batch.args), {k: s(v) for k, v in batch.kwargs.items()}, s(batch.targets))
 
-
-AT_PEAK = AT_PEAK_CATEGORIES

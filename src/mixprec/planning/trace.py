@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -105,12 +106,20 @@ def _swappable(fake_mode: FakeTensorMode | None) -> Iterator[None]:
     conv = fake_mode.fake_tensor_converter.meta_converter
     old = conv.tensor_memo
     old.clear()
-    conv.tensor_memo = {}
+    conv.tensor_memo = _PlainMemo()
     try:
         yield
     finally:
         conv.tensor_memo.clear()
         conv.tensor_memo = old
+
+
+class _PlainMemo(dict):
+    """The converter's memo while modules are converted: plain references, and never deep-copied (copying a
+    fake module copies its tensors' fake mode, whose memo would change size while being copied)."""
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def _to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
@@ -159,8 +168,9 @@ class FakeModelSource:
             return self._build()
         if self._real is None and self.path == "fake":
             try:
-                with self._fake_mode, _swappable(self._fake_mode):  # a model may call .to() as it is built
-                    return self._build()
+                with self._fake_mode, _swappable(self._fake_mode), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+                    return self._build()  # (a model may call .to() or deepcopy layers as it is built)
             except Exception as e:  # noqa: BLE001 -- any init that needs values: build for real instead
                 if not _data_dependent(e):
                     raise
@@ -250,10 +260,8 @@ def trace_step(
     """Trace one steady-state training step of one recipe (see the module docstring). Without a
     ``fake_mode`` the same step runs for real on the CPU (``--fallback-real``, on a small batch)."""
     from ..fp8 import planned_gemm_path
-    from ..train.contract import ModelCall, compute_loss
 
     recipe, autocast_for, fp8_path = recipe_for_target(recipe_config, target)
-    notes: list[str] = []
     model = models.make()
     with fake_mode or contextlib.nullcontext(), recipe.run_context(), planned_gemm_path(fp8_path):
         with _swappable(fake_mode):
@@ -261,79 +269,92 @@ def trace_step(
             optimizer = recipe.build_optimizer(model, make_optimizer)
         _warm_optimizer(optimizer)
         fbatch = _fake_batch(batch, fake_mode)
-        call = ModelCall(model)
-        static_before = static_memory(model, optimizer, recipe.master)
-        rec = StepRecorder()
+        optimizer_state = static_memory(model, optimizer, recipe.master).optimizer_state
+        rec = _recorder_with_residents(model, optimizer, recipe, fbatch)
         params = list(model.parameters())
-        rec.register(params, "parameters")
-        rec.register(model.buffers(), "buffers")
-        rec.register((v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
-                     "optimizer_state")
-        if recipe.master is not None:
-            rec.register(recipe.master.master_params, "master_weights")
-        rec.register(fbatch.inputs() + ([fbatch.targets] if fbatch.targets is not None else []), None)
         tracker = SavedTensorTracker(exclude=params)
         saved: list[tuple[Any, str]] = []
         tracker.on_save = lambda t, c: saved.append((rec.alloc_of(t), c))
         try:
             with rec:
-                optimizer.zero_grad(set_to_none=True)
-                rec.phase = "forward"
-                with tracker, autocast_for(model):
-                    out = call(model, fbatch)
-                    loss = compute_loss(out, fbatch, loss_fn=loss_fn, default=default_loss)
-                del out
-                rec.phase = "backward"
-                recipe.scaler.scale(loss).backward()  # modelled host read 1: the loss is finite
-                del loss
-                rec.phase = "optimizer"
-                if recipe.master is not None:
-                    recipe.master.copy_grads_to_master()
-                recipe.scaler.unscale_(optimizer)
-                if clip_grad_norm is not None:  # modelled host read 3: the norm is finite
-                    torch.nn.utils.clip_grad_norm_(
-                        [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
-                        clip_grad_norm, error_if_nonfinite=False)
-                optimizer.step()  # modelled host read 2: the gradients are finite, the step is taken
-                recipe.scaler.update()
-                if recipe.master is not None:
-                    recipe.master.write_back()
+                _step(model, recipe, optimizer, fbatch, rec, tracker, autocast_for(model),
+                      loss_fn=loss_fn, default_loss=default_loss, clip_grad_norm=clip_grad_norm)
         except TraceError:
             raise
         except Exception as e:  # noqa: BLE001 -- the model does something fake tensors cannot
             raise _trace_error(e, recipe.name) from None
-        final = static_memory(model, optimizer, recipe.master)
-        final.add_saved(tracker)
+        final = static_memory(model, optimizer, recipe.master).add_saved(tracker)
         grads = [p.grad for p in params if p.grad is not None]
         if recipe.master is not None:
             grads += [m.grad for m in recipe.master.master_params if m.grad is not None]
-    for a, category in saved:
-        if a is not None and a.category is None:
-            a.category = category
-    for g in grads:
-        a = rec.alloc_of(g)
-        if a is not None and a.category is None:
-            a.category = "gradients"
+        for a, category in saved + [(rec.alloc_of(g), "gradients") for g in grads]:
+            if a is not None and a.category is None:
+                a.category = category
     totals = {c: getattr(final, c) for c in CATEGORIES}
-    totals["optimizer_state"] = static_before.optimizer_state  # the steady state's (warm-up made it)
+    totals["optimizer_state"] = optimizer_state  # the steady state's (the warm-up made it)
     totals["buffers"] = sum(b.numel() * b.element_size() for b in model.buffers())
-    at_peak = dict.fromkeys(AT_PEAK_CATEGORIES, 0)
-    for a in rec.live_at(rec.peak_seq):
-        at_peak[a.category or "temporary"] += a.nbytes
-    batch_bytes = {}
-    for phase, seq in rec.phase_peak_seq.items():
-        grow = 0
-        for a in rec.live_at(seq):
-            c = a.category or "temporary"
-            if c == "activations" or (c == "temporary" and phase != "optimizer"):
-                grow += a.nbytes
-        batch_bytes[phase] = grow
-    if models.path != "fake":
-        notes.append(f"the model's initialisation reads values ({models.fake_error}), so it was built for real "
-                     "once and traced as a fake copy")
+    notes = [] if models.path != "real-then-fake" else [
+        f"the model's initialisation reads values ({models.fake_error}), so it was built for real once and "
+        "traced as a fake copy"]
     return StepTrace(recipe=recipe.name, label=recipe.label, batch_size=len(batch), totals=totals,
-                     at_peak=at_peak, peak_bytes=rec.peak, phase_peak=dict(rec.phase_peak),
-                     batch_bytes=batch_bytes, ops=rec.ops, notes=notes, path=models.path)
+                     at_peak=_at_peak(rec), peak_bytes=rec.peak, phase_peak=dict(rec.phase_peak),
+                     batch_bytes=_batch_bytes(rec), ops=rec.ops, notes=notes, path=models.path)
+
+
+def _recorder_with_residents(model, optimizer, recipe, fbatch) -> StepRecorder:
+    rec = StepRecorder()
+    rec.register(model.parameters(), "parameters")
+    rec.register(model.buffers(), "buffers")
+    rec.register((v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+                 "optimizer_state")
+    if recipe.master is not None:
+        rec.register(recipe.master.master_params, "master_weights")
+    rec.register(fbatch.inputs() + ([fbatch.targets] if fbatch.targets is not None else []), None)
+    return rec
+
+
+def _step(model, recipe, optimizer, fbatch, rec: StepRecorder, tracker, autocast_ctx, *, loss_fn, default_loss,
+          clip_grad_norm) -> None:
+    """What ``Recipe.backward`` and ``Recipe.step`` do, with their host reads modelled (module docstring)."""
+    from ..train.contract import ModelCall, compute_loss
+
+    optimizer.zero_grad(set_to_none=True)
+    rec.phase = "forward"
+    with tracker, autocast_ctx:
+        out = ModelCall(model)(model, fbatch)
+        loss = compute_loss(out, fbatch, loss_fn=loss_fn, default=default_loss)
+    del out
+    rec.phase = "backward"
+    recipe.scaler.scale(loss).backward()  # host read 1: the loss is finite
+    del loss
+    rec.phase = "optimizer"
+    if recipe.master is not None:
+        recipe.master.copy_grads_to_master()
+    recipe.scaler.unscale_(optimizer)
+    if clip_grad_norm is not None:  # host read 3: the norm is finite
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
+                                       clip_grad_norm, error_if_nonfinite=False)
+    optimizer.step()  # host read 2: the gradients are finite, the step is taken
+    recipe.scaler.update()
+    if recipe.master is not None:
+        recipe.master.write_back()
+
+
+def _at_peak(rec: StepRecorder) -> dict[str, int]:
+    out = dict.fromkeys(AT_PEAK_CATEGORIES, 0)
+    for a in rec.live_at(rec.peak_seq):
+        out[a.category or "temporary"] += a.nbytes
+    return out
+
+
+def _batch_bytes(rec: StepRecorder) -> dict[str, int]:
+    """Per phase, the bytes alive at its peak that grow with the batch: activations, and temporaries outside
+    the optimizer step (whose temporaries are parameter-sized)."""
+    out = {}
+    for phase, seq in rec.phase_peak_seq.items():
+        out[phase] = sum(a.nbytes for a in rec.live_at(seq) if (a.category or "temporary") == "activations"
+                         or (a.category is None and phase != "optimizer"))
+    return out
 
 
 def _trace_error(e: BaseException, recipe: str) -> TraceError:
