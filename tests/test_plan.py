@@ -33,7 +33,8 @@ def measured(precision: str, model: str, batch_size: int, **flags):
 
 
 @pytest.mark.parametrize("model,precision", [("mlp", "fp32"), ("mlp", "bf16-mixed"), ("mlp", "bf16-master"),
-                                             ("cnn", "bf16-mixed"), ("transformer", "fp8-mixed")])
+                                             ("cnn", "bf16-mixed"),
+                                             pytest.param("transformer", "fp8-mixed", marks=pytest.mark.slow)])
 def test_categories_equal_the_exact_accounting_of_a_real_step(model, precision):
     p = plan(precisions=precision, target=CPU, model=model, batch_size=32, **FLAGS).recipes[0]
     real = measured(precision, model, 32)
@@ -82,6 +83,7 @@ class LinearNormLinear(nn.Module):
         return self.head(self.norm(self.a(x.flatten(1))))
 
 
+@pytest.mark.slow
 def test_gpu_target_applies_cudas_autocast_lists_and_real_fp8(monkeypatch):
     import mixprec.planning.api as api
 
@@ -177,6 +179,7 @@ def test_plan_is_exported():
     assert mixprec.plan is plan
 
 
+@pytest.mark.slow
 def test_small_hugging_face_llama_plans_exact_parameters():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
