@@ -43,3 +43,49 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs(options)`` mounts a fresh tmpfs (e.g. ``"ro"``, ``"size=64k"``) and returns its path: a real
+    read-only or full filesystem, so those branches run for real (EROFS, ENOSPC). Skipped where mounting is not
+    allowed (not root, or a sandbox without the capability); unmounted afterwards."""
+    mounted = []
+
+    def mount(options: str) -> Path:
+        where = tmp_path / f"mnt{len(mounted)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "mixprec-test", str(where)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount failed'})")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+# ------------------------------------------------------------------------------ the fast tier stays fast
+
+FAST_TIER_LIMIT_S = 2.0
+"""A test not marked slow whose setup and call take longer than this is named at the end of the run, so that
+end-to-end tests do not creep into ``make test-fast``. A note, not a failure: a busy machine stretches times."""
+
+_unmarked_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call") and "slow" not in report.keywords:
+        _unmarked_durations[report.nodeid] = _unmarked_durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    long = sorted(((d, n) for n, d in _unmarked_durations.items() if d > FAST_TIER_LIMIT_S), reverse=True)
+    if long:
+        terminalreporter.section("tests not marked slow that took over %gs" % FAST_TIER_LIMIT_S)
+        for d, n in long:
+            terminalreporter.write_line(f"{d:6.1f}s {n}")
+        terminalreporter.write_line("end-to-end tests get @pytest.mark.slow (time them alone first: a busy machine "
+                                    "stretches times)")

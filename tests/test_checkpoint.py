@@ -1,10 +1,12 @@
 """Checkpoints: atomic, validated on load, and resume that is bit-identical to an uninterrupted run."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from mixprec.errors import CheckpointError, OutputError
 from mixprec.train.checkpoint import load_checkpoint, save_checkpoint
 from mixprec.train.config import TrainConfig
 from mixprec.train.loop import train
+from mixprec.train.resume import check_resume
 
+FIXTURE = Path(__file__).parent / "fixtures" / "main_d16a38d_bf16_digits_mlp.pt"  # written by an older mixprec
 BASE = dict(dataset="digits", model="mlp", width=32, depth=1, batch_size=32, log_every=0, progress="off",
             optimizer="sgd", momentum=0.9, lr=0.05)
 
@@ -29,6 +33,7 @@ def _assert_identical(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "fp16-mixed", "bf16-master"])
 def test_resume_mid_epoch_is_bit_identical(tmp_path, precision):
     full, part = tmp_path / "full", tmp_path / "part"
@@ -43,8 +48,10 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, precision):
     assert a["recipe"]["scaler"] == b["recipe"]["scaler"]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_bit_identically(tmp_path):
-    """SIGKILL a real training process after its first checkpoint, resume, compare with an uninterrupted run."""
+    """SIGKILL a real training process after its first checkpoint, resume from the run itself (`--resume DIR`,
+    no other flag), compare with an uninterrupted run."""
     args = ["train", "--dataset", "synthetic", "--synthetic-train", "16384", "--synthetic-shape", "64",
             "--model", "mlp", "--width", "64", "--depth", "1", "--batch-size", "16", "--epochs", "2",
             "--momentum", "0.9", "--log-every", "0", "--checkpoint-every", "50", "--progress", "off"]
@@ -67,7 +74,7 @@ def test_killed_run_resumes_bit_identically(tmp_path):
     assert 0 < ck["global_step"] < total
     leftovers = [f for f in os.listdir(killed) if f != "last.pt"]
     assert not [f for f in leftovers if not f.endswith(".tmp")]  # only last.pt (a killed write may leave a .tmp)
-    r = subprocess.run([sys.executable, "-m", "mixprec", *args, "--out", str(killed), "--resume", str(killed)],
+    r = subprocess.run([sys.executable, "-m", "mixprec", "train", "--resume", str(killed)],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     _assert_identical(_params(full / "last.pt"), _params(killed / "last.pt"))
@@ -99,10 +106,10 @@ def test_foreign_corrupt_and_mismatched_checkpoints_are_refused(tmp_path):
     corrupt.write_bytes(b"PK\x03\x04garbage")
     with pytest.raises(CheckpointError, match="not a readable checkpoint"):
         load_checkpoint(corrupt)
-    out = tmp_path / "run"
-    train(TrainConfig.from_flags(**BASE, precision="fp32", epochs=1, max_steps=3, out=str(out)))
+    stored = TrainConfig.from_dict(torch.load(FIXTURE, weights_only=True)["config"])
     with pytest.raises(CheckpointError, match="--model 'mlp' in the checkpoint vs 'cnn' now"):
-        load_checkpoint(out, config=TrainConfig.from_flags(**{**BASE, "model": "cnn"}))
+        check_resume(stored.with_flags(model="cnn", resume=str(FIXTURE)))
+    check_resume(stored.with_flags(resume=str(FIXTURE)))  # the same run: no error
 
 
 def test_pickled_code_is_refused(tmp_path):
@@ -114,9 +121,9 @@ def test_pickled_code_is_refused(tmp_path):
 
 def test_bad_resume_exits_2_and_leaves_the_run_untouched(cli, tmp_path):
     out = tmp_path / "run"
-    code, _, _ = cli("train", "--dataset", "digits", "--max-steps", "3", "--out", out, "--log-every", "0")
-    assert code == 0
+    out.mkdir()
+    shutil.copy(FIXTURE, out / "last.pt")
     before = (out / "last.pt").read_bytes()
-    code, _, err = cli("train", "--dataset", "digits", "--precision", "bf16-mixed", "--resume", out)
-    assert code == 2 and "--precision 'fp32' in the checkpoint" in err
+    code, _, err = cli("train", "--dataset", "digits", "--precision", "fp32", "--resume", out)
+    assert code == 2 and "--precision 'bf16-mixed' in the checkpoint vs 'fp32' now" in err
     assert (out / "last.pt").read_bytes() == before

@@ -1,18 +1,23 @@
 """The sectioned config: flags in and out, the nested form checkpoints store, validation naming the flag."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
 from mixprec.errors import ConfigError, RecipeError, ScalerConfigError
-from mixprec.precision import RecipeConfig, ScalerConfig
+from mixprec.precision import ALIASES, RecipeConfig, ScalerConfig
 from mixprec.train.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+
+FIXTURES = Path(__file__).parent / "fixtures"  # written once by main at d16a38d; never regenerate
 
 
 def test_flags_land_in_their_sections():
     c = TrainConfig.from_flags(precision="amp", model="mlp", width=64, dataset="digits", init_scale=1024.0,
                                lr=0.5, seed=3, keep_fp32=("head",), synthetic_shape=(1, 8, 8))
-    assert c.recipe == RecipeConfig(precision="amp", scaler=ScalerConfig(init_scale=1024.0), keep_fp32=("head",))
+    assert c.recipe == RecipeConfig(precision="fp16-mixed", scaler=ScalerConfig(init_scale=1024.0),
+                                    keep_fp32=("head",))
     assert c.model == ModelConfig(name="mlp", width=64)
     assert c.data == DataConfig(name="digits", synthetic_shape=(1, 8, 8))
     assert c.optim == OptimConfig(lr=0.5)
@@ -36,10 +41,28 @@ def test_dict_round_trip_is_exact_and_json_shaped():
     assert TrainConfig.from_dict(d).flags() == c.flags()
 
 
-def test_flat_dicts_of_older_checkpoints_still_read():
-    flat = TrainConfig.from_flags(model="cnn", growth_interval=7).flags()
-    assert "model" in flat and flat["model"] == "cnn"
-    assert TrainConfig.from_dict(flat) == TrainConfig.from_flags(model="cnn", growth_interval=7)
+# what main wrote at d16a38d (see tests/fixtures/README.md)
+FIXTURE_CONFIG = TrainConfig(model=ModelConfig(name="cnn", channels=8),
+                             data=DataConfig(synthetic_shape=(1, 8, 8)),
+                             recipe=RecipeConfig(precision="fp16-mixed", scaler=ScalerConfig(growth_interval=7),
+                                                 keep_fp32=("head",)),
+                             optim=OptimConfig(lr=0.5))
+
+
+@pytest.mark.parametrize("name", ["main_d16a38d_config_flat.json", "main_d16a38d_config_nested.json"])
+def test_configs_written_by_an_older_version_still_read(name):
+    """Flat flags (version-1 checkpoints) and the nested form, as an older mixprec wrote them to disk."""
+    stored = json.loads((FIXTURES / name).read_text())
+    assert stored.get("precision", stored.get("recipe", {}).get("precision")) == "amp"  # the alias, as typed then
+    assert TrainConfig.from_dict(stored) == FIXTURE_CONFIG
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_configs_hold_canonical_recipe_names(alias):
+    c = TrainConfig.from_flags(precision=alias)
+    assert c.recipe.precision == ALIASES[alias] and c == TrainConfig.from_flags(precision=ALIASES[alias])
+    assert c.to_dict()["recipe"]["precision"] == ALIASES[alias]
+    assert TrainConfig.from_flags(precision="fp7").recipe.precision == "fp7"  # left for validate() to name
 
 
 def test_with_flags_changes_only_what_it_names():
@@ -67,6 +90,11 @@ def test_unknown_settings_are_named(bad):
     ({"grad_accum": 2.5}, "--grad-accum"),
     ({"width": -1}, "--width"),
     ({"synthetic_shape": (0, 3)}, "--synthetic-shape"),
+    ({"epochs": 2.5}, "--epochs must be a positive integer"),
+    ({"num_workers": -1}, "--num-workers must be an integer >= 0"),
+    ({"progress": "maybe"}, "--progress"),
+    ({"log_every": -1}, "--log-every"),
+    ({"max_steps": 0}, "--max-steps"),
 ])
 def test_validation_names_the_flag(flags, match):
     with pytest.raises(ConfigError, match=match):

@@ -126,6 +126,7 @@ def test_bad_accumulation_and_check_flags_exit_2(cli, flag, value):
 # ------------------------------------------------------------------------------- one-process accumulation
 
 
+@pytest.mark.slow
 def test_grad_accum_k2_equals_one_batch_of_2b(tmp_path):
     """digits has 1438 training samples: the last step is 30 samples in both runs (one short micro-batch)."""
     base = dict(dataset="digits", model="mlp", width=32, depth=1, epochs=1, momentum=0.9, lr=0.05, log_every=0,
@@ -209,7 +210,7 @@ def test_fsdp_stopped_and_resumed_ends_bit_identical(tmp_path, fsdp_digits):
     _torchrun(*DIGITS, "--strategy", "fsdp", "--out", part, "--max-steps", 30)  # mid-epoch 2 of 23 steps/epoch
     ck = torch.load(part / "last.pt", weights_only=True)
     assert (ck["epoch"], ck["batch"], ck["global_step"], ck["world_size"]) == (1, 7, 30, 2)
-    _torchrun(*DIGITS, "--strategy", "fsdp", "--out", part, "--resume", part)
+    _torchrun(*DIGITS, "--strategy", "fsdp", "--out", part, "--resume", part, "--max-steps", "none")
     _assert_identical(_model(d / "out"), _model(part))
 
 
@@ -227,7 +228,7 @@ def test_fsdp_resumes_a_stateless_optimizer(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     _torchrun(*args, "--out", full)
     _torchrun(*args, "--out", part, "--max-steps", 5)
-    r = _torchrun(*args, "--out", part, "--resume", part)
+    r = _torchrun(*args, "--out", part, "--resume", part, "--max-steps", "none")
     assert "resumed from" in r.stdout
     _assert_identical(_model(full), _model(part))
 

@@ -60,10 +60,19 @@ class Overflowing(nn.Module):
         return self.head(F.relu(self.norm(self.big(self.act(self.fc1(x))))))
 
 
-@pytest.mark.parametrize("impl", ["auto", "native"])  # auto = emulated fp16 on CPUs without fast fp16
-def test_forward_overflow_is_located_and_replay_keeps_exactly_that_layer_in_fp32(impl):
+def _as_on_a_cpu_without_fast_fp16(monkeypatch):
+    """What `--amp-impl auto` does on a CPU without fast fp16 kernels (the scratch autocast emulating fp16),
+    on any machine."""
+    monkeypatch.setattr(hardware, "has_fast_fp16", lambda device: False)
+
+
+@pytest.mark.parametrize("impl", ["emulated", "native"])
+def test_forward_overflow_is_located_and_replay_keeps_exactly_that_layer_in_fp32(impl, monkeypatch):
+    if impl == "emulated":
+        _as_on_a_cpu_without_fast_fp16(monkeypatch)
     report = diagnose(Overflowing(), _batch(gain=10.0), F.cross_entropy, precision="fp16-mixed", steps=1,
-                      amp_impl=impl)
+                      amp_impl="native" if impl == "native" else "auto")
+    assert report.recipe_spec["emulated"] == (impl == "emulated")
     fault = report.first_fault()
     assert fault is report.faults[0] and fault.step == 0
     assert fault.classification == "forward overflow"
@@ -121,6 +130,7 @@ def test_gradient_underflow_is_measured_and_the_recommended_scale_removes_it():
     assert "init-scale" not in _kinds(scaled)
 
 
+@pytest.mark.slow
 def test_a_too_large_loss_scale_is_classified_as_scale_overflow_not_as_a_fault():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -136,6 +146,7 @@ def test_a_too_large_loss_scale_is_classified_as_scale_overflow_not_as_a_fault()
     assert 2.0 ** report.recommended_log2_scale() <= fa.max_finite_scale  # the advice agrees with the replay
 
 
+@pytest.mark.slow
 def test_init_scale_advice_names_the_runs_initial_scale_not_the_backed_off_one():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -183,10 +194,13 @@ class BackwardOnly(nn.Module):
         return self.head(self.spike(self.act(self.fc1(x))))
 
 
-@pytest.mark.parametrize("impl", ["native", "auto"])
-def test_backward_only_overflow_is_located_in_backward(impl):
+@pytest.mark.parametrize("impl", ["native", "emulated"])
+def test_backward_only_overflow_is_located_in_backward(impl, monkeypatch):
+    if impl == "emulated":
+        _as_on_a_cpu_without_fast_fp16(monkeypatch)
     report = diagnose(BackwardOnly(), _batch(), F.cross_entropy, precision="fp16-mixed", steps=1,
-                      amp_impl=impl, init_scale=1.0)
+                      amp_impl="native" if impl == "native" else "auto", init_scale=1.0)
+    assert report.recipe_spec["emulated"] == (impl == "emulated")
     fault = report.first_fault()
     assert fault.classification == "backward overflow"  # the forward replayed finite; scale 1 cannot help
     assert fault.event.phase == "backward" and fault.event.inputs_finite
@@ -291,6 +305,18 @@ def test_nan_in_fp32_too_is_reported_as_not_a_precision_problem():
     assert "not-precision" in _kinds(report)
 
 
+def test_a_nan_loss_is_written_as_null_in_strict_json_and_the_files_replace_old_ones(tmp_path):
+    (tmp_path / "doctor.json").write_text("stale")
+    report = diagnose(NanModel(), _batch(), F.cross_entropy, precision="bf16-mixed", steps=1, replay=False)
+    assert report.history.records[0].loss != report.history.records[0].loss  # NaN in the report itself
+    paths = report.write(str(tmp_path), plots=False)
+    assert [p.rsplit("/", 1)[-1] for p in paths] == ["doctor.json", "report.txt"]
+    text = (tmp_path / "doctor.json").read_text()
+    d = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert d["loss_scale_history"]["steps"][0]["loss"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doctor.json", "report.txt"]  # no temp files left
+
+
 def test_find_first_nonfinite_on_a_healthy_and_a_faulty_model():
     assert find_first_nonfinite(nn.Linear(16, 4), _batch(), F.cross_entropy) is None
     fa = find_first_nonfinite(Overflowing(), _batch(gain=10.0), F.cross_entropy, amp_impl="native")
@@ -338,7 +364,7 @@ def _compute_rows(pm):
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
-@pytest.mark.parametrize("model", ["simplenet", "mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("model", ["simplenet", "mlp", pytest.param("cnn", marks=pytest.mark.slow), "transformer"])
 def test_precision_map_scratch_autocast_agrees_with_native(model, precision):
     torch.manual_seed(0)
     m = build_model(model, input_shape=(1, 12, 12), num_classes=10, width=32, depth=2, channels=4, d_model=16,
@@ -362,6 +388,7 @@ def test_precision_map_scratch_autocast_agrees_with_native(model, precision):
 # API and CLI
 # ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_diagnose_a_user_module_leaves_it_untouched_and_writes_the_report(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
@@ -388,6 +415,7 @@ def test_diagnose_rejects_a_malformed_batch():
         diagnose(nn.Linear(4, 2), torch.randn(3, 4), F.cross_entropy)
 
 
+@pytest.mark.slow
 def test_cli_doctor_on_digits(cli, tmp_path):
     code, out, err = cli("doctor", "--dataset", "digits", "--model", "mlp", "--width", "32", "--depth", "1",
                          "--batch-size", "32", "--steps", "3", "--out", tmp_path)

@@ -6,6 +6,8 @@ from conftest import ROOT
 
 EX = ROOT / "examples"
 
+pytestmark = pytest.mark.slow  # each example trains end to end through the CLI
+
 
 def test_own_model_example_trains_from_the_cli(cli):
     f = EX / "own_model.py"

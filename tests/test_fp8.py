@@ -430,6 +430,7 @@ def test_register_linear_adapter_teaches_convert_a_new_layer_class():
     assert plan_fp8_conversion(nn.Sequential(Packed())).converted == ()
 
 
+@pytest.mark.slow
 def test_gpt2_from_transformers_converts_every_conv1d():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -472,6 +473,7 @@ DIGITS = dict(dataset="digits", model="mlp", width=64, depth=1, batch_size=32, l
               epochs=4, lr=0.05, momentum=0.9)
 
 
+@pytest.mark.slow
 def test_fp8_training_on_digits_is_within_2_points_of_fp32_and_native_equals_scratch():
     from mixprec.train.config import TrainConfig
     from mixprec.train.loop import train

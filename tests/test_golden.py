@@ -19,6 +19,7 @@ from regen import GOLDEN, RECIPES, losses  # noqa: E402
 TOL = {"fp32": dict(rtol=1e-5, atol=2e-5), "bf16-mixed": dict(rtol=0, atol=5e-4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", RECIPES)
 def test_losses_match_golden(precision):
     golden = json.loads(GOLDEN.read_text())["losses"]

@@ -5,6 +5,7 @@ from mixprec.autocast import autocast as scratch_autocast
 from mixprec.train.attention import SelfAttention, attention
 from torch import nn
 
+from mixprec.train.config import ModelConfig
 from mixprec.train.models import MODELS, ModelError, build_model, count_parameters
 
 SMALL = dict(width=32, channels=4, d_model=16, n_heads=2, n_layers=1)  # keep the tests fast
@@ -89,6 +90,23 @@ def test_simplenet_is_the_tutorial_model():
     assert sum(1 for _ in model.parameters()) == 2
     x = torch.randn(5, 1, 28, 28)
     torch.testing.assert_close(model(x), model.fc(x.view(-1, 784)), rtol=0, atol=0)
+
+
+def test_sizes_come_from_the_model_config():
+    """build_model has no defaults of its own: a name gets ModelConfig's sizes, a section its own."""
+    d = ModelConfig()
+    mlp = build_model("mlp", input_shape=(1, 8, 8), num_classes=10)
+    assert [m.out_features for m in mlp.modules() if isinstance(m, nn.Linear)] == [d.width] * d.depth + [10]
+    cfg = ModelConfig(name="mlp", width=12, depth=3)
+    torch.manual_seed(0)
+    a = build_model(cfg, input_shape=(1, 8, 8), num_classes=10)
+    torch.manual_seed(0)
+    b = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, width=12, depth=3)
+    assert [m.out_features for m in a.modules() if isinstance(m, nn.Linear)] == [12, 12, 12, 10]
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert build_model(cfg, input_shape=(1, 8, 8), num_classes=10, width=5).head.in_features == 5
+    with pytest.raises(TypeError, match="widht"):
+        build_model("mlp", input_shape=(1, 8, 8), num_classes=10, widht=5)
 
 
 def test_mlp_and_cnn_structure():

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import NonFiniteError, RecipeError, ScalerConfigError
-from mixprec.precision import ALIASES, RECIPES, ScalerConfig, build_recipe, resolve_recipe
+from mixprec.precision import ALIASES, RECIPES, RecipeSpec, ScalerConfig, build_recipe, resolve_recipe
 
 
 @pytest.mark.parametrize("alias,name", [("amp", "fp16-mixed"), ("16-mixed", "fp16-mixed"), ("fp16", "fp16-mixed"),
@@ -41,24 +41,65 @@ def test_contradictions():
         build_recipe("bf16-mixed", amp_impl="cuda")
 
 
-def test_auto_impl_picks_emulated_scratch_for_fp16_on_cpu_without_fast_fp16():
+@pytest.mark.parametrize("fast_fp16", [True, False])
+def test_auto_impl_picks_emulated_scratch_for_fp16_on_cpu_without_fast_fp16(fast_fp16, monkeypatch):
     from mixprec import hardware
 
+    monkeypatch.setattr(hardware, "has_fast_fp16", lambda device: fast_fp16)
     r = build_recipe("amp", device="cpu")
-    if hardware.has_fast_fp16(torch.device("cpu")):
-        assert r.impl == "native"
+    if fast_fp16:
+        assert r.impl == "native" and not r.emulate and "EMULATED" not in r.describe()
     else:
         assert r.impl == "scratch" and r.emulate
-        assert "EMULATED" in r.describe()
+        assert "EMULATED" in r.describe() and r.hardware_facts().matmul_dtype == "fp32"
     assert build_recipe("bf16-mixed", device="cpu").impl == "native"
     native = build_recipe("amp", device="cpu", amp_impl="native")
     assert not native.emulate and "EMULATED" not in native.describe()
+    scratch = build_recipe("amp", device="cpu", amp_impl="scratch")
+    assert scratch.emulate == (not fast_fp16)
 
 
+# What each recipe's description must state, written out here (not read from the spec): the params a
+# master-weight recipe rounds into, whether a loss scaler runs, whether the forward is autocast.
+_STATES = {  # name: (autocast, loss scaler, params rounded to)
+    "fp32": (False, False, None), "tf32": (False, False, None), "fp16-mixed": (True, True, None),
+    "bf16-mixed": (True, False, None), "fp16-master": (True, True, "fp16"), "bf16-master": (True, False, "bf16"),
+    "bf16-true": (True, False, None), "fp8-mixed": (True, False, None),
+}
+_WORDS = {"native": ("torch.autocast", "torch.amp.GradScaler"), "scratch": ("mixprec autocast", "DynamicLossScaler")}
+
+
+def test_the_description_table_covers_every_recipe():
+    assert set(_STATES) == set(RECIPES)
+
+
+@pytest.mark.parametrize("impl", ["native", "scratch"])
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_describe_says_what_and_why(name):
-    d = build_recipe(name).describe()
-    assert d.startswith(name) and RECIPES[name].summary in d
+def test_describe_states_the_mechanism_the_scaler_and_the_param_dtype(name, impl):
+    autocast, scaled, rounded_to = _STATES[name]
+    r = build_recipe(name, amp_impl=impl)
+    d = r.describe()
+    autocast_words, scaler_words = _WORDS[impl]
+    assert d.startswith(f"{name} [{impl}]: ")
+    assert (autocast_words in d) == autocast and ("no autocast" in d) == (not autocast)
+    assert (scaler_words in d) == scaled
+    # the scaler's defaults, as GradScaler has them
+    assert ("loss scale starts at 65536, x2 after 2000 finite steps, x0.5 on overflow" in d) == scaled
+    assert ("optimizer steps fp32 master copies" in d) == (rounded_to is not None)
+    if rounded_to:
+        assert f"params rounded to {rounded_to} after each step" in d
+    low = name not in ("fp32", "tf32")
+    assert (r.hardware_facts().note in d) == (low or name == "tf32")
+
+
+def test_describe_states_the_scaler_settings_and_stochastic_rounding_asked_for():
+    d = build_recipe("fp16-mixed", scaler=ScalerConfig(init_scale=1024.0, growth_interval=10,
+                                                       backoff_factor=0.25)).describe()
+    assert "loss scale starts at 1024, x2 after 10 finite steps, x0.25 on overflow" in d
+    assert "updates rounded stochastically into bf16 params" in build_recipe("bf16-true", stochastic_rounding=True).describe()
+    assert "stochastically" not in build_recipe("bf16-true").describe()
+    assert "params rounded to bf16 after each step stochastically" in build_recipe(
+        "bf16-master", stochastic_rounding=True).describe()
 
 
 def _tiny():
@@ -123,3 +164,90 @@ def test_run_context_restores_matmul_precision():
             assert torch.get_float32_matmul_precision() == ("high" if r.device.type == "cuda" else "highest")
             raise KeyError("boom")
     assert torch.get_float32_matmul_precision() == before
+
+
+# -- the recipe table refuses what cannot train --------------------------------------------------------------
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.mark.parametrize("spec,words", [
+    (dict(name="fp16-true", compute_dtype=F16, param_dtype=F16, autocast=True, loss_scaling=True,
+          master_weights=False), "fp16 params with loss scaling but no fp32 master"),
+    (dict(name="fp8-plain", compute_dtype=BF16, param_dtype=F32, autocast=False, loss_scaling=False,
+          master_weights=False, fp8=True), "fp8 without autocast"),
+    (dict(name="fp32-master", compute_dtype=F32, param_dtype=F32, autocast=False, loss_scaling=False,
+          master_weights=True), "master_weights with fp32 params"),
+    (dict(name="bf16-scaled", compute_dtype=BF16, param_dtype=F32, autocast=True, loss_scaling=True,
+          master_weights=False), "loss scaling with bf16 compute"),
+    (dict(name="fp32-scaled", compute_dtype=F32, param_dtype=F32, autocast=False, loss_scaling=True,
+          master_weights=False), "loss scaling with fp32 compute"),
+    (dict(name="tf32-bf16", compute_dtype=BF16, param_dtype=F32, autocast=True, loss_scaling=False,
+          master_weights=False, tf32=True), "tf32 with bf16 compute"),
+    (dict(name="fp8-fp16", compute_dtype=F16, param_dtype=F32, autocast=True, loss_scaling=True,
+          master_weights=False, fp8=True), "fp8 with fp16 compute"),
+    (dict(name="fp32-autocast", compute_dtype=F32, param_dtype=F32, autocast=True, loss_scaling=False,
+          master_weights=False), "autocast with fp32 compute"),
+    (dict(name="bf16-no-autocast", compute_dtype=BF16, param_dtype=F32, autocast=False, loss_scaling=False,
+          master_weights=False), "bf16 compute without autocast"),
+    (dict(name="mixed-halves", compute_dtype=F16, param_dtype=BF16, autocast=True, loss_scaling=True,
+          master_weights=True), "bf16 params with fp16 compute"),
+    (dict(name="fp64", compute_dtype=torch.float64, param_dtype=F32, autocast=True, loss_scaling=False,
+          master_weights=False), "compute_dtype=torch.float64 is not one of fp32, fp16, bf16"),
+])
+def test_an_impossible_recipe_spec_is_refused_when_built(spec, words):
+    with pytest.raises(RecipeError) as e:
+        RecipeSpec(**spec, summary="a recipe that cannot train")
+    msg = str(e.value)
+    assert msg.startswith(f"RecipeSpec(name={spec['name']!r}): ") and words in msg, msg
+
+
+def test_a_spec_needs_a_summary():
+    with pytest.raises(RecipeError, match="summary is empty"):
+        RecipeSpec(name="x", compute_dtype=BF16, param_dtype=F32, autocast=True, loss_scaling=False,
+                   master_weights=False, summary="")
+
+
+def test_why_fp16_params_need_a_master_to_be_loss_scaled():
+    """The rule above in PyTorch's own words: GradScaler does not unscale fp16 gradients (mixprec's scaler
+    would, which is how an fp16-true spec trained under scratch and crashed under native)."""
+    p = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale((p.float() * 2).sum()).backward()
+    with pytest.raises(ValueError, match="FP16"):
+        scaler.unscale_(opt)
+
+
+# -- mechanisms are classes: a new one is registered, not branched on ----------------------------------------
+
+def test_a_new_mechanism_is_one_registered_class(monkeypatch):
+    from mixprec.mechanisms import MECHANISMS, NativeMechanism
+
+    entered = []
+
+    class Recording(NativeMechanism):
+        name = "recording"
+        autocast_words = "recording autocast"
+
+        def autocast(self, model):
+            entered.append(model)
+            return super().autocast(model)
+
+    monkeypatch.setitem(MECHANISMS, "recording", Recording)
+    r = build_recipe("bf16-mixed", amp_impl="recording")
+    assert r.impl == "recording" and r.label == "bf16-mixed [recording]" and isinstance(r.mechanism, Recording)
+    assert "recording autocast" in r.describe()
+    model = r.convert_module(_tiny())
+    opt = r.build_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    with r.autocast():
+        out = model(torch.randn(4, 8))
+    assert out.dtype == torch.bfloat16 and entered == [model]
+    r.backward(out.float().sum())
+    assert not r.step(opt).skipped
+
+
+def test_an_unknown_mechanism_lists_the_registered_ones():
+    with pytest.raises(RecipeError) as e:
+        build_recipe("bf16-mixed", amp_impl="apex")
+    assert "'apex'" in str(e.value) and "auto, native, scratch" in str(e.value)

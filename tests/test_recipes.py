@@ -9,6 +9,8 @@ from mixprec.train.config import TrainConfig
 from mixprec.train.build import build_run
 from mixprec.train.loop import train
 
+pytestmark = pytest.mark.slow  # every test here trains on digits
+
 DIGITS = dict(dataset="digits", model="mlp", width=64, depth=1, batch_size=32, log_every=0, progress="off")
 
 
@@ -28,7 +30,7 @@ def _fraction_of_weights_changed(precision: str, stochastic_rounding: bool = Fal
     cfg = TrainConfig.from_flags(**DIGITS, epochs=2, lr=1e-3, precision=precision, stochastic_rounding=stochastic_rounding)
     run = build_run(cfg)
     before = {k: v.clone() for k, v in run.model.state_dict().items() if k.endswith("weight")}
-    result = train(cfg, run=run)
+    result = train(run)
     after = run.model.state_dict()
     changed = sum(int((after[k] != v).sum()) for k, v in before.items())
     return changed / sum(v.numel() for v in before.values()), result.summary["final_train_loss"]

@@ -6,6 +6,8 @@ Every CLI case asserts the exit code, a one-line message, no traceback, and that
 import hashlib
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +19,12 @@ from mixprec.precision import build_recipe
 from mixprec.train.checkpoint import load_checkpoint, save_checkpoint
 from mixprec.train.config import TrainConfig
 from mixprec.train.loop import train
+from mixprec.train.resume import resume_config
 
 TINY = ["--dataset", "digits", "--model", "mlp", "--width", "32", "--depth", "1", "--batch-size", "256",
         "--log-every", "0", "--progress", "off"]  # 6 steps per epoch
 FLAGS = dict(dataset="digits", model="mlp", width=32, depth=1, batch_size=256, log_every=0, progress="off")
+FIXTURE = Path(__file__).parent / "fixtures" / "main_d16a38d_bf16_digits_mlp.pt"
 
 
 def _digest(path) -> str:
@@ -41,6 +45,7 @@ def _params(path):
 # ------------------------------------------------------------------------------------------ data loss
 
 
+@pytest.mark.slow
 def test_a_crash_during_the_end_of_epoch_evaluation_resumes_into_that_evaluation(tmp_path, monkeypatch):
     full, part = tmp_path / "full", tmp_path / "part"
     ref = train(TrainConfig.from_flags(**FLAGS, epochs=2, out=str(full)))
@@ -63,6 +68,7 @@ def test_a_crash_during_the_end_of_epoch_evaluation_resumes_into_that_evaluation
         assert torch.equal(v, _params(part)[k]), k
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_reports_the_whole_epoch(tmp_path):
     ref = train(TrainConfig.from_flags(**FLAGS, epochs=1))
     out = tmp_path / "o"
@@ -85,6 +91,7 @@ def test_empty_paths_are_refused(cli, tmp_path, monkeypatch, flags, match):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_out_holding_another_runs_checkpoint_needs_resume_or_overwrite(cli, tmp_path):
     out = tmp_path / "o"
     assert cli("train", *TINY, "--epochs", "1", "--out", out)[0] == 0
@@ -96,6 +103,7 @@ def test_out_holding_another_runs_checkpoint_needs_resume_or_overwrite(cli, tmp_
     assert cli("train", *TINY, "--epochs", "1", "--seed", "1", "--out", out, "--overwrite")[0] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["checkpoint", "folder"])
 def test_metrics_json_cannot_destroy_the_checkpoint_or_be_a_folder(cli, tmp_path, target):
     out = tmp_path / "o"
@@ -107,33 +115,24 @@ def test_metrics_json_cannot_destroy_the_checkpoint_or_be_a_folder(cli, tmp_path
     assert _digest(out / "last.pt") == before
 
 
-@pytest.mark.parametrize("make", ["file_as_folder", "below_a_file", "read_only"])
-def test_unwritable_outputs_are_refused_before_the_first_step(cli, tmp_path, make, monkeypatch):
+@pytest.mark.parametrize("make", ["file_as_folder", "below_a_file", "read_only_filesystem"])
+def test_unwritable_outputs_are_refused_before_the_first_step(cli, tmp_path, make, monkeypatch, mount_tmpfs):
     blocker = tmp_path / "f"
     blocker.write_text("mine")
     if make == "file_as_folder":
         flags = ["--out", blocker]
     elif make == "below_a_file":
         flags = ["--metrics-json", blocker / "m.json"]
-    else:
-        ro = tmp_path / "ro"
-        ro.mkdir()
-        ro.chmod(0o500)
-        if os.geteuid() == 0:  # root writes anywhere: simulate the read-only filesystem
-            import tempfile
-
-            def refuse(*a, **k):
-                raise PermissionError(30, "Read-only file system")
-
-            monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
-        flags = ["--out", ro / "run"]
+    else:  # a real read-only filesystem (EROFS even for root); read-only folders: tests/test_permissions.py
+        flags = ["--out", mount_tmpfs("ro,size=64k") / "run"]
     steps = []
     monkeypatch.setattr(loop_mod, "accumulate_step", lambda *a, **k: steps.append(1))
     code, _, err = cli("train", *TINY, "--epochs", "1", *flags)
-    _one_line_error(code, err, match="--")
+    _one_line_error(code, err, match="Read-only file system" if make == "read_only_filesystem" else "--")
     assert steps == [] and blocker.read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_nonfinite_weights_are_never_saved_and_never_exit_0(cli, tmp_path):
     out = tmp_path / "o"
     code, out_text, err = cli("train", *TINY, "--precision", "fp16-master", "--lr", "1e38", "--epochs", "2",
@@ -143,6 +142,7 @@ def test_nonfinite_weights_are_never_saved_and_never_exit_0(cli, tmp_path):
         assert all(torch.isfinite(v).all() for v in _params(out).values() if v.is_floating_point())
 
 
+@pytest.mark.slow
 def test_a_run_that_skips_nearly_every_step_fails_and_keeps_its_state(cli, tmp_path):
     out = tmp_path / "o"
     code, _, err = cli("train", *TINY, "--precision", "fp16-mixed", "--lr", "1e30", "--epochs", "2", "--out", out)
@@ -150,6 +150,7 @@ def test_a_run_that_skips_nearly_every_step_fails_and_keeps_its_state(cli, tmp_p
     assert (out / "last.pt").exists()
 
 
+@pytest.mark.slow
 def test_stopping_on_consecutive_skips_writes_last_pt(cli, tmp_path):
     out = tmp_path / "o"
     code, _, err = cli("train", *TINY, "--precision", "fp16-mixed", "--lr", "1e30", "--epochs", "2",
@@ -182,8 +183,10 @@ def test_build_recipe_none_is_a_usage_error():
 
 
 def _good_checkpoint(tmp_path):
+    """A copy of a real checkpoint (written by an older mixprec: tests/fixtures) and its contents."""
     out = tmp_path / "o"
-    train(TrainConfig.from_flags(**FLAGS, epochs=1, out=str(out), max_steps=3))
+    out.mkdir()
+    shutil.copy(FIXTURE, out / "last.pt")
     return out, torch.load(out / "last.pt", weights_only=True)
 
 
@@ -235,11 +238,12 @@ def test_resume_position_past_the_end_of_an_epoch_is_refused(tmp_path):
     ck.pop("digest")
     save_checkpoint(out / "last.pt", {k: v for k, v in ck.items() if k not in ("format", "version")})
     with pytest.raises(CheckpointError, match="past the end"):
-        train(TrainConfig.from_flags(**FLAGS, epochs=2, out=str(out), resume=str(out)))
+        train(resume_config({"resume": str(out), "out": str(out)}))
 
 
 @pytest.mark.parametrize("flags, match", [(["--lr", "0.5"], "--lr"), (["--amp-impl", "scratch"], "--amp-impl"),
                                           (["--momentum", "0.9"], "--momentum")])
+@pytest.mark.slow
 def test_resume_refuses_changed_numerics_and_names_them(cli, tmp_path, flags, match):
     out = tmp_path / "o"
     assert cli("train", *TINY, "--epochs", "1", "--out", out)[0] == 0
@@ -249,6 +253,7 @@ def test_resume_refuses_changed_numerics_and_names_them(cli, tmp_path, flags, ma
     assert _digest(out / "last.pt") == before
 
 
+@pytest.mark.slow
 def test_stale_temporaries_of_killed_saves_are_cleaned(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
@@ -258,19 +263,21 @@ def test_stale_temporaries_of_killed_saves_are_cleaned(tmp_path):
     assert sorted(os.listdir(out)) == ["last.pt", "mine.txt"]
 
 
+@pytest.mark.slow
 def test_bf16_mixed_nonfinite_advice_does_not_recommend_itself(cli):
     code, _, err = cli("train", *TINY, "--precision", "bf16-mixed", "--lr", "1e38", "--epochs", "2")
     assert code == 1 and "Traceback" not in err
     assert "try bf16-mixed" not in err and "--precision bf16-mixed" not in err
 
 
+@pytest.mark.slow
 def test_metrics_json_write_failure_is_one_line(cli, tmp_path, monkeypatch):
-    import mixprec.train.report as report_mod
+    import mixprec.jsonio as jsonio
 
     def full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report_mod.tempfile, "mkstemp", full)
+    monkeypatch.setattr(jsonio.tempfile, "mkstemp", full)
     code, _, err = cli("train", *TINY, "--epochs", "1", "--metrics-json", tmp_path / "m.json")
     _one_line_error(code, err, expect_code=1, match="No space left")
 

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from mixprec.errors import ScalerConfigError, UsageError
-from mixprec.scaler import DynamicLossScaler, validate_scaler_settings
+from mixprec.scaler import DynamicLossScaler, ScalerConfig, validate_scaler_settings
 
 # ---------------------------------------------------------------- helpers
 
@@ -482,6 +482,7 @@ def _dist_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 def test_two_ranks_skip_and_back_off_together(tmp_path) -> None:
     """Only rank 0 sees an inf; the all-reduced found_inf makes both ranks skip and back off."""
@@ -919,3 +920,34 @@ def test_fused_contract_is_bit_exact_with_grad_scaler_for_any_scale(opt_name: st
                                                                                     SCRIPT.get(i))
         assert ours.get_scale() == ref.get_scale() and _params_equal(ours_m, ref_m), f"step {i}"
         assert _states_equal(_opt_state(ours_o), _opt_state(ref_o)), f"step {i}"
+
+
+# ---------------------------------------------------------------- one home for the defaults
+
+
+def test_defaults_come_from_scaler_config_and_equal_grad_scalers() -> None:
+    """ScalerConfig holds the defaults; the scaler, the doctor and PyTorch's GradScaler agree with it."""
+    import dataclasses
+    import inspect
+
+    from mixprec.doctor import diagnose
+
+    ours = inspect.signature(DynamicLossScaler).parameters
+    doctor = inspect.signature(diagnose).parameters
+    torch_defaults = inspect.signature(torch.amp.GradScaler).parameters
+    for f in dataclasses.fields(ScalerConfig):
+        assert ours[f.name].default == f.default, f.name
+        if f.name in doctor:
+            assert doctor[f.name].default == f.default, f.name
+        if f.name in torch_defaults:
+            assert torch_defaults[f.name].default == f.default, f.name
+    assert {"init_scale", "growth_interval"} <= set(doctor)
+    sd = DynamicLossScaler().state_dict()
+    assert (sd["scale"], sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"], sd["hysteresis"]) == (
+        2.0**16, 2.0, 0.5, 2000, 1)
+
+
+def test_scaler_config_validates_with_the_flag_names() -> None:
+    with pytest.raises(ScalerConfigError, match="--growth-interval must be an int >= 1, got 0"):
+        ScalerConfig(growth_interval=0).validate()
+    ScalerConfig().validate()

@@ -14,6 +14,7 @@ TINY = ["--dataset", "digits", "--model", "mlp", "--width", "32", "--depth", "1"
 LOG_LINE = re.compile(r"^Epoch: \d+, Batch: \d+, Loss: \d+\.\d{4}$")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["native", "scratch"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_every_recipe_trains_end_to_end(cli, tmp_path, recipe, impl):
@@ -34,6 +35,7 @@ def test_every_recipe_trains_end_to_end(cli, tmp_path, recipe, impl):
     assert len(ep["loss_curve"]) == ep["steps"] == 12
 
 
+@pytest.mark.slow
 def test_tutorial_log_line_every_100_batches_by_default(cli):
     code, out, _ = cli("train", "--dataset", "synthetic", "--synthetic-train", "6464", "--synthetic-test", "64",
                        "--epochs", "1", "--progress", "off")
@@ -43,12 +45,14 @@ def test_tutorial_log_line_every_100_batches_by_default(cli):
     assert all(LOG_LINE.match(ln) for ln in logs)
 
 
+@pytest.mark.slow
 def test_summary_table_has_tutorial_columns(cli):
     code, out, _ = cli("train", *TINY)
     assert code == 0
     assert "| recipe | peak memory | avg epoch time | test accuracy | skipped steps | final loss scale |" in out
 
 
+@pytest.mark.slow
 def test_piped_output_has_no_progress_bar(tmp_path):
     r = run_cli_subprocess("train", *TINY)
     assert r.returncode == 0, r.stderr
@@ -79,12 +83,14 @@ def test_cuda_requested_without_cuda_exits_2(cli):
     assert code == 2 and "--device cpu" in err
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_fresh_process_prints_no_traceback():
     r = run_cli_subprocess("train", "--precision", "fp12")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "fp16-mixed" in r.stderr
 
 
+@pytest.mark.slow
 def test_root_train_py_shim_runs_like_the_tutorial():
     import subprocess
     import sys
@@ -95,6 +101,7 @@ def test_root_train_py_shim_runs_like_the_tutorial():
     assert any(LOG_LINE.match(ln) for ln in r.stdout.splitlines())
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_without_scaler_stops_and_saves_last_good_state(cli, tmp_path):
     code, out, err = cli("train", "--precision", "bf16-mixed", "--dataset", "digits", "--model", "mlp",
                          "--lr", "1e18", "--epochs", "3", "--out", tmp_path, "--log-every", "0")

@@ -21,14 +21,17 @@ Pieces:
   from-scratch autocast (a ``TorchFunctionMode``) whose per-op dtypes match ``torch.autocast``, with
   per-module fp32 overrides and fp16 emulation for CPUs without fast fp16.
 - :mod:`mixprec.scaler` — :class:`DynamicLossScaler`: GradScaler-exact by default, plus hysteresis,
-  bounds, and a found_inf all-reduce across ranks.
+  bounds, and a found_inf all-reduce across ranks; :class:`ScalerConfig`, the settings and their defaults.
+- :mod:`mixprec.scaler_view` — :class:`ScalerView`: the state of any of the three loss scalers
+  (GradScaler, ShardedGradScaler, DynamicLossScaler) as device tensors, without host syncs.
 - :mod:`mixprec.master` — :class:`MasterWeights`: fp32 copies for the optimizer when the model's params are
   fp16/bf16, so updates smaller than half an ulp of the weight are not rounded away.
 - :mod:`mixprec.memory` — exact bytes by category (params, grads, optimizer state, masters, activations).
 - :func:`mixprec.plan` (:mod:`mixprec.planning`) — memory by category, peak, largest batch and step time of
   each recipe on a target GPU or this CPU, from one step traced under fake tensors (nothing runs).
-- :mod:`mixprec.precision` — the recipes (``fp32``, ``amp``, ``bf16-mixed``, ``bf16-master``...) built
-  from these pieces or from PyTorch's own, behind one interface the trainer uses.
+- :mod:`mixprec.precision` — the recipes (``fp32``, ``amp``, ``bf16-mixed``, ``bf16-master``...; the table
+  in :mod:`mixprec.recipes`) built from these pieces or from PyTorch's own (:mod:`mixprec.mechanisms`),
+  behind one interface the trainer uses.
 """
 
 from .autocast import autocast, autocast_dtype, is_autocast_active
@@ -38,6 +41,7 @@ from .memory import MemoryReport, SavedTensorTracker, static_memory
 from .policy import CastKind, CastPolicy, default_policy
 from .precision import RECIPES, Recipe, RecipeConfig, ScalerConfig, StepResult, build_recipe, resolve_recipe
 from .scaler import DynamicLossScaler
+from .scaler_view import ScalerView
 from .planning import plan
 
 __version__ = "0.1.0"
@@ -63,6 +67,7 @@ __all__ = [
     "Recipe",
     "RecipeConfig",
     "ScalerConfig",
+    "ScalerView",
     "StepResult",
     "build_recipe",
     "resolve_recipe",

@@ -38,8 +38,8 @@ power of two. The exponent is clamped to [-126, 126] so ``s`` and ``1/s`` are bo
 A non-finite amax (an inf or NaN anywhere in the tensor) gives ``s = NaN``, so the GEMM result is NaN
 and the recipe's non-finite-loss check stops the run, instead of the e4m3 cast silently saturating
 inf to 448. amax is ``max(t.amax(), -t.amin())``: two read-only passes, no ``|t|`` temporary. On CPU the
-exponent is then computed on the host (free there, and a dozen 0-dim tensor ops cost ~25 us); on GPUs it
-stays on the device: no host sync.
+exponent is then computed on the host (reading a CPU scalar is free, a dozen 0-dim tensor ops are not); on
+GPUs it stays on the device: no host sync.
 
 Emulated and real paths
 -----------------------
@@ -47,11 +47,11 @@ Emulated and real paths
 bf16 value (3 or 2 mantissa bits in bf16's 7; their exponents, -9..8 and -16..15, inside bf16's fp32
 range), and the *scaled* operands are FP8 values, so the emulated GEMM is a **bf16 GEMM** on them: the
 products of two bf16 numbers are exact in fp32 and oneDNN (cuBLAS on GPUs) accumulates them in fp32 --
-what FP8 tensor cores do -- at bf16 speed (on this project's CPU 4-6x faster than the fp32 GEMM the former
-emulation ran on the same values; tests and benchmarks/fp8_gemm.py keep that one as the "reference" path).
+what FP8 tensor cores do -- at bf16 speed, where the former emulation ran an fp32 GEMM on the same values
+(tests and benchmarks/fp8_gemm.py keep that one as the "reference" path; benchmarks/README.md has the figures).
 
-The operands are rounded to the FP8 grid without the FP8 dtype (on CPU its casts are slow: ~1 ms to
-decode 200k values, where the GEMM takes 0.5 ms): with ``v = t * scale`` (exact) and
+The operands are rounded to the FP8 grid without the FP8 dtype (on CPU its casts are slow, slower than the
+GEMM they feed): with ``v = t * scale`` (exact) and
 ``M = 1.5 * 2**(max(e, emin) + 23 - m)`` for ``e`` v's exponent, ``m`` the format's mantissa bits and
 ``emin`` its smallest normal exponent, fp32's spacing around ``M`` is exactly v's FP8 spacing and
 ``|v| < M / 3``, so the fp32 addition ``v + M`` rounds v to the FP8 grid (ties to even: fp32's RNE,
@@ -65,12 +65,11 @@ The bf16 GEMM rounds its fp32 sum once, to bf16, and the power-of-two unscale is
 output (``y`` under the recipe's autocast, ``dx`` of bf16 activations) that is exactly the one rounding
 the real path does. fp32 outputs (``dW`` always; ``y``/``dx`` outside bf16 autocast) carry that bf16
 rounding too: relative error <= 2**-9, ~55 dB below the signal and 25-30 dB below FP8's own noise, so
-the SQNR of y, dx and dW against fp32 moves by < 0.01 dB (measured; the tests allow 0.1 dB) -- the
-rounding bf16-mixed applies to all its GEMM results, dW included. CPU PyTorch has no bf16 GEMM with an
-fp32 output at bf16 speed (``torch.mm(..., out_dtype=)`` is CUDA-only; ``torch._scaled_mm`` on CPU
-takes FP8 inputs and is exact, but tens of times slower; oneDNN's fp32 matmul with
-``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` is exact on these operands but 2-2.5x slower
-than the bf16 GEMM, and is a process-wide flag). fp16 outputs (3 more mantissa bits than bf16) take
+the SQNR of y, dx and dW against fp32 barely moves (the tests allow 0.1 dB) -- the rounding bf16-mixed
+applies to all its GEMM results, dW included. CPU PyTorch has no bf16 GEMM with an fp32 output at bf16
+speed (``torch.mm(..., out_dtype=)`` is CUDA-only; ``torch._scaled_mm`` on CPU takes FP8 inputs and is
+exact, but far slower; oneDNN's fp32 matmul with ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``
+is exact on these operands but slower than the bf16 GEMM, and is a process-wide flag). fp16 outputs (3 more mantissa bits than bf16) take
 the exact fp32 GEMM.
 
 *Real* (CUDA, compute capability >= 8.9, chosen automatically): ``torch._scaled_mm`` with the FP8
@@ -156,8 +155,8 @@ def fp8_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Power-of-two scale ``2**floor(log2(fp8_max / amax))`` as a 0-dim fp32 tensor; NaN if amax isn't finite.
 
     On CPU the exponent is computed on the host (reading a CPU scalar costs nothing, where the dozen 0-dim
-    tensor ops of :func:`_device_scale` cost ~25 us, a GEMM's worth on small layers); elsewhere on the device
-    (no host sync). Both compute the same float64 ratio and read its exponent exactly.
+    tensor ops of :func:`_device_scale` each pay an op's overhead, a GEMM's worth on small layers); elsewhere
+    on the device (no host sync). Both compute the same float64 ratio and read its exponent exactly.
     """
     if amax.device.type == "cpu" and not _is_fake(amax):
         return torch.tensor(_host_scale(float(amax), fp8_dtype), dtype=torch.float32)
@@ -210,7 +209,7 @@ def to_fp8_as_bf16(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tenso
     """
     t = t.detach()
     v, v_bits, magic, magic_f = _work_buffers(t)
-    if t.dtype != torch.float32:  # bf16 reductions are 3x slower than fp32 ones: convert first
+    if t.dtype != torch.float32:  # bf16 reductions are slower than fp32 ones on CPU: convert first
         t = v.copy_(t)
     scale = fp8_scale(_amax(t), fp8_dtype)
     m, emin = _MANTISSA_BITS[fp8_dtype], _MIN_NORMAL_EXP[fp8_dtype]
@@ -231,8 +230,8 @@ def _work_buffers(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """fp32 ``v`` and int32 ``magic`` work tensors shaped like ``t``, each also viewed as the other dtype.
 
     On CPU they are views of two per-thread buffers reused across calls: glibc returns freed blocks this
-    large to the OS, so fresh ones page-fault on first touch (measured: ~1000 faults, ~2 ms per step of one
-    784x512 layer, more than the arithmetic). They hold 2 x 4 bytes per element of the largest operand seen.
+    large to the OS, so fresh ones page-fault on first touch, which can cost more than the arithmetic. They
+    hold 2 x 4 bytes per element of the largest operand seen.
     Other devices have caching allocators.
     """
     if t.device.type != "cpu" or _is_fake(t):  # fake tensors (mixprec plan): the real buffers cannot take them

@@ -1,8 +1,8 @@
 """What the machine can do fast: used to explain recipes and to warn before slow or emulated runs.
 
 CPUs: bf16 matmuls are fast with AVX512-BF16 or AMX-BF16; fp16 matmuls are only fast with AVX512-FP16 or
-AMX-FP16 — without them PyTorch's CPU fp16 GEMM is a scalar fallback, 100x+ slower than fp32 on this
-project's CI machine. GPUs: bf16 needs compute capability 8.0+ (Ampere), TF32 tensor cores 8.0+, FP8
+AMX-FP16 — without them PyTorch's CPU fp16 GEMM is a scalar fallback, far slower than fp32
+(benchmarks/README.md has the figures). GPUs: bf16 needs compute capability 8.0+ (Ampere), TF32 tensor cores 8.0+, FP8
 matmuls 8.9+ (Ada/Hopper).
 """
 

@@ -54,6 +54,7 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1] or ".tmp", dir=d)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is as readable as any file written
         os.replace(tmp, path)
         tmp = None
     except OSError as e:
@@ -62,6 +63,12 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2) -> None:

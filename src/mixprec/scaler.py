@@ -85,20 +85,20 @@ PyTorch) is refused with a message.
 Validation
 ----------
 :func:`validate_scaler_settings` is the one check of every setting, used by the constructor, the
-setters, ``update(new_scale=...)`` and ``load_state_dict``, and meant for config and checkpoint
-code too. Scales must be finite, > 0 and representable in float32 (the scale is a float32
-tensor: 1e39 would become inf); factors finite (NaN compares false with everything, so a
-``growth_factor <= 1`` check alone lets NaN through); counts real ints (``2.5``, ``"10"``,
-``2000.0`` and ``True`` are refused, not truncated). Errors are :class:`ScalerConfigError`
+setters, ``update(new_scale=...)``, ``load_state_dict`` and :meth:`ScalerConfig.validate` (the run
+config's); its type tests are :mod:`mixprec.validate`'s. Scales must be finite, > 0 and
+representable in float32 (the scale is a float32 tensor: 1e39 would become inf); factors finite (NaN
+compares false with everything, so a ``growth_factor <= 1`` check alone lets NaN through); counts real
+ints (``2.5``, ``"10"``, ``2000.0`` and ``True`` are refused, not truncated). Errors are :class:`ScalerConfigError`
 (a :class:`~mixprec.errors.UsageError`) naming the CLI flag, argument or state-dict key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import inspect
 import math
-import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -107,8 +107,37 @@ import torch
 import torch.distributed as dist
 
 from .errors import ScalerConfigError
+from .validate import F32_MAX, is_int, is_real
 
-__all__ = ["DynamicLossScaler", "OptState", "validate_scaler_settings"]
+__all__ = ["DynamicLossScaler", "OptState", "ScalerConfig", "validate_scaler_settings"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScalerConfig:
+    """Dynamic loss scaler settings (used only by recipes with loss scaling); the one home of their defaults:
+    :class:`DynamicLossScaler`, the recipes' scalers and :func:`mixprec.doctor.diagnose` take theirs from here."""
+
+    init_scale: float = 2.0**16
+    """Scale of the first step."""
+    growth_factor: float = 2.0
+    """Multiply the scale by this after ``growth_interval`` consecutive finite steps."""
+    backoff_factor: float = 0.5
+    """Multiply the scale by this on a step with inf/nan gradients (the step is skipped)."""
+    growth_interval: int = 2000
+    """Number of consecutive finite steps before growing the scale."""
+    hysteresis: int = 1
+    """Overflows tolerated before backing off (scratch scaler only; 1 = GradScaler semantics)."""
+
+    def validate(self) -> None:
+        """Raise ScalerConfigError (exit 2) naming the flag: the scaler's own validation, one for all callers."""
+        validate_scaler_settings(init_scale=self.init_scale, growth_factor=self.growth_factor,
+                                 backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
+                                 hysteresis=self.hysteresis)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,35 +151,26 @@ class _Unset:
 
 
 _UNSET: Any = _Unset()
-_F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_MIN = 2.0**-149  # the smallest positive float32 (subnormal)
 _INT32_MAX = 2**31 - 1
 
 
-def _real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _positive(x: Any) -> bool:
-    return _real(x) and math.isfinite(x) and x > 0
+    return is_real(x) and math.isfinite(x) and x > 0
 
 
 # setting -> (what it must be, test)
 _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "init_scale": ("a finite number > 0", _positive),
-    "growth_factor": ("a finite number > 1", lambda x: _real(x) and math.isfinite(x) and x > 1),
-    "backoff_factor": ("a number in (0, 1)", lambda x: _real(x) and 0 < x < 1),
-    "growth_interval": ("an int >= 1", lambda x: _int(x) and x >= 1),
-    "hysteresis": ("an int >= 1", lambda x: _int(x) and x >= 1),
+    "growth_factor": ("a finite number > 1", lambda x: is_real(x) and math.isfinite(x) and x > 1),
+    "backoff_factor": ("a number in (0, 1)", lambda x: is_real(x) and 0 < x < 1),
+    "growth_interval": ("an int >= 1", lambda x: is_int(x) and x >= 1),
+    "hysteresis": ("an int >= 1", lambda x: is_int(x) and x >= 1),
     "min_scale": ("None or a finite number > 0", lambda x: x is None or _positive(x)),
     "max_scale": ("None or a finite number > 0", lambda x: x is None or _positive(x)),
-    "growth_tracker": ("an int >= 0", lambda x: _int(x) and x >= 0),
-    "hysteresis_left": ("an int >= 0", lambda x: _int(x) and x >= 0),
-    "skipped_steps": ("an int >= 0", lambda x: _int(x) and x >= 0),
+    "growth_tracker": ("an int >= 0", lambda x: is_int(x) and x >= 0),
+    "hysteresis_left": ("an int >= 0", lambda x: is_int(x) and x >= 0),
+    "skipped_steps": ("an int >= 0", lambda x: is_int(x) and x >= 0),
     "consecutive_hysteresis": ("True or False", lambda x: isinstance(x, bool)),
 }
 _FLOAT32_VALUES = ("init_scale", "min_scale", "max_scale")  # become float32 tensors
@@ -181,9 +201,9 @@ def _check_one(key: str, value: Any, label: Callable[[str], str]) -> None:
     rule, ok = _RULES[key]
     if not ok(value):
         raise ScalerConfigError(f"{label(key)} must be {rule}, got {value!r}")
-    if key in _FLOAT32_VALUES and value is not None and not _F32_MIN <= value <= _F32_MAX:
+    if key in _FLOAT32_VALUES and value is not None and not _F32_MIN <= value <= F32_MAX:
         raise ScalerConfigError(
-            f"{label(key)} must fit in float32 ({_F32_MIN:.3g} to {_F32_MAX:.4g}), got {value!r}")
+            f"{label(key)} must fit in float32 ({_F32_MIN:.3g} to {F32_MAX:.4g}), got {value!r}")
     if key in _INT32_VALUES and value > _INT32_MAX:
         raise ScalerConfigError(f"{label(key)} must be at most {_INT32_MAX}, got {value!r}")
 
@@ -279,7 +299,7 @@ class DynamicLossScaler:
     (``step`` unscales itself from READY); any other order raises a ``RuntimeError`` that names the
     fix. ``step`` before the first ``scale`` raises too: there would be no scale to unscale by.
 
-    Args:
+    Args (the five that :class:`ScalerConfig` holds default to its values, which are GradScaler's):
         init_scale: the first scale (a power of two keeps scaling exact).
         growth_factor: multiplies the scale after ``growth_interval`` consecutive clean steps; > 1.
         backoff_factor: multiplies the scale after an overflow the hysteresis does not absorb; < 1.
@@ -296,11 +316,11 @@ class DynamicLossScaler:
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
+        init_scale: float = ScalerConfig.init_scale,
+        growth_factor: float = ScalerConfig.growth_factor,
+        backoff_factor: float = ScalerConfig.backoff_factor,
+        growth_interval: int = ScalerConfig.growth_interval,
+        hysteresis: int = ScalerConfig.hysteresis,
         min_scale: float | None = None,
         max_scale: float | None = None,
         enabled: bool = True,

@@ -41,7 +41,7 @@ def train_and_measure(spec: RunSpec) -> RunResult:
         config = TrainConfig.from_dict(spec.config)
         run = build_run(config)
         found.update(impl=run.recipe.impl, describe=run.recipe.describe())
-        result = train(config, run=run, reporter=Reporter(progress="off"))
+        result = train(run, reporter=Reporter(progress="off"))
         history = to_jsonable(result.history)
         found.update(history=history, summary=to_jsonable(result.summary),
                      timing=timing_from_history(history, warmup_steps=spec.warmup_steps,

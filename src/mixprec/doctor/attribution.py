@@ -121,6 +121,3 @@ class ModuleTracker:
                 path = self._param_owner.get(id(var)) if var is not None else None
             return path
         return None
-
-    def owner_of_param(self, p: torch.Tensor) -> str | None:
-        return self._param_owner.get(id(p))

@@ -56,9 +56,6 @@ class PrecisionMap:
     low_dtype: str
     rows: list[MapRow]
 
-    def flop_rows(self) -> list[MapRow]:
-        return [r for r in self.rows if r.flops > 0]
-
     def _is_low(self, r: MapRow) -> bool:
         return r.compute.split(" ")[0] in {dtype_name(d) for d in LOW_DTYPES}
 

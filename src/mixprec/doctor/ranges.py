@@ -81,7 +81,7 @@ class Log2Histogram:
         """Count the magnitudes of ``t`` (converted to float32) into binades.
 
         Reads the binade straight from the float32 bits (biased exponent ``(bits >> 23) & 0xFF``): one
-        integer pass and one bincount, several times faster than ``frexp`` + masking on large tensors.
+        integer pass and one bincount, cheaper than ``frexp`` + masking on large tensors.
         Only the rare fp32 subnormals take a second, ``frexp`` pass.
         """
         a = t.detach().reshape(-1)
@@ -187,12 +187,6 @@ class RangeProfile:
         h = Log2Histogram()
         for lr in self.layers:
             h.merge(lr.gradients())
-        return h
-
-    def all_activations(self) -> Log2Histogram:
-        h = Log2Histogram()
-        for lr in self.layers:
-            h.merge(lr.activations)
         return h
 
     def layer_rows(self, log2_scale: int) -> list[dict[str, Any]]:

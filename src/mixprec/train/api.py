@@ -45,7 +45,7 @@ def fit(model: nn.Module | Callable | str = "mlp", data: Any = "fashion-mnist", 
     config = TrainConfig.from_flags(precision=precision, **names, **flags)
     source = data_from_splits(data, "data") if isinstance(data, (tuple, list)) else None
     run = build_run(config, data=source, model=instance, loss_fn=loss_fn)
-    return train(config, run=run)
+    return train(run)
 
 
 def _name(obj: Any, flag: str) -> str:

@@ -1,10 +1,11 @@
 """The one place a config becomes a run: :func:`build_run`.
 
 ``train``, bench's worker (through ``train``) and ``doctor`` (CLI and API) all call it; nothing else builds a
-recipe, data, model, wrapper and optimizer for training. The order matters and lives only here: join the
-process group (it picks this rank's device) → recipe (for that device and world size) → data → seeded
-model → ``recipe.convert_module`` → DDP/FSDP wrapper → ``recipe.build_optimizer`` (over fp32 master copies
-where the recipe has them) → the rank's loader.
+recipe, data, model, wrapper and optimizer for training. The order matters and lives only here: check the
+output paths and that a ``--resume`` continues the saved run (both before anything is built, so a mistake
+costs nothing) → join the process group (it picks this rank's device) → recipe (for that device and world
+size) → data → seeded model → ``recipe.convert_module`` → DDP/FSDP wrapper → ``recipe.build_optimizer``
+(over fp32 master copies where the recipe has them) → the rank's loader.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from .data.builtin import load_dataset
 from .data.protocol import DataSource, Loader
 from .data.sources import user_data
 from .models import build_model
+from .outputs import check_outputs
+from .resume import check_resume
 from .step import StepContext
 from .usercode import UserCodeError, call_declared, is_reference, load_callable
 
@@ -83,10 +86,10 @@ class Run:
 def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
     """``params -> optimizer`` for the config's optimizer (the recipe decides which tensors it gets).
 
-    The fused implementation where PyTorch has one for these tensors (CPU or CUDA, floating dtypes, plain
-    tensors): one kernel per step instead of a Python loop over parameters — measured on this CPU, SGD with
-    momentum 151 -> 78 us and AdamW 552 -> 161 us per step on the mlp. Loss scaling stays exact: both
-    GradScaler and mixprec's DynamicLossScaler hand a fused optimizer its ``found_inf`` and report the skip.
+    The fused implementation where PyTorch has one for these tensors (CPU or CUDA, fp32, plain tensors): one
+    kernel per step instead of a Python loop over parameters (benchmarks/README.md has the step times). Loss
+    scaling stays exact: both GradScaler and mixprec's DynamicLossScaler hand a fused optimizer its
+    ``found_inf`` and report the skip.
     FSDP's sharded (DTensor) parameters and low-precision parameters get the foreach implementation.
     """
 
@@ -114,8 +117,8 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 _FUSED_DTYPES = (torch.float32,)
-"""fp32 only: torch 2.13's fused CPU SGD on bf16 parameters (bf16-true) trained to chance accuracy on digits
-where the for-loop implementation reaches 97% (tests/test_recipes.py); low-precision params get foreach."""
+"""fp32 only: torch 2.13's fused CPU SGD on bf16 parameters (bf16-true) did not learn digits where the for-loop
+implementation does (tests/test_recipes.py); low-precision params get foreach."""
 
 
 def load_data(config: DataConfig, *, seed: int, block_size: int = 64) -> DataSource:
@@ -153,10 +156,7 @@ def model_from_config(config: ModelConfig, data: DataSource) -> nn.Module:
 
         return GPT(vocab, offered["block_size"], n_layers=config.n_layers, n_heads=config.n_heads,
                    d_model=config.d_model)
-    options = dataclasses.asdict(config)
-    for key in ("name", "block_size", "loss"):
-        options.pop(key)
-    return build_model(config.name, input_shape=data.input_shape, num_classes=data.num_classes, **options)
+    return build_model(config, input_shape=data.input_shape, num_classes=data.num_classes)
 
 
 def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -226,6 +226,8 @@ def build_run(
     """Resolve device and recipe, load data, build, convert and wrap the model, create the optimizer.
 
     Under torchrun this joins the process group (``--strategy ddp|fsdp``) and shards the data by rank.
+    Output paths and a ``--resume`` are checked first (:func:`.outputs.check_outputs`,
+    :func:`.resume.check_resume`), before anything is built.
 
     Args:
         data, model, loss_fn, make_optimizer: use these instead of what the config names (the doctor API
@@ -233,6 +235,8 @@ def build_run(
             model is used as it is (not re-seeded); it is converted and wrapped like a built-in one.
     """
     config.validate()
+    check_outputs(config.run)
+    check_resume(config)
     config = config.with_flags(strategy=distributed.resolve_strategy(config.run.strategy))
     seed = config.run.seed
     env, device = distributed.setup(config.run.strategy, hardware.resolve_device(config.run.device))

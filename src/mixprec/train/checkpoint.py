@@ -1,41 +1,35 @@
-"""Checkpoints: atomic writes, safe loads, exact resume.
+"""The checkpoint file: atomic writes, safe loads (what a run saves and when: :mod:`.checkpointer`).
 
 A checkpoint is one file holding model, optimizer, recipe (loss scaler, master weights), RNG states,
-position (epoch, batch, global step), the run's config and the metrics so far. It is written to a
-temporary file in the same folder, flushed to disk, then renamed over ``last.pt``: ``os.replace`` is
-atomic, so a crash at any moment leaves either the old checkpoint or the new one, never half of one.
+position (epoch, batch, global step), the run's config and resolved mechanism, and the metrics so far. It
+is written to a temporary file in the same folder, flushed to disk, then renamed over ``last.pt``:
+``os.replace`` is atomic, so a crash at any moment leaves either the old checkpoint or the new one.
 
 Loading uses ``torch.load(weights_only=True)`` (no pickled code runs) and validates everything before
-touching the model, so a checkpoint that is not ours, corrupt, or from a different run raises
+touching the model, so a checkpoint that is not ours or is corrupt raises
 :class:`~mixprec.errors.CheckpointError` and leaves the model and optimizer as they were.
 
 Under torchrun the file is the same: rank 0 writes it, with full (unsharded) model and optimizer state
 from :func:`mixprec.train.distributed.state_dicts`, and records ``world_size``; a resume must use the same
-number of processes.
+number of processes. :func:`read_run` reads only a checkpoint's config and mechanism (the file memory-mapped,
+no tensor read), so a resume is checked before anything is built.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, OutputError, UsageError, one_line
-from ..memory import local_tensor
-from . import distributed
-from .config import RESUME_MAY_CHANGE, TrainConfig
+from ..errors import CheckpointError, OutputError, one_line
 
-if TYPE_CHECKING:
-    from .build import Run
-
-__all__ = ["FORMAT", "VERSION", "LAST", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_path",
-           "rng_state", "set_rng_state", "TrainState", "Checkpointer"]
+__all__ = ["FORMAT", "VERSION", "LAST", "save_checkpoint", "load_checkpoint", "read_run", "resolve_checkpoint_path",
+           "remove_stale_temporaries", "rng_state", "set_rng_state", "mechanism"]
 
 FORMAT = "mixprec-checkpoint"
 VERSION = 2
@@ -147,9 +141,9 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     return p
 
 
-def _read(path: str | os.PathLike, p: Path) -> Any:
+def _read(path: str | os.PathLike, p: Path, *, mmap: bool = False) -> Any:
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except PermissionError:
         raise CheckpointError(f"--resume {path}: permission denied reading {p}") from None
     except Exception as e:  # noqa: BLE001 -- corrupt zip, truncated or empty file, pickled code refused...
@@ -182,6 +176,7 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "history": (lambda v: isinstance(v, list) and all(isinstance(h, dict) for h in v), "a list of dicts"),
     "counters": (lambda v: isinstance(v, dict) and all(_int(x) for x in v.values()), "a dict of integers"),
     "partial": (lambda v: v is None or isinstance(v, dict), "a dict or None"),
+    "mechanism": (lambda v: isinstance(v, dict) and isinstance(v.get("impl"), str), "a dict with an 'impl'"),
 }
 _REQUIRED = ("model", "optimizer", "recipe", "rng", "epoch", "batch", "global_step", "config")
 
@@ -209,23 +204,18 @@ def _validate(path: str | os.PathLike, p: Path, ckpt: Any) -> None:
                                   "match its contents): the file was damaged or edited; use an intact copy")
 
 
-def load_checkpoint(
-    path: str | os.PathLike, *, config: TrainConfig | None = None, world_size: int | None = None
-) -> dict[str, Any]:
-    """Read and validate a checkpoint; nothing is applied to any model here.
+def load_checkpoint(path: str | os.PathLike, *, world_size: int | None = None) -> dict[str, Any]:
+    """Read and validate a checkpoint (tags, version, digest, every field's type); nothing is applied to any
+    model here. Whether it is the same run as the current config is :mod:`.resume`'s question.
 
     Args:
         path: a checkpoint file, or a folder holding ``last.pt``.
-        config: the current run's config; every flag but those in RESUME_MAY_CHANGE must equal the
-            checkpoint's (a field the checkpoint predates counts as its default).
         world_size: the current number of processes; must equal the checkpoint's (1 if it has none),
             because the data order and the steps per epoch depend on it.
     """
     p = resolve_checkpoint_path(path)
     ckpt = _read(path, p)
     _validate(path, p, ckpt)
-    if config is not None:
-        _same_run(path, ckpt, config)
     theirs_world = ckpt.get("world_size", 1)
     if world_size is not None and theirs_world != world_size:
         raise CheckpointError(
@@ -236,138 +226,28 @@ def load_checkpoint(
     return ckpt
 
 
-def _same_run(path: str | os.PathLike, ckpt: dict[str, Any], config: TrainConfig) -> None:
-    try:
-        theirs = TrainConfig.from_dict(ckpt["config"]).flags()
-    except (UsageError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"--resume {path}: the checkpoint's config is unreadable ({e})") from None
-    diffs = [f"--{k.replace('_', '-')} {theirs[k]!r} in the checkpoint vs {v!r} now"
-             for k, v in config.flags().items() if k not in RESUME_MAY_CHANGE and v != theirs[k]]
-    if diffs:
-        raise CheckpointError(
-            f"--resume {path}: the checkpoint is from a different run: " + "; ".join(diffs)
-            + ". Resume with the same flags (only --epochs/--max-steps, output and display options may change)."
-        )
+def read_run(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stored config (nested or flat dict) and mechanism of the run a checkpoint holds, read cheaply:
+    the file is memory-mapped, so no tensor is read; the digest is checked when the run resumes.
 
-
-# ------------------------------------------------------------------------------------------ during a run
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Where a run is: what a checkpoint restores besides the tensors."""
-
-    epoch: int = 0
-    batch: int = 0
-    """Next batch of the loader in ``epoch`` (0 once the resumed epoch is under way)."""
-    global_step: int = 0
-    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    skipped_total: int = 0
-    consecutive_skips: int = 0
-    partial: dict[str, Any] | None = None
-    """The running sums of the epoch a mid-epoch checkpoint interrupted (see EpochMeter.state_dict)."""
-
-    def counters(self) -> dict[str, int]:
-        return {"skipped_total": self.skipped_total, "consecutive_skips": self.consecutive_skips}
-
-
-class Checkpointer:
-    """Resume, cadence and save of one run's ``last.pt`` (``--out``, ``--checkpoint-every``, ``--resume``).
-
-    Nothing non-finite is ever written: :meth:`save` checks parameters, optimizer state and master weights
-    first (one pass over them, at save points only) and returns the reason to stop instead. A checkpoint
-    taken mid-epoch also holds the epoch's running sums, so the resumed epoch's metrics cover all its steps;
-    one taken after the epoch's last step resumes into the evaluation of that epoch, then the next epoch.
-    Under torchrun every rank calls :meth:`save` (gathering FSDP state is a collective); rank 0 writes.
+    The mechanism is what the run's recipe resolved to (:func:`mechanism`); checkpoints that predate it
+    give ``{"impl": ...}`` from their recipe state.
     """
-
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self.out = run.config.run.out
-        self.every = run.config.run.checkpoint_every
-        if self.out is not None and run.rank == 0 and os.path.isdir(self.out):
-            remove_stale_temporaries(self.out)
-
-    def resume(self) -> tuple[TrainState, str | None]:
-        """The state to start from, and a line saying where it came from (None for a fresh run)."""
-        run, path = self.run, self.run.config.run.resume
-        if path is None:
-            return TrainState(), None
-        ck = load_checkpoint(path, config=run.config, world_size=run.world_size)
-        if ck["batch"] > len(run.train_loader):
-            raise CheckpointError(f"--resume {path}: the checkpoint's position (epoch {ck['epoch']}, batch "
-                                  f"{ck['batch']}) is past the end of an epoch of {len(run.train_loader)} batches; "
-                                  "it was edited or is from another data set")
-        try:
-            distributed.load_state_dicts(run.model, run.optimizer, ck["model"], ck["optimizer"])
-            run.recipe.load_state_dict(ck["recipe"])
-        except (RuntimeError, KeyError, ValueError, TypeError, AssertionError) as e:
-            raise CheckpointError(f"--resume {path}: checkpoint does not fit this model: {one_line(e)}") from None
-        set_rng_state(ck["rng"])
-        counters = ck.get("counters") or {}
-        state = TrainState(epoch=ck["epoch"], batch=ck["batch"], global_step=ck["global_step"],
-                           history=list(ck.get("history") or []), partial=ck.get("partial"),
-                           skipped_total=counters.get("skipped_total", 0),
-                           consecutive_skips=counters.get("consecutive_skips", 0))
-        if state.partial is not None and state.history and state.history[-1]["epoch"] == state.epoch:
-            state.history.pop()  # the interrupted epoch's record: the resumed epoch records all its steps again
-        return state, (f"resumed from {path} at epoch {state.epoch}, batch {state.batch} "
-                       f"(step {state.global_step})")
-
-    def save(self, state: TrainState, epoch: int, batch: int, meter: Any = None) -> str | None:
-        """Write ``last.pt`` for position (epoch, batch) — no file without ``--out``.
-
-        Returns None, or why the run must stop: the state is not finite (then nothing is written, and the
-        previous ``last.pt`` stays). ``meter``: the interrupted epoch's EpochMeter, for a mid-epoch position.
-        """
-        run = self.run
-        if not _state_finite(run):
-            return (f"the weights or optimizer state became non-finite by step {state.global_step} (epoch {epoch})"
-                    + (f"; {self.out}/{LAST} keeps the last finite state saved before" if self.out else "")
-                    + f". Remedies: {run.recipe.nonfinite_remedies()}")
-        if self.out is None:
-            return None
-        model_state, optimizer_state = distributed.state_dicts(run.model, run.optimizer)
-        payload = {
-            "model": model_state, "optimizer": optimizer_state, "recipe": run.recipe.state_dict(),
-            "world_size": run.world_size, "rng": rng_state(), "epoch": epoch, "batch": batch,
-            "global_step": state.global_step, "config": run.config.to_dict(), "history": state.history,
-            "counters": state.counters(), "partial": None if meter is None else meter.state_dict(),
-        }
-        if run.rank == 0:
-            save_checkpoint(os.path.join(self.out, LAST), payload)
-        return None
-
-    def after_step(self, state: TrainState, epoch: int, meter: Any) -> str | None:
-        """Save on the ``--checkpoint-every`` cadence (the epoch's running sums with it)."""
-        if self.every and state.global_step % self.every == 0:
-            return self.save(state, epoch, meter.pos, meter)
-        return None
-
-    def after_epoch(self, state: TrainState, epoch: int, meter: Any) -> str | None:
-        """Save once an epoch's steps and evaluation are done: into the next epoch when the loader is
-        exhausted, else (``--max-steps`` ended it) where it stopped."""
-        if meter.pos >= len(self.run.train_loader):
-            return self.save(state, epoch + 1, 0)
-        return self.save(state, epoch, meter.pos, meter)
-
-    def keep_last_good(self, state: TrainState, epoch: int, batch: int, step: int | None, meter: Any) -> str:
-        """After a non-finite stop: save the state before the failed step if it is still finite.
-        Returns the clause that says what was kept."""
-        if self.out is None:
-            return ""
-        if self.save(state, epoch, batch, meter) is None:
-            return f"; the last good state (before step {step}) is saved in {self.out}/{LAST}"
-        return f"; parameters are already non-finite, so {self.out}/{LAST} was left as it was"
+    p = resolve_checkpoint_path(path)
+    ckpt = _read(path, p, mmap=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"--resume {path}: {p} is not a mixprec checkpoint (no '{FORMAT}' tag)")
+    for key in ("config", "recipe", "mechanism"):
+        if key in ckpt and not _SCHEMA[key][0](ckpt[key]):
+            raise CheckpointError(f"--resume {path}: field {key!r} of {p} is not {_SCHEMA[key][1]}; the file is "
+                                  "corrupt or was edited")
+    if "config" not in ckpt:
+        raise CheckpointError(f"--resume {path}: checkpoint {p} lacks config; it is corrupt")
+    mech = ckpt.get("mechanism") or {"impl": ckpt.get("recipe", {}).get("impl")}
+    return ckpt["config"], mech
 
 
-def _state_finite(run: Run) -> bool:
-    """Parameters, optimizer state and master weights all finite, on every rank (one all-reduce)."""
-    tensors = [p for p in run.model.parameters()]
-    tensors += [p for g in run.optimizer.param_groups for p in g["params"]]  # fp32 masters where they exist
-    tensors += [t for st in run.optimizer.state.values() for t in st.values()
-                if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    bad = torch.zeros((), dtype=torch.float64, device=run.device)
-    for t in tensors:
-        bad += (~torch.isfinite(local_tensor(t))).sum().to(bad.device)
-    return distributed.all_reduce_sum(bad).item() == 0
+def mechanism(recipe: Any) -> dict[str, Any]:
+    """What a resolved recipe does on its device: the mechanism (``impl``), its dtype facts and the dtype the
+    matmuls run in. A resumed run must match the checkpoint's, or it would not continue the same numerics."""
+    return {"impl": recipe.impl, **recipe.facts(), "matmul_dtype": recipe.hardware_facts().matmul_dtype}

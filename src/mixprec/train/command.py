@@ -1,10 +1,14 @@
-"""``mixprec train``: the tutorial's ``train.py``, grown up (argument handling only)."""
+"""``mixprec train``: the tutorial's ``train.py``, grown up (argument handling only).
+
+``--resume DIR`` continues the run saved there with its own config: only the flags typed on the command line
+apply to it, and only those a resume may change (:mod:`mixprec.train.resume`).
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from .args import add_output_arguments, add_train_arguments, config_from_args
+from .args import add_output_arguments, add_train_arguments, typed_flags
 
 __all__ = ["add_parser", "train_main"]
 
@@ -12,18 +16,23 @@ __all__ = ["add_parser", "train_main"]
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model with a precision recipe",
                        description="Train a model with a precision recipe (the tutorial's train.py, grown up).")
-    add_train_arguments(p)
-    add_output_arguments(p)
+    add_train_arguments(p, typed_only=True)
+    add_output_arguments(p, typed_only=True)
     p.set_defaults(func=train_main)
     return p
 
 
 def train_main(args: argparse.Namespace) -> int:
     from . import distributed
+    from .build import build_run
+    from .config import TrainConfig
     from .loop import train
+    from .resume import resume_config
 
+    typed = typed_flags(args)
+    config = resume_config(typed) if typed.get("resume") is not None else TrainConfig.from_flags(**typed)
     try:
-        result = train(config_from_args(args))
+        result = train(build_run(config))
     finally:
         distributed.teardown()  # leave torchrun's process group (no-op in a one-process run)
     return 1 if result.stopped else 0

@@ -6,7 +6,11 @@
 users and checkpoints think in flags: :meth:`TrainConfig.from_flags` builds a config from flag names
 (``precision=``, ``model=``, ``init_scale=`` ...; the CLI and the tests use it) and :meth:`TrainConfig.flags`
 returns them. :meth:`TrainConfig.to_dict` / :meth:`TrainConfig.from_dict` are the nested form stored in
-checkpoints and ``results.json`` (``from_dict`` also reads the flat dicts older checkpoints hold).
+checkpoints and ``results.json`` (``from_dict`` also reads the flat dicts older checkpoints hold). A config
+holds the canonical recipe name (``amp`` becomes ``fp16-mixed``), so equal runs have equal configs.
+
+These dataclasses are the one place a default lives: the CLI's flags and their help, ``build_model`` and the
+Python API take theirs from here. Checks go through :mod:`mixprec.validate`.
 
 Defaults reproduce the tutorial: SimpleNet (one Linear 784→10) on Fashion-MNIST, SGD lr 0.01, batch 64,
 5 epochs, a log line every 100 batches.
@@ -15,17 +19,18 @@ Defaults reproduce the tutorial: SimpleNet (one Linear 784→10) on Fashion-MNIS
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from ..errors import ConfigError
-from ..precision import RecipeConfig, ScalerConfig
+from ..errors import ConfigError, RecipeError
+from ..precision import RecipeConfig, ScalerConfig, resolve_recipe
+from ..validate import F32_MAX, is_int, nonnegative, nonnegative_int, one_of, positive, positive_int
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "OPTIMIZERS", "STRATEGIES",
-           "RESUME_MAY_CHANGE"]
+           "PROGRESS"]
 
 OPTIMIZERS = ("sgd", "adamw")
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
+PROGRESS = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,7 +60,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         for flag in ("width", "depth", "channels", "d_model", "n_heads", "n_layers", "patch_size", "block_size"):
-            _positive(flag, getattr(self, flag))
+            positive_int(flag, getattr(self, flag))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,12 +87,11 @@ class DataConfig:
 
     def validate(self) -> None:
         for flag in ("synthetic_train", "synthetic_test"):
-            _positive(flag, getattr(self, flag))
+            positive_int(flag, getattr(self, flag))
         for flag in ("limit_train", "limit_test"):
-            _positive(flag, getattr(self, flag), allow_none=True)
-        if not (isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool) and self.num_workers >= 0):
-            raise ConfigError(f"--num-workers must be an integer >= 0, got {self.num_workers!r}")
-        if any(d <= 0 for d in self.synthetic_shape):
+            positive_int(flag, getattr(self, flag), allow_none=True)
+        nonnegative_int("num_workers", self.num_workers)
+        if not self.synthetic_shape or not all(is_int(d) and d > 0 for d in self.synthetic_shape):
             raise ConfigError(f"--synthetic-shape must be positive sizes, got {self.synthetic_shape}")
 
 
@@ -114,25 +118,20 @@ class OptimConfig:
     """Stop after this many optimizer steps in total (for quick runs)."""
 
     def validate(self) -> None:
-        for flag in ("epochs", "batch_size", "lr"):
-            _positive(flag, getattr(self, flag))
+        for flag in ("epochs", "batch_size", "grad_accum"):
+            positive_int(flag, getattr(self, flag))
+        positive("lr", self.lr)
+        nonnegative("momentum", self.momentum)
+        nonnegative("weight_decay", self.weight_decay)
         for flag in ("lr", "momentum", "weight_decay"):  # the optimizers multiply fp32 tensors by them
-            if isinstance(getattr(self, flag), (int, float)) and abs(getattr(self, flag)) > _F32_MAX:
+            if abs(getattr(self, flag)) > F32_MAX:
                 raise ConfigError(f"--{flag.replace('_', '-')} {getattr(self, flag):g} does not fit in float32 "
-                                  f"(max {_F32_MAX:.3g}); use a sane value")
-        for flag in ("clip_grad_norm", "max_steps"):
-            _positive(flag, getattr(self, flag), allow_none=True)
-        for flag in ("momentum", "weight_decay"):
-            value = getattr(self, flag)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown --optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
+                                  f"(max {F32_MAX:.3g}); use a sane value")
+        positive("clip_grad_norm", self.clip_grad_norm, allow_none=True)
+        positive_int("max_steps", self.max_steps, allow_none=True)
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
         if self.optimizer == "adamw" and self.momentum:
             raise ConfigError("--momentum applies to sgd only; AdamW has its own betas")
-        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
-            raise ConfigError(f"--grad-accum must be a positive integer (micro-batches per step), "
-                              f"got {self.grad_accum!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,30 +166,16 @@ class RunConfig:
     stop on divergence (debug; one all-gather each time)."""
 
     def validate(self) -> None:
-        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63):
+        if not (is_int(self.seed) and 0 <= self.seed < 2**63):
             raise ConfigError(f"--seed must be an integer in [0, 2^63), got {self.seed!r}")
         for flag in ("checkpoint_every", "check_consistency"):
-            _positive(flag, getattr(self, flag), allow_none=True)
-        if self.log_every < 0:
-            raise ConfigError(f"--log-every must be >= 0, got {self.log_every}")
+            positive_int(flag, getattr(self, flag), allow_none=True)
+        nonnegative_int("log_every", self.log_every)
         if self.checkpoint_every is not None and self.out is None:
             raise ConfigError("--checkpoint-every needs --out DIR to write checkpoints into")
-        if self.progress not in ("auto", "on", "off"):
-            raise ConfigError(f"--progress must be auto, on or off, got {self.progress!r}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"unknown --strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
-        if self.max_consecutive_skips < 1:
-            raise ConfigError("--max-consecutive-skips must be >= 1")
-
-
-_F32_MAX = 3.4028234663852886e38
-
-
-def _positive(flag: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"--{flag.replace('_', '-')} must be a positive number, got {value!r}")
+        one_of("progress", self.progress, PROGRESS)
+        one_of("strategy", self.strategy, STRATEGIES)
+        positive_int("max_consecutive_skips", self.max_consecutive_skips)
 
 
 # section name -> its class; (section, field) pairs whose flag has another name
@@ -242,6 +227,15 @@ class TrainConfig:
     """Optimizer, batch and schedule length."""
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     """Seed, device, processes, logging, checkpoints and outputs."""
+
+    def __post_init__(self) -> None:
+        """Store the canonical recipe name, so ``--precision bf16`` and ``bf16-mixed`` make equal configs."""
+        try:
+            canonical = resolve_recipe(self.recipe.precision).name
+        except (RecipeError, AttributeError):  # not a recipe name: validate() says so, naming the flag
+            return
+        if canonical != self.recipe.precision:
+            object.__setattr__(self, "recipe", dataclasses.replace(self.recipe, precision=canonical))
 
     # -- flat views (flags) --------------------------------------------------------------------------------
     @classmethod
@@ -299,10 +293,3 @@ class TrainConfig:
         for section in _SECTIONS:
             getattr(self, section).validate()
 
-
-RESUME_MAY_CHANGE = ("epochs", "max_steps", "out", "checkpoint_every", "resume", "overwrite", "metrics_json",
-                     "log_every", "progress", "device", "data_dir", "data_path", "num_workers", "limit_test",
-                     "check_consistency", "max_consecutive_skips")
-"""Flags a resumed run may change: how long to train, where outputs go, what is shown. Every other flag
-(recipe, mechanism, loss scaler, optimizer and its hyperparameters, model, data, seed, processes) must equal
-the checkpoint's, or the resumed run would not be the run that was saved."""

@@ -9,48 +9,40 @@ rank; :mod:`.distributed` supplies the reductions, each a no-op in a one-process
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from .. import hardware
 from ..errors import NonFiniteError
+from ..jsonio import write_json
 from . import distributed
 from .build import Run, build_run
-from .checkpoint import Checkpointer, TrainState
+from .checkpointer import Checkpointer, TrainState
 from .config import TrainConfig
 from .meter import EpochMeter
-from .outputs import check_outputs
 from .report import Reporter, summary_table
+from .results import RunSummary, TrainResult
 from .step import accumulate_step, compile_warmup, evaluate
 from .stops import StopRules
 
 __all__ = ["train", "TrainResult", "summarize"]
 
 
-@dataclasses.dataclass
-class TrainResult:
-    history: list[dict[str, Any]]
-    summary: dict[str, Any]
-    stopped: str | None = None
-    """Why the run stopped early (non-finite loss, too many skipped steps), or None."""
-
-
-def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | None = None) -> TrainResult:
-    """Train per ``config``; returns per-epoch history and the summary (also written per --metrics-json)."""
-    check_outputs(config.run)  # before anything is built: a bad path costs nothing
-    run = run or build_run(config)
+def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainResult:
+    """Train a built run (or build one from a config first); returns the per-epoch records and the summary,
+    also written to ``--metrics-json``."""
+    run = build_run(run) if isinstance(run, TrainConfig) else run
+    config = run.config
     reporter = reporter or Reporter(progress=config.run.progress, rank=run.rank)
     _announce(run, reporter)
     checkpointer = Checkpointer(run)
     state, resumed = checkpointer.resume()
-    if resumed:
-        reporter.info(resumed)
     total = _total_steps(run)
+    if resumed:
+        reporter.info(resumed + (_complete(run, state.global_step) if state.global_step >= total else ""))
     stopped: str | None = None
     run.model.train()
     compile_time = _compile(run, reporter) if config.run.compile else None
@@ -71,7 +63,7 @@ def train(config: TrainConfig, *, run: Run | None = None, reporter: Reporter | N
                 break
     if stopped:
         reporter.error(stopped)
-    summary = {**summarize(run, state, stopped), "compile_time_s": compile_time}
+    summary = summarize(run, state, stopped, compile_time_s=compile_time)
     reporter.summary(summary_table([summary]))
     _write_metrics(run, state.history, summary)
     return TrainResult(history=state.history, summary=summary, stopped=stopped)
@@ -147,6 +139,14 @@ def _total_steps(run: Run) -> int:
     return total if cfg.max_steps is None else min(total, cfg.max_steps)
 
 
+def _complete(run: Run, step: int) -> str:
+    """Why a resumed run has nothing left to train, and how to extend it."""
+    o = run.config.optim
+    limits = f"--epochs {o.epochs}" + (f", --max-steps {o.max_steps}" if o.max_steps is not None else "")
+    return (f"; the run is already complete at step {step} ({limits}): pass a larger --epochs"
+            + (" or --max-steps (none: no limit)" if o.max_steps is not None else "") + " to train further")
+
+
 def _announce(run: Run, reporter: Reporter) -> None:
     cfg, device = run.config, run.device
     reporter.info(run.recipe.describe())
@@ -172,45 +172,20 @@ def _stop_nonfinite(run: Run, e: NonFiniteError, state: TrainState, epoch: int, 
             f"has no loss scaler to skip such steps{kept}. Remedies: {run.recipe.nonfinite_remedies()}")
 
 
-def summarize(run: Run, state: TrainState, stopped: str | None) -> dict[str, Any]:
+def summarize(run: Run, state: TrainState, stopped: str | None, *, compile_time_s: float | None = None) -> RunSummary:
     """The run's summary row (the table, ``--metrics-json`` and bench read it)."""
-    history = state.history
-    mems = [h["memory"] for h in history if h.get("memory")]
-    peak_mem = max(mems, key=lambda m: m["total"]) if mems else None
-    cuda_peak = max((m["cuda_peak_allocated"] or 0 for m in mems), default=None) if mems else None
-    times = [h["epoch_time_s"] for h in history]
-    last = history[-1] if history else {}
-    return {
-        "recipe": run.recipe.name,
-        "impl": run.recipe.impl,
-        "model": run.config.model.name,
-        "dataset": run.data.name,
-        "device": str(run.device),
-        "world_size": run.world_size,
-        "strategy": run.config.run.strategy,
-        "grad_accum": run.config.optim.grad_accum,
-        "epochs": len(history),
-        "peak_memory_bytes": peak_mem["total"] if peak_mem else None,
-        "memory": peak_mem,
-        "cuda_peak_allocated_bytes": cuda_peak or None,
-        "avg_epoch_time_s": sum(times) / len(times) if times else math.nan,
-        "test_accuracy": last.get("test_accuracy", math.nan),
-        "test_loss": last.get("test_loss", math.nan),
-        **({"test_perplexity": last["test_perplexity"], "bits_per_char": last["bits_per_char"]}
-           if last.get("bits_per_char") is not None else {}),
-        "final_train_loss": last.get("train_loss", math.nan),
-        "skipped_steps": state.skipped_total,
-        "final_loss_scale": last.get("loss_scale", math.nan),
-        "stopped": stopped,
-    }
+    cfg = run.config
+    return RunSummary.from_history(
+        state.history, stopped=stopped, skipped_steps=state.skipped_total, recipe=run.recipe.name,
+        impl=run.recipe.impl, model=cfg.model.name, dataset=run.data.name, device=str(run.device),
+        world_size=run.world_size, strategy=cfg.run.strategy, grad_accum=cfg.optim.grad_accum,
+        compile_time_s=compile_time_s)
 
 
-def _write_metrics(run: Run, history: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+def _write_metrics(run: Run, history: list, summary: RunSummary) -> None:
     path = run.config.run.metrics_json
     if not path or run.rank != 0:
         return
-    from .report import write_json
-
     write_json(path, {"config": run.config.to_dict(), "environment": hardware.environment(run.device),
                       "recipe": run.recipe.describe(), "epochs": history, "summary": summary})
 

@@ -17,6 +17,7 @@ from ..memory import MemoryReport, SavedTensorTracker, static_memory
 from ..precision import StepResult
 from . import distributed
 from .data.text import bits_per_char, perplexity
+from .results import EpochRecord
 
 if TYPE_CHECKING:
     from .build import Run
@@ -25,8 +26,8 @@ __all__ = ["EpochMeter", "test_metrics"]
 
 
 def test_metrics(task: str, accuracy: float, loss: float) -> dict[str, Any]:
-    """Classification: accuracy. Language models: perplexity and bits per character (token accuracy kept
-    apart, under its own name)."""
+    """The :class:`EpochRecord` fields of an evaluation. Classification: accuracy. Language models:
+    perplexity and bits per character (token accuracy kept apart, under its own name)."""
     if task != "language-model":
         return {"test_accuracy": accuracy}
     return {"test_accuracy": None, "test_token_accuracy": accuracy, "test_perplexity": perplexity(loss),
@@ -34,7 +35,7 @@ def test_metrics(task: str, accuracy: float, loss: float) -> dict[str, Any]:
 
 
 class EpochMeter:
-    """Per-step accounting of one epoch; :meth:`record` turns it into the epoch's history entry.
+    """Per-step accounting of one epoch; :meth:`record` turns it into the epoch's :class:`EpochRecord`.
 
     Args:
         sample_at: the batch index whose step is watched for saved activations (the first step after
@@ -114,22 +115,22 @@ class EpochMeter:
         return distributed.max_over_ranks(self.elapsed_before + time.perf_counter() - self.t_start,
                                           self.run.device)
 
-    def record(self, epoch: int, epoch_time: float, test_accuracy: float, test_loss: float) -> dict[str, Any]:
-        """The epoch's history entry (reads the losses on the host, once)."""
+    def record(self, epoch: int, epoch_time: float, test_accuracy: float, test_loss: float) -> EpochRecord:
+        """The epoch's record (reads the losses on the host, once)."""
         run, cfg = self.run, self.run.config.optim
         samples_per_step = cfg.batch_size * cfg.grad_accum * run.world_size
         curve = distributed.mean_over_ranks(torch.stack(self.losses).float()).cpu().tolist()
-        return {
-            "epoch": epoch,
-            "steps": self.n_steps,
-            "train_loss": distributed.mean_over_ranks(self.loss_sum).item() / self.n_steps,
-            "test_loss": test_loss,
+        return EpochRecord(
+            epoch=epoch,
+            steps=self.n_steps,
+            train_loss=distributed.mean_over_ranks(self.loss_sum).item() / self.n_steps,
+            test_loss=test_loss,
             **test_metrics(run.data.task, test_accuracy, test_loss),
-            "epoch_time_s": epoch_time,
-            "samples_per_s": self.n_steps * samples_per_step / epoch_time,
-            "step_times_s": self.step_times,
-            "loss_curve": curve,
-            "skipped_steps": self.skipped,
-            "loss_scale": run.recipe.loss_scale(),
-            "memory": self.memory.to_dict() if isinstance(self.memory, MemoryReport) else self.memory,
-        }
+            epoch_time_s=epoch_time,
+            samples_per_s=self.n_steps * samples_per_step / epoch_time,
+            step_times_s=list(self.step_times),
+            loss_curve=curve,
+            skipped_steps=self.skipped,
+            loss_scale=run.recipe.loss_scale(),
+            memory=self.memory.to_dict() if isinstance(self.memory, MemoryReport) else self.memory,
+        )

@@ -24,13 +24,16 @@ Initialisation uses only the global RNG, so ``torch.manual_seed(s)`` before ``bu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..validate import positive_int
 from .attention import SelfAttention
+from .config import ModelConfig
 
 __all__ = ["MODELS", "ModelError", "build_model", "count_parameters"]
 
@@ -86,8 +89,7 @@ class CNN(nn.Module):
         self.dropout = _dropout(dropout)
         self.head = nn.Linear(2 * channels * (h // 4) * (w // 4), num_classes)
         # channels-last (NHWC) is what oneDNN's convolutions, batch norm and pooling run fastest on the CPU,
-        # bf16 most of all: measured at batch 256, 1 thread, a bf16-mixed step takes 41 ms instead of 79 ms
-        # (fp32: 79 instead of 104). Weights are stored NHWC here; inputs are made NHWC in forward.
+        # bf16 most of all (benchmarks/README.md). Weights are stored NHWC here; inputs are made NHWC in forward.
         self.to(memory_format=torch.channels_last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,27 +169,26 @@ class Transformer(nn.Module):
         return self.head(self.ln_f(x[:, 0]))
 
 
-def _check_positive(**flags: int) -> None:
-    for flag, value in flags.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ModelError(f"--{flag.replace('_', '-')} {value!r} must be a positive integer")
+def _check_positive(**sizes: int) -> None:
+    for flag, value in sizes.items():
+        positive_int(flag, value, error=ModelError)
 
 
 def build_model(
-    name: str,
+    model: ModelConfig | str,
     *,
     input_shape: tuple[int, ...],
     num_classes: int,
-    width: int = 512,
-    depth: int = 2,
-    channels: int = 32,
-    d_model: int = 128,
-    n_heads: int = 4,
-    n_layers: int = 2,
-    patch_size: int = 7,
     dropout: float = 0.0,
+    **sizes: int,
 ) -> nn.Module:
     """Build a classifier taking ``(B, *input_shape)`` float inputs and returning ``(B, num_classes)`` logits.
+
+    Args:
+        model: the config's model section, or a built-in name; its sizes are :class:`ModelConfig`'s with
+            ``sizes`` (``width=``, ``depth=``, ``channels=``, ``d_model=``, ``n_heads=``, ``n_layers=``,
+            ``patch_size=``) changed.
+        dropout: dropout probability (0: no dropout layers at all).
 
     Only the options of the chosen model are checked; the others are ignored.
 
@@ -195,6 +196,9 @@ def build_model(
         ModelError: unknown name, a non-positive size, ``d_model % n_heads != 0``, or an input shape the
             model cannot take. The message names the flag to change.
     """
+    config = model if isinstance(model, ModelConfig) else ModelConfig(name=model)
+    config = dataclasses.replace(config, **sizes) if sizes else config
+    name = config.name
     if name not in MODELS:
         raise ModelError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
     input_shape = tuple(int(d) for d in input_shape)
@@ -204,8 +208,8 @@ def build_model(
         raise ModelError(f"{name}: num_classes {num_classes} must be >= 1")
     if not 0.0 <= dropout < 1.0:
         raise ModelError(f"--dropout {dropout} must be in [0, 1)")
-    options = dict(width=width, depth=depth, channels=channels, d_model=d_model, n_heads=n_heads,
-                   n_layers=n_layers, patch_size=patch_size, dropout=dropout)
+    options = dict(width=config.width, depth=config.depth, channels=config.channels, d_model=config.d_model,
+                   n_heads=config.n_heads, n_layers=config.n_layers, patch_size=config.patch_size, dropout=dropout)
     return _BUILDERS[name](input_shape, num_classes, **options)
 
 

@@ -7,17 +7,14 @@ stdout is a terminal, so piped logs stay clean; ``--progress on|off`` overrides 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import OutputError
+from .results import EpochRecord, RunSummary
 
-__all__ = ["Reporter", "summary_table", "write_json", "format_bytes"]
+__all__ = ["Reporter", "summary_table", "quality", "format_bytes"]
 
 
 def format_bytes(n: float | None) -> str:
@@ -66,13 +63,13 @@ class Reporter:
     def error(self, msg: str) -> None:
         self._print(f"mixprec: {msg}", err=True)
 
-    def epoch_done(self, rec: dict[str, Any], recipe: str) -> None:
-        mem = rec.get("memory") or {}
+    def epoch_done(self, rec: EpochRecord, recipe: str) -> None:
+        mem = rec.memory or {}
         self._print(
-            f"[{recipe}] epoch {rec['epoch']}: train loss {rec['train_loss']:.4f}, {quality(rec)}, "
-            f"{rec['epoch_time_s']:.2f} s ({rec['samples_per_s']:,.0f} samples/s), "
-            f"memory {format_bytes(mem.get('total'))}, skipped steps {rec['skipped_steps']}, "
-            f"loss scale {rec['loss_scale']:g}"
+            f"[{recipe}] epoch {rec.epoch}: train loss {rec.train_loss:.4f}, {quality(rec)}, "
+            f"{rec.epoch_time_s:.2f} s ({rec.samples_per_s:,.0f} samples/s), "
+            f"memory {format_bytes(mem.get('total'))}, skipped steps {rec.skipped_steps}, "
+            f"loss scale {rec.loss_scale:g}"
         )
 
     def summary(self, table: str) -> None:
@@ -99,76 +96,37 @@ class Reporter:
             self._progress = None
 
 
-def quality(rec: dict[str, Any]) -> str:
+def quality(rec: EpochRecord) -> str:
     """How good the model is, in the task's terms: accuracy, or a language model's loss and bits per char."""
-    if rec.get("bits_per_char") is not None:
-        return (f"test loss {rec['test_loss']:.4f}, perplexity {rec['test_perplexity']:.2f}, "
-                f"{rec['bits_per_char']:.3f} bits/char")
-    acc = rec.get("test_accuracy")
+    if rec.bits_per_char is not None:
+        return (f"test loss {rec.test_loss:.4f}, perplexity {rec.test_perplexity:.2f}, "
+                f"{rec.bits_per_char:.3f} bits/char")
+    acc = rec.test_accuracy
     return f"test accuracy {100 * acc:.2f}%" if _finite(acc) else "test accuracy —"
 
 
-def summary_table(rows: list[dict[str, Any]]) -> str:
+def summary_table(rows: list[RunSummary]) -> str:
     """The tutorial's comparison table: recipe | peak memory | avg epoch time | test accuracy (language models:
     test loss / bits per char) | skipped | scale."""
-    lm = any(r.get("bits_per_char") is not None for r in rows)
+    lm = any(r.bits_per_char is not None for r in rows)
     head = ["recipe", "peak memory", "avg epoch time", "test loss / bits per char" if lm else "test accuracy",
             "skipped steps", "final loss scale"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        peak = r.get("peak_memory_bytes")
-        cuda = r.get("cuda_peak_allocated_bytes")
-        mem = format_bytes(peak) + (f" (CUDA peak {format_bytes(cuda)})" if cuda else "")
-        acc = r.get("test_accuracy")
+        cuda = r.cuda_peak_allocated_bytes
+        mem = format_bytes(r.peak_memory_bytes) + (f" (CUDA peak {format_bytes(cuda)})" if cuda else "")
+        acc = r.test_accuracy
         lines.append("| " + " | ".join([
-            str(r["recipe"]),
+            r.recipe,
             mem,
-            f"{r['avg_epoch_time_s']:.2f} s" if _finite(r.get("avg_epoch_time_s")) else "—",
-            (f"{r['test_loss']:.4f} / {r['bits_per_char']:.3f}" if _finite(r.get("bits_per_char")) else "—") if lm
+            f"{r.avg_epoch_time_s:.2f} s" if _finite(r.avg_epoch_time_s) else "—",
+            (f"{r.test_loss:.4f} / {r.bits_per_char:.3f}" if _finite(r.bits_per_char) else "—") if lm
             else f"{100 * acc:.2f}%" if _finite(acc) else "—",
-            str(r.get("skipped_steps", 0)),
-            f"{r.get('final_loss_scale', 1.0):g}",
+            str(r.skipped_steps),
+            f"{r.final_loss_scale:g}",
         ]) + " |")
     return "\n".join(lines)
 
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename); a failed write raises OutputError naming the path and
-    leaves any previous file there intact."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = None
-    try:
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_clean(obj), f, indent=2, default=str, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        _unlink(tmp)
-        raise OutputError(f"could not write {path} ({e.strerror or e})") from None
-    except BaseException:
-        _unlink(tmp)
-        raise
-
-
-def _unlink(path: str | None) -> None:
-    if path is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def _clean(o: Any) -> Any:
-    """JSON has no NaN/inf: write them as null."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o

@@ -14,10 +14,11 @@ backward), so the loop handles it where the step is taken.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import distributed
-from .checkpoint import TrainState
+from .checkpointer import TrainState
+from .results import EpochRecord
 
 if TYPE_CHECKING:
     from .build import Run
@@ -50,15 +51,15 @@ class StopRules:
         return None
 
     @staticmethod
-    def after_epoch(record: dict[str, Any]) -> str | None:
+    def after_epoch(record: EpochRecord) -> str | None:
         """Why an epoch that ran must count as a failure, or None."""
-        steps, skipped = record["steps"], record["skipped_steps"]
+        steps, skipped = record.steps, record.skipped_steps
         if skipped >= MIN_SKIPPED and 2 * skipped > steps:
-            return (f"epoch {record['epoch']}: {skipped} of {steps} optimizer steps were skipped for inf/nan "
+            return (f"epoch {record.epoch}: {skipped} of {steps} optimizer steps were skipped for inf/nan "
                     "gradients, so the model barely trained; the loss is likely non-finite — lower --lr, add "
                     "--clip-grad-norm, or run `mixprec doctor` to find the layer")
-        if not math.isfinite(record["train_loss"]):
-            return (f"epoch {record['epoch']}: the mean training loss is {record['train_loss']} — the run diverged; "
+        if not math.isfinite(record.train_loss):
+            return (f"epoch {record.epoch}: the mean training loss is {record.train_loss} — the run diverged; "
                     "lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer")
         return None
 

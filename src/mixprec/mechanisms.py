@@ -1,0 +1,191 @@
+"""The mechanisms behind a recipe's autocast and loss-scaler hooks: one small strategy class each.
+
+A :class:`~mixprec.precision.Recipe` owns one :class:`Mechanism` for its life. The mechanism answers what
+depends on *whose code runs* the recipe: which autocast context, which loss scaler, how a loss-scaled step
+is skipped, how the FP8 layers are made, and what it cannot do (options it cannot honour,
+``torch.compile``). What a recipe means -- dtypes, master weights, TF32, FSDP -- stays the recipe's.
+
+- :class:`NativeMechanism` (``native``): PyTorch's ``torch.autocast`` + ``torch.amp.GradScaler``
+  (``ShardedGradScaler`` across processes). Fast kernels, compiles; fp16 runs PyTorch's real fp16 kernels.
+- :class:`ScratchMechanism` (``scratch``): mixprec's :mod:`mixprec.autocast` +
+  :class:`~mixprec.scaler.DynamicLossScaler`. Per-module fp32 overrides (``--keep-fp32``), scaler
+  hysteresis, and fp16 *emulation* (fp16 values, fp32 arithmetic) on CPUs without fast fp16 kernels.
+
+Master weights are always mixprec's (:mod:`mixprec.master`, PyTorch has no native equivalent), and both
+mechanisms make FP8 layers with :mod:`mixprec.fp8`. A new mechanism (torchao's FP8 training, say) is one
+subclass overriding the hooks it changes, registered in :data:`MECHANISMS`: ``--amp-impl`` and its check
+take their names from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from . import hardware
+from .errors import RecipeError
+from .recipes import RecipeSpec
+from .scaler import DynamicLossScaler, ScalerConfig
+from .scaler_view import ScalerView
+
+__all__ = ["Mechanism", "NativeMechanism", "ScratchMechanism", "MECHANISMS", "AMP_IMPLS", "auto_mechanism"]
+
+
+class Mechanism:
+    """How one recipe's forward casts and loss scaling run on one device.
+
+    Args:
+        spec: what the recipe means.
+        scaler: the loss scaler's settings (used when ``spec.loss_scaling``).
+        keep_fp32: module names or types the user asked to keep in fp32.
+        device: where the run trains.
+        world_size: processes in the run (their scalers must agree on every skip).
+        emulate_fp16: the device has no fast fp16 kernels (a mechanism may emulate fp16 there).
+    """
+
+    name: ClassVar[str]
+    """What ``--amp-impl`` calls it (and reports print in ``name [impl]``)."""
+    autocast_words: ClassVar[str]
+    """The autocast it runs, as :meth:`Recipe.describe` names it."""
+    scaler_words: ClassVar[str]
+    """The loss scaler it runs, as :meth:`Recipe.describe` names it."""
+
+    def __init__(self, spec: RecipeSpec, *, scaler: ScalerConfig, keep_fp32: tuple[str, ...],
+                 device: torch.device, world_size: int = 1, emulate_fp16: bool = False) -> None:
+        self.spec = spec
+        self.scaler_config = scaler
+        self.keep_fp32 = keep_fp32
+        self.device = device
+        self.world_size = world_size
+        self.emulate = False  # True where this mechanism runs fp16 emulated (fp16 values, fp32 arithmetic)
+
+    def refuse_options(self) -> None:
+        """Raise RecipeError for an option this mechanism cannot honour (called once, at build)."""
+
+    def make_scaler(self) -> Any:
+        """The loss scaler, disabled (a no-op with the same API) when the recipe has no loss scaling."""
+        raise NotImplementedError
+
+    def check_module(self, model: nn.Module) -> None:
+        """Check the converted model against this mechanism's options (RecipeError on a mistake)."""
+
+    def convert_fp8(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        """FP8 recipes: swap the eligible linear layers; returns the model and the conversion's record."""
+        from .fp8 import convert_to_fp8, plan_fp8_conversion
+
+        plan = plan_fp8_conversion(model)
+        return convert_to_fp8(model), plan
+
+    def autocast(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
+        """The forward's autocast context (autocast recipes only)."""
+        raise NotImplementedError
+
+    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+        """Loss-scaled recipes, after ``scaler.unscale_(optimizer)``: step unless the gradients had inf/NaN;
+        returns True when skipped. One host sync (the skip decision)."""
+        raise NotImplementedError
+
+    def check_compile(self) -> None:
+        """Raise RecipeError where ``torch.compile`` cannot help this mechanism."""
+
+
+class NativeMechanism(Mechanism):
+    """``torch.autocast`` + ``torch.amp.GradScaler`` (``ShardedGradScaler`` for several processes)."""
+
+    name = "native"
+    autocast_words = "torch.autocast"
+    scaler_words = "torch.amp.GradScaler"
+
+    def refuse_options(self) -> None:
+        if self.keep_fp32:
+            raise RecipeError(
+                "--keep-fp32 needs per-module overrides, which torch.autocast lacks; add --amp-impl scratch"
+            )
+        if self.scaler_config.hysteresis != 1:
+            raise RecipeError("--hysteresis is a feature of mixprec's scaler; add --amp-impl scratch")
+
+    def make_scaler(self) -> torch.amp.GradScaler:
+        """Every rank must skip the same steps: several processes get PyTorch's ``ShardedGradScaler``
+        (GradScaler plus an all-reduce of ``found_inf``; it also accepts DTensor gradients)."""
+        c = self.scaler_config
+        kw = dict(init_scale=c.init_scale, growth_factor=c.growth_factor, backoff_factor=c.backoff_factor,
+                  growth_interval=c.growth_interval)
+        if self.world_size > 1 and self.spec.loss_scaling:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(self.device.type, **kw)
+        return torch.amp.GradScaler(self.device.type, enabled=self.spec.loss_scaling, **kw)
+
+    def autocast(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.spec.compute_dtype)
+
+    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+        # The skip is read from the unscale_ the recipe ran (GradScaler.step's own read then finds it ready).
+        skipped = ScalerView(scaler).skipped(optimizer)
+        scaler.step(optimizer)
+        return skipped
+
+
+class ScratchMechanism(Mechanism):
+    """mixprec's autocast + :class:`~mixprec.scaler.DynamicLossScaler`; emulates fp16 where the device has
+    no fast fp16 kernels (PyTorch's own fp16 kernels there are a slow scalar fallback)."""
+
+    name = "scratch"
+    autocast_words = "mixprec autocast"
+    scaler_words = "DynamicLossScaler"
+
+    def __init__(self, spec: RecipeSpec, *, emulate_fp16: bool = False, **kw: Any) -> None:
+        super().__init__(spec, emulate_fp16=emulate_fp16, **kw)
+        self.emulate = emulate_fp16 and spec.compute_dtype == torch.float16
+
+    def make_scaler(self) -> DynamicLossScaler:
+        """mixprec's scaler all-reduces ``found_inf`` itself when a process group exists."""
+        c = self.scaler_config
+        return DynamicLossScaler(init_scale=c.init_scale, growth_factor=c.growth_factor,
+                                 backoff_factor=c.backoff_factor, growth_interval=c.growth_interval,
+                                 hysteresis=c.hysteresis, enabled=self.spec.loss_scaling)
+
+    def check_module(self, model: nn.Module) -> None:
+        if not (self.keep_fp32 and self.spec.autocast):
+            return
+        from .autocast.keep_fp32 import resolve_keep_fp32
+
+        try:  # a name the model lacks is the user's mistake: say so now, not at the first forward
+            resolve_keep_fp32(self.keep_fp32, model)
+        except (ValueError, TypeError) as e:
+            raise RecipeError(f"--keep-fp32: {e}") from None
+
+    def autocast(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
+        from .autocast import autocast
+
+        return autocast(self.spec.compute_dtype, device_type=self.device.type, emulate=self.emulate,
+                        keep_fp32=self.keep_fp32, model=model)
+
+    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+        return not scaler.step(optimizer)
+
+    def check_compile(self) -> None:
+        """Under ``torch.compile`` the scratch autocast's TorchFunctionMode breaks the graph at every op
+        (nothing fuses) and emulated fp16 rounds differently."""
+        if self.spec.autocast:
+            raise RecipeError(
+                f"--compile with {self.spec.name} [scratch]: torch.compile breaks its graph at every op of "
+                "mixprec's autocast (no fusion, different fp16 rounding); use --amp-impl native"
+                + (" — on this CPU fp16 is only fast emulated, so compile bf16-mixed instead" if self.emulate else ""))
+
+
+MECHANISMS: dict[str, type[Mechanism]] = {m.name: m for m in (NativeMechanism, ScratchMechanism)}
+"""Every mechanism by its ``--amp-impl`` name."""
+
+AMP_IMPLS: tuple[str, ...] = ("auto", *MECHANISMS)
+"""What ``--amp-impl`` accepts: ``auto`` and every mechanism's name."""
+
+
+def auto_mechanism(spec: RecipeSpec, device: torch.device) -> str:
+    """What ``--amp-impl auto`` picks: native, except fp16 compute on a device without fast fp16 kernels,
+    which gets the scratch autocast's emulation (PyTorch's CPU fp16 GEMM there is a scalar fallback)."""
+    slow_fp16 = spec.compute_dtype == torch.float16 and not hardware.has_fast_fp16(device)
+    return ScratchMechanism.name if slow_fp16 else NativeMechanism.name

@@ -1,0 +1,96 @@
+"""What a recipe says about itself, in words: its one-line description, what the device does with its
+dtypes, and what to try when its run went non-finite.
+
+The facts come from elsewhere -- the spec (:mod:`mixprec.recipes`), the mechanism
+(:mod:`mixprec.mechanisms`), the device (:meth:`mixprec.precision.Recipe.hardware_facts` decides which
+case applies) -- so the wording can change here without touching a decision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import hardware
+from .mechanisms import Mechanism
+from .recipes import RecipeSpec, dtype_name
+from .scaler import ScalerConfig
+
+__all__ = ["HARDWARE_NOTES", "describe", "hardware_note", "nonfinite_remedies"]
+
+_NO_FAST_FP16 = "this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16: {where})"
+
+HARDWARE_NOTES: dict[str, str] = {
+    "fp8-real": ("FP8 GEMMs are REAL here (torch._scaled_mm on {where}); other ops bf16; MFU is measured against "
+                 "the bf16 peak (no FP8 peak)"),
+    "fp8-emulated": ("no FP8 matmuls on this device ({where}; they need CUDA compute capability 8.9+), so FP8 is "
+                     "EMULATED: operands scaled and rounded to e4m3/e5m2 and held in bf16 (exactly), GEMMs in bf16 "
+                     "with fp32 accumulation, other ops bf16 — FP8 numerics at bf16 GEMM speed plus amax and "
+                     "rounding passes; MFU is measured against the bf16 peak"),
+    "tf32": "fp32 tensors, TF32 tensor-core matmuls",
+    "tf32-absent": "{device} has no TF32 tensor cores, so this runs exactly as fp32",
+    "fp32": "fp32 matmuls, the reference",
+    "bf16-gpu": "bf16 tensor cores",
+    "bf16-cpu": "fast bf16 matmuls on this CPU ({where})",
+    "bf16-slow": ("this CPU has no native bf16 matmul instructions (no AVX512-BF16/AMX-BF16: {where}); bf16 "
+                  "matmuls are converted in software and likely SLOWER than fp32"),
+    "fp16-gpu": "fp16 tensor cores",
+    "fp16-cpu": "fast fp16 matmuls on this CPU ({where})",
+    "fp16-emulated": (_NO_FAST_FP16 + ", so fp16 is EMULATED: operands and results rounded to fp16, arithmetic "
+                      "in fp32 (fp16 numerics at fp32 speed); MFU is measured against the fp32 peak"),
+    "fp16-slow": ("WARNING: " + _NO_FAST_FP16 + "; native fp16 matmuls are a scalar fallback, many times slower "
+                  "than fp32 — use --amp-impl scratch or auto (emulated fp16) or bf16-mixed"),
+}
+"""One clause per case of :meth:`mixprec.precision.Recipe.hardware_facts`; ``{where}`` is the device's name
+(with a CPU's relevant flags), ``{device}`` its type."""
+
+
+def hardware_note(case: str, device: torch.device) -> str:
+    """The clause for ``case`` (a key of :data:`HARDWARE_NOTES`) on ``device``."""
+    return HARDWARE_NOTES[case].format(where=hardware.describe_device(device), device=device.type)
+
+
+def describe(spec: RecipeSpec, mechanism: Mechanism, *, scaler: ScalerConfig, stochastic_rounding: bool,
+             device_note: str, fp8_conversion=None) -> str:
+    """One line: what the recipe does on this device and why (see :meth:`mixprec.precision.Recipe.describe`).
+
+    ``fp8_conversion``: the :class:`~mixprec.fp8.Fp8Conversion` once the model is converted (fp8 recipes).
+    """
+    s = spec
+    if not s.autocast:
+        mech = "no autocast"
+    else:
+        mech = mechanism.autocast_words + (f" + {mechanism.scaler_words}" if s.loss_scaling else "")
+    parts = [f"{s.name} [{mechanism.name}]: {s.summary}; {mech}"]
+    if s.loss_scaling:
+        parts.append(f"loss scale starts at {scaler.init_scale:g}, x{scaler.growth_factor:g} after "
+                     f"{scaler.growth_interval} finite steps, x{scaler.backoff_factor:g} on overflow")
+    if s.master_weights:
+        parts.append("optimizer steps fp32 master copies, params rounded to "
+                     f"{dtype_name(s.param_dtype)} after each step" + (" stochastically" if stochastic_rounding else ""))
+    elif stochastic_rounding and s.param_dtype != torch.float32:
+        parts.append(f"updates rounded stochastically into {dtype_name(s.param_dtype)} params")
+    if s.compute_dtype != torch.float32 or s.tf32:
+        parts.append(device_note)
+    if s.fp8 and fp8_conversion is not None:
+        c = fp8_conversion
+        parts.append(f"{len(c.converted)} linear layer(s) in FP8"
+                     + (f", kept out: {', '.join(n for n, _ in c.skipped)}" if c.skipped else ""))
+    return "; ".join(parts)
+
+
+def nonfinite_remedies(spec: RecipeSpec) -> str:
+    """What to try when a run of ``spec`` went non-finite (never suggests the recipe itself)."""
+    s = spec
+    tips = ["lower --lr", "add --clip-grad-norm 1.0"]
+    if s.param_dtype != torch.float32 and not s.master_weights:
+        tips.append(f"keep fp32 master weights (--precision {dtype_name(s.compute_dtype)}-master)")
+    if s.compute_dtype == torch.float16 and not s.loss_scaling:
+        tips.append("use a loss-scaled recipe (fp16-mixed)")
+    if s.compute_dtype != torch.float32 and s.name != "bf16-mixed":
+        tips.append("try bf16-mixed (fp32's exponent range)")
+    elif s.compute_dtype != torch.float32:
+        tips.append("compare with --precision fp32: if it diverges too, precision is not the cause")
+    else:
+        tips.append("this recipe computes in fp32, so precision is not the cause")
+    tips.append("run `mixprec doctor` to locate the first non-finite op")
+    return ", ".join(tips)

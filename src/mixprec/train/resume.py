@@ -1,0 +1,112 @@
+"""Resume from the run itself: ``mixprec train --resume DIR [--epochs 10 ...]``.
+
+A checkpoint stores its run's config. A resumed run takes that config and applies only the flags the user
+typed; of those, only :data:`RESUME_MAY_CHANGE` (how long to train, where outputs go, what is shown, where the
+data lies and how it is loaded) may differ from the checkpoint. Anything else would make the resumed run
+another run, so it is refused, in one line naming each flag with both values — before anything is built
+(the checkpoint's config is read without reading its tensors).
+
+Values are compared as the config stores them, so spellings of the same thing are equal: recipe aliases
+(``--precision bf16`` is ``bf16-mixed``, the config stores canonical names), ``--strategy auto`` and what it
+resolves to, ``1,28,28`` and ``[1, 28, 28]``. ``--device`` and ``--amp-impl`` may be typed with any value that
+resolves to the mechanism the checkpoint ran (:func:`mixprec.train.checkpoint.mechanism`: native or scratch,
+the dtype facts, the matmul dtype): ``--device cuda`` after ``auto`` on a GPU machine is the same run;
+``--amp-impl scratch`` after a native run is not. That check runs even when neither flag is typed, because
+``auto`` can resolve differently on another machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from .. import hardware
+from ..errors import CheckpointError, UsageError
+from ..precision import build_recipe
+from . import distributed
+from .checkpoint import mechanism, read_run
+from .config import TrainConfig
+
+__all__ = ["RESUME_MAY_CHANGE", "resume_config", "check_resume"]
+
+RESUME_MAY_CHANGE = ("epochs", "max_steps", "out", "checkpoint_every", "resume", "overwrite", "metrics_json",
+                     "log_every", "progress", "data_dir", "data_path", "num_workers", "limit_test",
+                     "check_consistency", "max_consecutive_skips")
+"""Flags a resumed run may change: how long to train, where outputs go, what is shown, where the data lies and
+how many processes load it, how often ranks are compared, when skipped steps stop the run. ``--device`` and
+``--amp-impl`` may change only to values that resolve to the checkpoint's mechanism. Every other flag (recipe,
+loss scaler, optimizer and its hyperparameters, model, data, seed, processes, compile) must equal the
+checkpoint's, or the resumed run would not be the run that was saved."""
+
+_MECHANISM_FLAGS = ("device", "amp_impl")
+"""Compared through what they resolve to, not as typed."""
+
+
+def resume_config(typed: dict[str, Any]) -> TrainConfig:
+    """The config of ``mixprec train --resume DIR ...``: the checkpoint's, with the flags the user typed.
+
+    ``typed`` holds only the flags given on the command line (it must include ``resume``). ``--overwrite``
+    is not inherited: it applied to the run that first wrote the checkpoint. Raises CheckpointError (one
+    line naming every refused flag with both values) when a typed flag would change the run.
+    """
+    path = typed["resume"]
+    stored, mech = _stored(path)
+    config = stored.with_flags(**{"overwrite": False, **typed})
+    _check(path, stored, mech, config)
+    return config
+
+
+def check_resume(config: TrainConfig) -> None:
+    """Refuse ``config`` if it does not continue the run in ``config.run.resume`` (see the module docstring);
+    build_run calls it before it builds anything."""
+    path = config.run.resume
+    if path is not None:
+        stored, mech = _stored(path)
+        _check(path, stored, mech, config)
+
+
+def _stored(path: str | os.PathLike) -> tuple[TrainConfig, dict[str, Any]]:
+    config, mech = read_run(path)
+    try:
+        return TrainConfig.from_dict(config), mech
+    except (UsageError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"--resume {path}: the checkpoint's config is unreadable ({e})") from None
+
+
+def _check(path: str | os.PathLike, stored: TrainConfig, stored_mech: dict[str, Any], config: TrainConfig) -> None:
+    theirs, ours = _comparable(stored), _comparable(config)
+    diffs = [_diff(k, theirs[k], v) for k, v in ours.items()
+             if k not in RESUME_MAY_CHANGE and k not in _MECHANISM_FLAGS and v != theirs[k]]
+    if dataclasses.replace(stored.recipe, amp_impl=config.recipe.amp_impl) == config.recipe:
+        diffs += _mechanism_diffs(theirs, stored_mech, ours, config)  # (another recipe is named above)
+    if diffs:
+        raise CheckpointError(
+            f"--resume {path}: the checkpoint is from a different run: " + "; ".join(diffs)
+            + ". Drop these flags to continue the run as it was saved (a resume may change only "
+            + ", ".join("--" + k.replace("_", "-") for k in RESUME_MAY_CHANGE) + ")"
+        )
+
+
+def _comparable(config: TrainConfig) -> dict[str, Any]:
+    flags = config.flags()
+    flags["strategy"] = distributed.resolve_strategy(flags["strategy"])
+    return flags
+
+
+def _diff(flag: str, theirs: Any, ours: Any) -> str:
+    return f"--{flag.replace('_', '-')} {theirs!r} in the checkpoint vs {ours!r} now"
+
+
+def _mechanism_diffs(theirs: dict[str, Any], stored_mech: dict[str, Any], ours: dict[str, Any],
+                     config: TrainConfig) -> list[str]:
+    """What differs between the mechanism the checkpoint ran and the one ``config`` resolves to here."""
+    recipe = build_recipe(config.recipe, device=hardware.resolve_device(config.run.device), seed=config.run.seed)
+    now = mechanism(recipe)
+    changed = [f"{k} {now.get(k)} instead of {v}" for k, v in stored_mech.items() if now.get(k) != v]
+    if not changed:
+        return []
+    typed = [_diff(k, theirs[k], ours[k]) for k in _MECHANISM_FLAGS if theirs[k] != ours[k]]
+    cause = "; ".join(typed) or (f"--device {ours['device']!r} with --amp-impl {ours['amp_impl']!r} resolves "
+                                 f"differently on this machine (pass --amp-impl {stored_mech['impl']} to keep it)")
+    return [f"{cause} ({recipe.name} would run with {', '.join(changed)})"]

@@ -1,0 +1,211 @@
+"""`mixprec train --resume DIR`: the run continues with its own config; typed flags may change only what a
+resume may change, compared after normalising aliases and by the mechanism they resolve to, and a refused
+resume builds nothing. Most checks read a checkpoint an older mixprec wrote (tests/fixtures), so they need no
+training."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import mixprec.train.build as build_mod
+from mixprec import hardware
+from mixprec.cli import build_parser
+from mixprec.errors import CheckpointError, ConfigError
+from mixprec.precision import build_recipe
+from mixprec.train.args import typed_flags
+from mixprec.train.build import build_run
+from mixprec.train.checkpoint import load_checkpoint, mechanism, save_checkpoint
+from mixprec.train.config import TrainConfig
+from mixprec.train.resume import RESUME_MAY_CHANGE, resume_config
+
+FIXTURE = Path(__file__).parent / "fixtures" / "main_d16a38d_bf16_digits_mlp.pt"
+"""Written by main at d16a38d: `--precision bf16 --dataset digits --model mlp --width 8 --depth 1 --batch-size 256
+--epochs 2 --max-steps 3 --log-every 0 --progress off --out run` (see tests/fixtures/README.md)."""
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A copy of the fixture checkpoint in ``tmp_path/run`` (its stored ``--out``); returns the folder."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(FIXTURE, run / "last.pt")
+    return run
+
+
+def _crafted(tmp_path, *, config: dict, mech: dict | None) -> Path:
+    """The fixture with another stored config / mechanism (for the checks that read only those)."""
+    ck = torch.load(FIXTURE, weights_only=True)
+    ck = {k: v for k, v in ck.items() if k not in ("format", "version", "digest")}
+    ck["config"] = config
+    if mech is not None:
+        ck["mechanism"] = mech
+    save_checkpoint(tmp_path / "crafted" / "last.pt", ck)
+    return tmp_path / "crafted"
+
+
+def test_a_resume_takes_the_checkpoints_config_and_only_the_typed_flags(saved):
+    stored = TrainConfig.from_dict(torch.load(saved / "last.pt", weights_only=True)["config"])
+    config = resume_config({"resume": str(saved), "epochs": 7, "log_every": 2})
+    assert config == stored.with_flags(epochs=7, log_every=2, resume=str(saved), overwrite=False)
+    assert config.recipe.precision == "bf16-mixed"  # the fixture stored the alias it was given: bf16
+    assert (config.model.width, config.optim.batch_size, config.optim.max_steps, config.run.out) == (8, 256, 3, "run")
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "bf16-mixed", "BF16"])
+def test_recipe_aliases_are_the_same_run(saved, spelling):
+    assert resume_config({"resume": str(saved), "precision": spelling}).recipe.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("typed, named", [
+    ({"precision": "fp16-mixed"}, "--precision 'bf16-mixed' in the checkpoint vs 'fp16-mixed' now"),
+    ({"lr": 0.5}, "--lr 0.01 in the checkpoint vs 0.5 now"),
+    ({"batch_size": 32}, "--batch-size 256 in the checkpoint vs 32 now"),
+    ({"seed": 1}, "--seed 0 in the checkpoint vs 1 now"),
+    ({"width": 16}, "--width 8 in the checkpoint vs 16 now"),
+    ({"compile": True}, "--compile False in the checkpoint vs True now"),
+    ({"amp_impl": "scratch"}, "--amp-impl 'auto' in the checkpoint vs 'scratch' now (bf16-mixed would run with "
+                              "impl scratch instead of native)"),
+])
+def test_a_change_of_numerics_is_refused_naming_the_flag_and_both_values(saved, typed, named):
+    with pytest.raises(CheckpointError) as e:
+        resume_config({"resume": str(saved), "epochs": 4, **typed})
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_refused_flag_is_named_at_once(saved):
+    with pytest.raises(CheckpointError) as e:
+        resume_config({"resume": str(saved), "lr": 0.5, "seed": 2, "momentum": 0.9, "epochs": 9})
+    msg = str(e.value)
+    assert all(f in msg for f in ("--lr 0.01", "--seed 0", "--momentum 0.0")) and "--epochs" not in msg.split(".")[0]
+
+
+MAY_CHANGE_VALUES = {
+    "epochs": 9, "max_steps": None, "out": "elsewhere", "checkpoint_every": 2, "resume": None, "overwrite": True,
+    "metrics_json": "m.json", "log_every": 1, "progress": "on", "data_dir": "/data", "data_path": "/text",
+    "num_workers": 2, "limit_test": 10, "check_consistency": 5, "max_consecutive_skips": 3,
+}
+
+
+def test_every_flag_a_resume_may_change_is_accepted(saved):
+    assert set(MAY_CHANGE_VALUES) == set(RESUME_MAY_CHANGE)  # a new entry needs a value here
+    for flag, value in MAY_CHANGE_VALUES.items():
+        typed = {"resume": str(saved), flag: value} if flag != "resume" else {"resume": str(saved)}
+        config = resume_config(typed)
+        assert config.flags()[flag] == (value if flag != "resume" else str(saved)), flag
+
+
+def test_device_may_change_where_the_mechanism_stays(saved):
+    """bf16-mixed resolves to native bf16 on every device, so --device cpu continues a run of --device auto."""
+    config = resume_config({"resume": str(saved), "device": "cpu"})
+    assert config.run.device == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            resume_config({"resume": str(saved), "device": "cuda"})
+
+
+def test_device_change_that_changes_what_auto_picks_is_refused(tmp_path):
+    """A fp16-mixed run on a GPU (native fp16) moved to this CPU: the same run only where this CPU has fast fp16
+    (then auto picks native too); elsewhere auto picks the scratch engine's emulation, a different run."""
+    gpu_like = mechanism(build_recipe("fp16-mixed", device="cpu", amp_impl="native"))  # native fp16, as on CUDA
+    assert gpu_like["impl"] == "native" and gpu_like["matmul_dtype"] == "fp16"
+    stored = TrainConfig.from_flags(precision="fp16-mixed", dataset="digits", model="mlp", device="cuda")
+    path = _crafted(tmp_path, config=stored.to_dict(), mech=gpu_like)
+    if hardware.has_fast_fp16(torch.device("cpu")):
+        assert resume_config({"resume": str(path), "device": "cpu"}).run.device == "cpu"
+    else:
+        with pytest.raises(CheckpointError, match=r"--device 'cuda' in the checkpoint vs 'cpu' now \(fp16-mixed "
+                                                  r"would run with impl scratch instead of native"):
+            resume_config({"resume": str(path), "device": "cpu"})
+
+
+def test_a_machine_where_auto_resolves_differently_is_refused_even_without_flags(tmp_path):
+    stored = TrainConfig.from_flags(precision="bf16-mixed", dataset="digits", model="mlp")
+    path = _crafted(tmp_path, config=stored.to_dict(), mech={"impl": "scratch"})  # as an older checkpoint records it
+    with pytest.raises(CheckpointError, match=r"resolves differently on this machine \(pass --amp-impl scratch"):
+        resume_config({"resume": str(path)})
+    assert resume_config({"resume": str(path), "amp_impl": "scratch"}).recipe.amp_impl == "scratch"
+
+
+def test_a_refused_resume_builds_nothing(cli, saved, monkeypatch):
+    built = []
+    monkeypatch.setattr(build_mod, "load_data", lambda *a, **k: built.append("data"))
+    monkeypatch.setattr(build_mod, "model_from_config", lambda *a, **k: built.append("model"))
+    monkeypatch.setattr(build_mod.distributed, "setup", lambda *a, **k: built.append("process group"))
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("mmap")) or real_load(*a, **k))
+    code, _, err = cli("train", "--resume", saved, "--lr", "1")
+    assert code == 2 and "--lr 0.01 in the checkpoint vs 1.0 now" in err
+    with pytest.raises(CheckpointError, match="--lr"):  # the Python API: build_run checks first
+        build_run(TrainConfig.from_dict(real_load(saved / "last.pt", weights_only=True)["config"])
+                  .with_flags(resume=str(saved), lr=1.0))
+    assert built == [] and loads == [True, True]  # the stored config was read without reading tensors
+
+
+def test_only_the_flags_typed_on_the_command_line_are_seen():
+    parse = build_parser().parse_args
+    assert typed_flags(parse(["train", "--resume", "r", "--epochs", "5"])) == {"resume": "r", "epochs": 5}
+    assert typed_flags(parse(["train", "--epochs", "5", "--max-steps", "none"])) == {"epochs": 5, "max_steps": None}
+    assert typed_flags(parse(["train", "--stochastic-rounding"])) == {"stochastic_rounding": True}
+    doctor = typed_flags(parse(["doctor", "--epochs", "5"]))  # doctor (and bench) get every flag, defaults filled
+    assert doctor["epochs"] == 5 and doctor["lr"] == TrainConfig().optim.lr and doctor["keep_fp32"] == ()
+
+
+def test_help_shows_the_config_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    d = TrainConfig()
+    for flag, value in [("--init-scale", f"{d.recipe.scaler.init_scale:g}"), ("--lr", f"{d.optim.lr:g}"),
+                        ("--growth-interval", d.recipe.scaler.growth_interval), ("--model", d.model.name)]:
+        assert f"(default {value})" in text.split(flag + " ", 2)[-1].split(" --")[0], flag
+
+
+def test_resuming_a_complete_run_says_how_to_extend_it(cli, saved, monkeypatch):
+    monkeypatch.chdir(saved.parent)
+    before = (saved / "last.pt").read_bytes()
+    code, out, err = cli("train", "--resume", "run")
+    assert code == 0, err
+    assert ("the run is already complete at step 3 (--epochs 2, --max-steps 3): pass a larger --epochs or "
+            "--max-steps (none: no limit) to train further") in out
+    assert (saved / "last.pt").read_bytes() == before
+
+
+@pytest.mark.slow
+def test_readme_resume_example_works_as_written(cli, tmp_path, monkeypatch):
+    """README: `mixprec train --precision bf16-mixed --model mlp --epochs 5 --out runs/mlp --metrics-json
+    runs/mlp.json`, then `mixprec train --resume runs/mlp --epochs 10` — bit-identical to 10 epochs straight."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--dataset", "synthetic", "--synthetic-train", "256", "--synthetic-test", "64", "--width", "16",
+             "--log-every", "0", "--progress", "off"]
+    first = "train --precision bf16-mixed --model mlp --epochs 5 --out runs/mlp --metrics-json runs/mlp.json"
+    code, _, err = cli(*first.split(), *small)
+    assert code == 0, err
+    code, out, err = cli(*"train --resume runs/mlp --epochs 10".split())
+    assert code == 0, err
+    assert "resumed from runs/mlp at epoch 5, batch 0" in out
+    metrics = json.loads(Path("runs/mlp.json").read_text())
+    assert [e["epoch"] for e in metrics["epochs"]] == list(range(10)) and metrics["summary"]["epochs"] == 10
+    code, _, err = cli("train", "--precision", "bf16-mixed", "--model", "mlp", "--epochs", "10", "--out", "straight",
+                       *small)
+    assert code == 0, err
+    a, b = (torch.load(Path(d) / "last.pt", weights_only=True)["model"] for d in ("runs/mlp", "straight"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_by_an_older_version_resumes(cli, saved, monkeypatch):
+    """The fixture stopped at --max-steps 3 mid-epoch; `--max-steps none` lifts it and the epoch completes."""
+    monkeypatch.chdir(saved.parent)  # the fixture's stored --out is the relative folder "run"
+    code, out, err = cli("train", "--resume", "run", "--max-steps", "none", "--epochs", "1")
+    assert code == 0, err
+    assert "resumed from run at epoch 0, batch 3 (step 3)" in out
+    ck = load_checkpoint(saved)
+    steps = ck["global_step"]
+    assert (ck["epoch"], ck["batch"]) == (1, 0) and steps > 3
+    assert [h["steps"] for h in ck["history"]] == [steps]  # the interrupted epoch's record covers all its steps
+    assert ck["config"]["recipe"]["precision"] == "bf16-mixed" and ck["config"]["optim"]["max_steps"] is None
+    assert ck["mechanism"]["impl"] == "native"
