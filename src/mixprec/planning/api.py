@@ -157,9 +157,8 @@ def plan(
             (called under fake tensors: a Hugging Face ``LlamaForCausalLM(config)`` allocates nothing).
         batch: instead of a batch from the config's data: ``(inputs, targets)``, ``(in_1, ..., targets)`` or a
             dict (the model contract, :mod:`mixprec.train.contract`).
-        loss_fn: an explicit loss ``(raw output, targets)``; default: the config's loss, else the model's own
-            loss, else cross-entropy.
-        make_optimizer: ``params -> optimizer``; default: the config's optimizer.
+        loss_fn, make_optimizer: an explicit loss ``(raw output, targets)`` and ``params -> optimizer``
+            (default: the config's loss -- else the model's own, else cross-entropy -- and optimizer).
         fallback_real: when the model cannot be traced under fake tensors, run the same step for real on the
             CPU on ``fallback_batch_size`` samples and scale what grows with the batch (instead of failing).
     """
@@ -172,8 +171,7 @@ def plan(
         raise PlanError("plan(precisions=[]): name at least one recipe, e.g. --precisions fp32,bf16-mixed")
     if isinstance(model, str):  # a model name or module:factory, as --model takes it
         flags["model"], model = model, None
-    config = config or TrainConfig.from_flags(**flags)
-    config.validate()
+    (config := config or TrainConfig.from_flags(**flags)).validate()
     tgt = get_target(target)
     build, model_name, batch = _inputs(config, model, batch)
     if loss_fn is None and config.model.loss != "cross-entropy":
