@@ -170,7 +170,12 @@ class FakeModelSource:
             try:
                 with self._fake_mode, _swappable(self._fake_mode), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-                    return self._build()  # (a model may call .to() or deepcopy layers as it is built)
+                    model = self._build()  # (a model may call .to() or deepcopy layers as it is built)
+                if all(getattr(t, "fake_mode", None) is self._fake_mode for t in model.parameters()):
+                    return model
+                # deepcopy of a fake layer (nn.TransformerEncoder copies its layer) copies the fake mode too
+                self.fake_error = "its layers were deep-copied with a fake mode of their own"
+                self.path = "real-then-fake"
             except Exception as e:  # noqa: BLE001 -- any init that needs values: build for real instead
                 if not _data_dependent(e):
                     raise
@@ -294,8 +299,8 @@ def trace_step(
     totals["optimizer_state"] = optimizer_state  # the steady state's (the warm-up made it)
     totals["buffers"] = sum(b.numel() * b.element_size() for b in model.buffers())
     notes = [] if models.path != "real-then-fake" else [
-        f"the model's initialisation reads values ({models.fake_error}), so it was built for real once and "
-        "traced as a fake copy"]
+        f"the model could not be built under fake tensors ({models.fake_error}), so it was built for real once "
+        "and traced as a fake copy"]
     return StepTrace(recipe=recipe.name, label=recipe.label, batch_size=len(batch), totals=totals,
                      at_peak=_at_peak(rec), peak_bytes=rec.peak, phase_peak=dict(rec.phase_peak),
                      batch_bytes=_batch_bytes(rec), ops=rec.ops, notes=notes, path=models.path)
