@@ -10,11 +10,12 @@ cost nothing. The step time is the sum: eager PyTorch runs one op after another.
 The efficiency factors say how close real kernels come to the datasheet. **GPU targets** use fixed factors
 (:data:`GPU_EFFICIENCY`): large cuBLAS GEMMs reach about 70% of the dense tensor-core peak in bf16/fp16 and
 somewhat less in FP8, and streaming kernels about 80% of the bandwidth -- figures that vary with shapes and
-are not calibrated here (no GPU). **The cpu target** uses factors fitted by
-``benchmarks/plan_calibrate.py``: it measures real step times of calibration models (the MLP at several
-widths and the CNN, in fp32 and bf16-mixed), traces the same steps, and solves for the factors by least
-squares; its output is :data:`CPU_EFFICIENCY`'s values. The models used to check the plan
-(``benchmarks/plan_vs_measured.py``) are others.
+are not calibrated here (no GPU). **The cpu target** uses :data:`CPU_EFFICIENCY`, to be fitted by
+``benchmarks/plan_vs_measured.py --calibrate``: it measures real step times of calibration models (the MLP
+at several widths and depths, the CNN at two widths, fp32 and bf16-mixed), traces the same steps, and solves
+for the factors by non-negative least squares. The models it checks the plan on are others. Until it has
+been run on a quiet machine the values below are a starting guess, and the cpu target's step times are
+rough.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ GPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.85, "tf32": 0.7, "bf16": 0.7, "fp16"
                             source="assumed for GPUs (typical of large cuBLAS GEMMs and streaming kernels; "
                                    "not calibrated here)")
 CPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.6, "bf16": 0.35, "fp16": 0.35}, memory=0.5,
-                            source="benchmarks/plan_calibrate.py on the MLP and CNN (fp32, bf16-mixed)")
+                            source="starting guess for the cpu target, to be replaced by benchmarks/"
+                                   "plan_vs_measured.py --calibrate on a quiet machine")
 
 
 def efficiency_for(target: Target) -> Efficiency:
