@@ -122,6 +122,7 @@ from torch import nn
 from . import hardware
 from .gemm_context import no_autocast as _no_autocast
 from .gemm_context import output_dtype as _output_dtype
+from .memory import FP8_ROLE_ATTR
 
 __all__ = [
     "E4M3",
@@ -134,6 +135,7 @@ __all__ = [
     "fp8_linear",
     "fp8_scale",
     "plan_fp8_conversion",
+    "planned_gemm_path",
     "register_linear_adapter",
     "to_fp8",
     "to_fp8_as_bf16",
@@ -161,9 +163,15 @@ def fp8_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     tensor ops of :func:`_device_scale` each pay an op's overhead, a GEMM's worth on small layers); elsewhere
     on the device (no host sync). Both compute the same float64 ratio and read its exponent exactly.
     """
-    if amax.device.type == "cpu":
+    if amax.device.type == "cpu" and not _is_fake(amax):
         return torch.tensor(_host_scale(float(amax), fp8_dtype), dtype=torch.float32)
-    return _device_scale(amax, fp8_dtype)
+    return _device_scale(amax, fp8_dtype)  # also fake tensors (mixprec plan): they cannot be read on the host
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def _host_scale(amax: float, fp8_dtype: torch.dtype) -> float:
@@ -231,7 +239,7 @@ def _work_buffers(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     hold 2 x 4 bytes per element of the largest operand seen.
     Other devices have caching allocators.
     """
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" or _is_fake(t):  # fake tensors (mixprec plan): the real buffers cannot take them
         v, magic = torch.empty(t.shape, device=t.device), torch.empty(t.shape, dtype=torch.int32, device=t.device)
         return v, v.view(torch.int32), magic, magic.view(torch.float32)
     views = _WORK.__dict__.setdefault("views", {})
@@ -301,6 +309,8 @@ class _Fp8Matmul(torch.autograd.Function):
             xq, x_inv = _quantize(x, E4M3, mode)
             wq, w_inv = _quantize(weight, E4M3, mode)
             y = _gemm(xq, x_inv, wq.t(), w_inv, out_dtype, mode, bias)
+        for t, role in ((xq, "activation"), (x_inv, "scale"), (wq, "weight"), (w_inv, "scale")):
+            setattr(t, FP8_ROLE_ATTR, role)  # how mixprec.memory tells FP8 buffers from activations
         ctx.save_for_backward(xq, x_inv, wq, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mode = mode
@@ -326,6 +336,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                emulate: bool | None = None) -> torch.Tensor:
     """``F.linear`` with FP8 GEMMs. ``emulate``: None = real where the device has FP8 matmuls, else emulated;
     True = always emulate; False = require real FP8 (raises where the device lacks it)."""
+    planned = getattr(_PLANNED, "mode", None)
+    if planned is not None:
+        return _linear(x, weight, bias, planned)
     real = hardware.has_fp8_matmul(x.device)
     if emulate is False and not real:
         raise RuntimeError(
@@ -333,6 +346,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             "none; use emulate=None (auto) or emulate=True"
         )
     return _linear(x, weight, bias, "real" if real and not emulate else "emulated")
+
+
+_PLANNED = threading.local()
+
+
+@contextlib.contextmanager
+def planned_gemm_path(mode: str | None):
+    """Run every FP8 layer's GEMMs on the path ``mode`` (``"real"`` or ``"emulated"``) in this thread, whatever
+    the tensors' device: ``mixprec plan`` traces, on fake CPU tensors, the path a GPU target would take (None:
+    the device decides, as always). Restored on exit."""
+    if mode not in (None, "real", "emulated"):
+        raise ValueError(f"planned_gemm_path({mode!r}): choose 'real', 'emulated' or None")
+    prev = getattr(_PLANNED, "mode", None)
+    _PLANNED.mode = mode
+    try:
+        yield
+    finally:
+        _PLANNED.mode = prev
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:

@@ -117,9 +117,15 @@ def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
 
 
 def _implementation(params: list[torch.Tensor]) -> dict[str, bool]:
-    plain = all(type(p) in (torch.Tensor, nn.Parameter) for p in params)
+    plain = all(type(p) in (torch.Tensor, nn.Parameter) or _is_fake(p) for p in params)  # fake: mixprec plan
     fusable = plain and params and all(p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in params)
     return {"fused": True} if fusable else {"foreach": True}
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 _FUSED_DTYPES = (torch.float32,)

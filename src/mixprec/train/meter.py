@@ -105,7 +105,7 @@ class EpochMeter:
     def _memory_sample(self, tracker: SavedTensorTracker) -> MemoryReport:
         run = self.run
         rep = static_memory(run.model, run.optimizer, run.recipe.master)
-        rep.activations = tracker.nbytes
+        rep.add_saved(tracker)  # activations, autocast weight copies, FP8 buffers
         if run.device.type == "cuda":
             rep.cuda_peak_allocated = torch.cuda.max_memory_allocated(run.device)
             rep.cuda_peak_reserved = torch.cuda.max_memory_reserved(run.device)
