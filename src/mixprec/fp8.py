@@ -110,6 +110,7 @@ layout and Parameter names (state_dicts and optimizers unaffected) and runs ``fp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
