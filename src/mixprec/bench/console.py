@@ -33,6 +33,8 @@ def announce(p: Plan, machine: Machine) -> None:
             + (f" ({', '.join(s.name for s in p.to_run)})" if p.to_run else ""))
     say(f"model FLOPs per step: {flops.total * accum:,} (per batch of {base.optim.batch_size}: forward "
         f"{flops.forward:,}, backward {flops.backward:,}" + (f"; x{accum} micro-batches" if accum > 1 else "") + ")")
+    if flops.uncounted:
+        say(f"FLOPs unknown (not counted, so MFU is low by their share) for: {', '.join(flops.uncounted)}")
     say("peak matmul rate measured now: " + ", ".join(
         f"{k} {v['flops_per_s'] / 1e9:,.1f} GFLOP/s" for k, v in machine.peaks.items()))
     for name in p.recipes:

@@ -200,10 +200,12 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "",
         *[f"- {k}: {_fmt_rate(v.get('flops_per_s'))} (n={v.get('n')})" for k, v in doc["peaks"].items()],
         "",
-        f"Model FLOPs per step (FlopCounterMode, batch {train['optim']['batch_size']}): forward "
+        f"Model FLOPs per step (FlopCounterMode with mixprec.flops' formulas, batch {train['optim']['batch_size']}): forward "
         f"{fmt(fl.get('forward'), ',')}, backward {fmt(fl.get('backward'), ',')}, total {fmt(fl.get('total'), ',')}"
         + (f"; x{fl['micro_batches_per_step']} micro-batches = {fmt(fl.get('per_step'), ',')} per optimizer step"
-           if (number(fl.get("micro_batches_per_step")) or 1) > 1 else "") + ".",
+           if (number(fl.get("micro_batches_per_step")) or 1) > 1 else "") + "."
+        + (f" FLOPs unknown (not counted, MFU is low by their share) for: {', '.join(fl['uncounted'])}."
+           if fl.get("uncounted") else ""),
         "",
         *_invocation_lines(doc.get("invocations") or []),
         "## Method",

@@ -45,6 +45,7 @@ from ..train.build import Run, build_run, probe
 from ..train.config import TrainConfig
 from ..train.contract import Batch, Objective, as_batch, parse_output
 from ..train.data.sources import UserBatches
+from ..train.outputs import check_folder
 from ..train.step import train_step
 from .attribution import ModuleTracker
 from .block_formats import BlockFormatConfig, BlockFormatProbe
@@ -297,7 +298,7 @@ def _observe_step(run: Run, watch: _Watch, step: int, batch: Batch, scale: float
         except NonFiniteError:
             loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
     if observe:
-        watch.pmap = watch.map_sink.result()
+        watch.pmap = watch.map_sink.result(run.model)
     bad_params = not skipped and not stopped and not _all_finite(run.model.parameters())
     cause = None
     if skipped or stopped or bad_params or not math.isfinite(loss_value):
@@ -376,6 +377,8 @@ def diagnose(
         out: also write doctor.json and the PNG plots into this folder.
     """
     block_formats = BlockFormatConfig.coerce(block_formats)  # a bad format name fails before anything is built
+    if out is not None:
+        check_folder(out, "out")  # before the diagnosis, as the CLI's --out
     run = _user_run(model, batch, loss_fn, precision=precision, optimizer=optimizer, lr=lr, device=device,
                     amp_impl=amp_impl, init_scale=init_scale, growth_interval=growth_interval,
                     stochastic_rounding=stochastic_rounding, keep_fp32=tuple(keep_fp32),
@@ -412,7 +415,7 @@ def precision_map(model: nn.Module, batch: Any, loss_fn: Callable | None = None,
             train_step(run.ctx, first, step=0)
         except NonFiniteError:
             pass  # the map of what ran so far is still the answer
-    return sink.result()
+    return sink.result(run.model)
 
 
 def range_profile(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,

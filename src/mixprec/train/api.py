@@ -37,8 +37,12 @@ def fit(model: nn.Module | Callable | str = "mlp", data: Any = "fashion-mnist", 
         loss: ``loss(model output, targets) -> scalar`` (the raw output: a tensor, a tuple, a ``ModelOutput``);
             default: the loss the model returns, else the task's (cross-entropy, BCE, MSE; see ``task``).
         flags: any ``mixprec train`` flag by its Python name (``epochs``, ``batch_size``, ``lr``, ``out``,
-            ``task="regression"``...).
+            ``task="regression"``...); ``optimizer`` may also be a factory ``(params, [lr, ...]) ->
+            torch.optim.Optimizer`` defined at the top level of a module (it is stored by reference, as
+            ``--optimizer module:callable``).
     """
+    if callable(flags.get("optimizer")):
+        flags["optimizer"] = reference_of(flags["optimizer"], "--optimizer")
     instance = model if isinstance(model, nn.Module) else None
     names = {"model": type(model).__name__ if instance is not None else _name(model, "--model"),
              "dataset": _name(data, "--dataset") if not isinstance(data, (tuple, list)) else "user data"}

@@ -34,14 +34,15 @@ from .data.builtin import load_dataset
 from .data.protocol import DataError, DataSource, Loader
 from .data.sources import user_data
 from .models import build_model
-from .outputs import check_outputs
-from .resume import check_resume
+from .outputs import OutputLock, check_outputs
+from .resume import check_resume, stored_config
+from .schedule import LRSchedule, planned_steps
 from .step import StepContext
 from .tasks import LossOnly, Task, check_fit, infer_task, make_task
 from .usercode import UserCodeError, call_declared, is_reference, load_callable
 
-__all__ = ["Run", "build_run", "optimizer_factory", "load_data", "model_from_config", "loss_from_config",
-           "cross_entropy", "probe"]
+__all__ = ["Run", "build_run", "build_schedule", "optimizer_factory", "load_data", "model_from_config",
+           "loss_from_config", "cross_entropy", "probe"]
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -59,6 +60,10 @@ class Run:
     """This rank's training batches: ``set_epoch(epoch)``, ``iter_from(batch)``, ``__iter__``, ``__len__``."""
     ctx: StepContext
     """What a step needs: model, recipe, optimizer, objective (call, task, loss), device, clip."""
+    schedule: LRSchedule | None = None
+    """The learning-rate schedule the loop applies before every optimizer step (None: the rate stays)."""
+    lock: OutputLock | None = None
+    """This process's hold on ``--out`` (the writing rank of a run with one); :func:`train` releases it."""
     notes: tuple[str, ...] = ()
     """What the run says once at its start about the data and the model contract (dtypes converted, keys
     left out of the call, labels not passed to a model that would shift them twice)."""
@@ -104,13 +109,20 @@ def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
     scaling stays exact: both GradScaler and mixprec's DynamicLossScaler hand a fused optimizer its
     ``found_inf`` and report the skip.
     FSDP's sharded (DTensor) parameters and low-precision parameters get the foreach implementation.
+    ``--optimizer module:callable``: the user's factory (:mod:`.optimizers`), imported and checked now.
     """
+
+    if is_reference(config.optimizer):
+        from .optimizers import user_optimizer_factory
+
+        return user_optimizer_factory(config)
+    betas = {} if config.betas is None else {"betas": tuple(config.betas)}
 
     def make(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
         params = list(params)
         kind = _implementation(params)
         if config.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, **kind)
+            return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, **betas, **kind)
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay,
                                **kind)
 
@@ -118,14 +130,42 @@ def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
 
 
 def _implementation(params: list[torch.Tensor]) -> dict[str, bool]:
-    plain = all(type(p) in (torch.Tensor, nn.Parameter) for p in params)
+    plain = all(type(p) in (torch.Tensor, nn.Parameter) or _is_fake(p) for p in params)  # fake: mixprec plan
     fusable = plain and params and all(p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in params)
     return {"fused": True} if fusable else {"foreach": True}
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 _FUSED_DTYPES = (torch.float32,)
 """fp32 only: torch 2.13's fused CPU SGD on bf16 parameters (bf16-true) did not learn digits where the for-loop
 implementation does (tests/test_recipes.py); low-precision params get foreach."""
+
+
+def build_schedule(config: TrainConfig, optimizer: torch.optim.Optimizer,
+                   batches_per_epoch: int) -> tuple[TrainConfig, LRSchedule | None]:
+    """The run's schedule over ``optimizer``'s groups, and the config with its total steps fixed.
+
+    A cosine/linear schedule without ``--lr-total-steps`` spans the run's planned optimizer steps; the number
+    goes into the config (so checkpoints and ``--metrics-json`` hold it). A resumed run takes the
+    checkpoint's number instead, so extending ``--epochs``/``--max-steps`` does not re-shape the schedule.
+    """
+    o = config.optim
+    if o.lr_schedule == "constant" and not o.lr_warmup_steps:
+        return config, None
+    total = o.lr_total_steps
+    if o.lr_schedule != "constant" and total is None:
+        stored = stored_config(config.run.resume) if config.run.resume else None
+        total = stored.optim.lr_total_steps if stored is not None else None
+        total = total or planned_steps(o.epochs, batches_per_epoch, o.grad_accum, o.max_steps)
+        config = config.with_flags(lr_total_steps=total)
+    schedule = LRSchedule.for_optimizer(optimizer, kind=o.lr_schedule, lr=o.lr, warmup_steps=o.lr_warmup_steps,
+                                        min_lr=o.min_lr, total_steps=total)
+    return config, schedule
 
 
 def load_data(config: DataConfig, *, seed: int, block_size: int = 64) -> DataSource:
@@ -390,9 +430,10 @@ def build_run(
             ``loss_fn(output, targets)`` gets the model's raw output (the explicit ``--loss`` of the contract).
     """
     config.validate()
-    check_outputs(config.run)
+    lock = check_outputs(config.run, lock=True)
     check_resume(config)
     config = config.with_flags(strategy=distributed.resolve_strategy(config.run.strategy))
+    make_optimizer = make_optimizer or optimizer_factory(config.optim)  # a user factory is imported now
     seed = config.run.seed
     env, device = distributed.setup(config.run.strategy, hardware.resolve_device(config.run.device))
     recipe = build_recipe(config.recipe, device=device, seed=seed, world_size=env.world_size)
@@ -414,10 +455,11 @@ def build_run(
     if config.run.compile:
         recipe.check_compile()
         model.compile()  # in place: state-dict keys and the module object stay the same
-    optimizer = recipe.build_optimizer(model, make_optimizer or optimizer_factory(config.optim))
+    optimizer = recipe.build_optimizer(model, make_optimizer)
     loader = data.loader(config.optim.batch_size, seed=seed, rank=env.rank, world_size=env.world_size,
                          num_workers=config.data.num_workers, device=device)
+    config, schedule = build_schedule(config, optimizer, len(loader))
     ctx = StepContext(model=model, recipe=recipe, optimizer=optimizer, objective=objective,
                       device=device, clip_grad_norm=config.optim.clip_grad_norm)
-    return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx,
+    return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx, schedule=schedule, lock=lock,
                notes=tuple(data.notes) + tuple(notes))

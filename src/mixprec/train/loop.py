@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Iterator
 
 import torch
@@ -23,9 +24,10 @@ from .build import Run, build_run
 from .checkpointer import Checkpointer, TrainState
 from .config import TrainConfig
 from .contract import as_batch
-from .meter import EpochMeter
-from .report import Reporter, summary_table
-from .results import METRIC_KEYS, RunSummary, TrainResult
+from .meter import EpochMeter, test_metrics
+from .report import Reporter, quality, summary_table
+from .results import METRIC_KEYS, EvalRecord, RunSummary, TrainResult
+from .schedule import planned_steps
 from .step import accumulate_step, compile_warmup, evaluate
 from .stops import StopRules
 
@@ -56,7 +58,7 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
             state.skipped_total += meter.skipped
             if meter.n_steps == 0:  # an old checkpoint taken at the end of this epoch: go on with the next
                 continue
-            rec = meter.record(epoch, epoch_time, *evaluate(run.ctx, run.data))
+            rec = meter.record(epoch, epoch_time, *_epoch_evaluation(run, state))
             state.history.append(rec)
             reporter.epoch_done(rec, run.recipe.name)
             stopped = stopped or checkpointer.after_epoch(state, epoch, meter) or StopRules.after_epoch(rec)
@@ -66,14 +68,17 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
         reporter.error(stopped)
     summary = summarize(run, state, stopped, compile_time_s=compile_time)
     reporter.summary(summary_table([summary]))
-    _write_metrics(run, state.history, summary)
-    return TrainResult(history=state.history, summary=summary, stopped=stopped)
+    _write_metrics(run, state, summary)
+    if run.lock is not None:  # the folder is complete: another run may write it now
+        run.lock.release()
+    return TrainResult(history=state.history, summary=summary, stopped=stopped, evals=state.evals)
 
 
 def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpointer: Checkpointer,
                  reporter: Reporter, bar) -> tuple[EpochMeter, str | None]:
     """The steps of one epoch; returns its meter and why the run must stop (or None)."""
     loader, accum, log_every = run.train_loader, run.config.optim.grad_accum, run.config.run.log_every
+    eval_every = run.config.run.eval_every
     loader.set_epoch(epoch)
     first, state.batch = state.batch, 0  # a resumed epoch starts mid-way, the next ones at 0
     partial, state.partial = state.partial, None
@@ -84,6 +89,8 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
         if state.global_step >= total:
             break
         tracker = meter.tracker_for(batch_idx)
+        if run.schedule is not None:
+            run.schedule.apply(run.optimizer, state.global_step)
         try:
             loss, res = accumulate_step(run.ctx, micro_batches, step=state.global_step, tracker=tracker)
         except NonFiniteError as e:
@@ -96,6 +103,9 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
             reporter.log(f"Epoch: {epoch}, Batch: {batch_idx}, "
                          f"Loss: {distributed.mean_over_ranks(loss).item():.4f}")
         bar.advance()
+        if eval_every and state.global_step % eval_every == 0:
+            with meter.paused():
+                _evaluate_mid_run(run, state, epoch, reporter)
         stop = stops.after_step(state, meter.skipped)
         if stop:  # the state is the last good one (skipped steps change nothing): keep it
             return meter, (checkpointer.save(state, epoch, meter.pos, meter) or stop)
@@ -103,6 +113,25 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
         if stop:
             return meter, stop
     return meter, None
+
+
+def _evaluate_mid_run(run: Run, state: TrainState, epoch: int, reporter: Reporter) -> None:
+    """An ``--eval-every`` evaluation: its record goes to ``state.evals`` (and checkpoints, the JSON)."""
+    t0 = time.perf_counter()
+    metrics, loss = state.last_eval = evaluate(run.ctx, run.data)
+    lr = run.optimizer.param_groups[0]["lr"]
+    rec = EvalRecord(step=state.global_step, epoch=epoch, lr=float(lr), **test_metrics(run.task, metrics, loss),
+                     eval_time_s=time.perf_counter() - t0)
+    state.evals.append(rec)
+    reporter.info(f"[{run.recipe.name}] step {rec.step} (epoch {epoch}): {quality(rec)}, lr {rec.lr:.3g}")
+
+
+def _epoch_evaluation(run: Run, state: TrainState) -> tuple[dict[str, float | None], float]:
+    """The end-of-epoch evaluation, unless ``--eval-every`` just evaluated this very step."""
+    last = state.last_eval
+    if state.evals and state.evals[-1].step == state.global_step and last is not None:
+        return last
+    return evaluate(run.ctx, run.data)
 
 
 def _compile(run: Run, reporter: Reporter) -> float:
@@ -136,8 +165,7 @@ def _step_batches(loader, accum: int, first: int) -> Iterator[tuple[int, list]]:
 
 def _total_steps(run: Run) -> int:
     cfg = run.config.optim
-    total = math.ceil(len(run.train_loader) / cfg.grad_accum) * cfg.epochs
-    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+    return planned_steps(cfg.epochs, len(run.train_loader), cfg.grad_accum, cfg.max_steps)
 
 
 def _complete(run: Run, step: int) -> str:
@@ -158,6 +186,8 @@ def _announce(run: Run, reporter: Reporter) -> None:
     )
     for note in run.notes:
         reporter.info(note)
+    if run.schedule is not None:
+        reporter.info(run.schedule.describe())
     if run.world_size > 1 or cfg.optim.grad_accum > 1:
         per_step = cfg.optim.batch_size * cfg.optim.grad_accum * run.world_size
         reporter.info(
@@ -185,12 +215,13 @@ def summarize(run: Run, state: TrainState, stopped: str | None, *, compile_time_
         compile_time_s=compile_time_s, task=run.task.name, metric=METRIC_KEYS[run.task.main])
 
 
-def _write_metrics(run: Run, history: list, summary: RunSummary) -> None:
+def _write_metrics(run: Run, state: TrainState, summary: RunSummary) -> None:
     path = run.config.run.metrics_json
     if not path or run.rank != 0:
         return
     write_json(path, {"config": run.config.to_dict(), "environment": hardware.environment(run.device),
-                      "recipe": run.recipe.describe(), "epochs": history, "summary": summary})
+                      "recipe": run.recipe.describe(), "epochs": state.history, "evals": state.evals,
+                      "summary": summary})
 
 
 if __name__ == "__main__":  # pragma: no cover

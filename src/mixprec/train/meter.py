@@ -7,7 +7,9 @@ epoch record reads them once at the end. Step times are wall-clock differences b
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,11 +106,24 @@ class EpochMeter:
     def _memory_sample(self, tracker: SavedTensorTracker) -> MemoryReport:
         run = self.run
         rep = static_memory(run.model, run.optimizer, run.recipe.master)
-        rep.activations = tracker.nbytes
+        rep.add_saved(tracker)  # activations, autocast weight copies, FP8 buffers
         if run.device.type == "cuda":
             rep.cuda_peak_allocated = torch.cuda.max_memory_allocated(run.device)
             rep.cuda_peak_reserved = torch.cuda.max_memory_reserved(run.device)
         return rep
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave what runs inside (a mid-epoch evaluation) out of the epoch's time and the next step's time."""
+        hardware.synchronize(self.run.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            hardware.synchronize(self.run.device)
+            pause = time.perf_counter() - t0
+            self.t_start += pause
+            self.t_prev += pause
 
     def elapsed(self) -> float:
         """Wall time of the epoch's steps (synchronized; the slowest rank's under torchrun)."""

@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-__all__ = ["EpochRecord", "RunSummary", "TrainResult"]
+__all__ = ["EpochRecord", "EvalRecord", "RunSummary", "TrainResult"]
 
 
 class _Record(Mapping):
@@ -140,6 +140,52 @@ class EpochRecord(_Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalRecord(_Record):
+    """One ``--eval-every`` evaluation of the test split, mid-epoch or not; its metrics as in
+    :class:`EpochRecord`."""
+
+    _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = _TASK_FIELDS
+
+    step: int
+    """Optimizer steps taken when it was evaluated."""
+    epoch: int
+    """The epoch the step belongs to (0-based)."""
+    lr: float
+    """The learning rate of the last step before it (of the first parameter group)."""
+    task: str
+    """The task (see :class:`EpochRecord`)."""
+    metric: str
+    """The key of this record that holds the task's main metric."""
+    test_loss: float
+    """Mean loss over the test split, under the recipe's autocast."""
+    test_accuracy: float | None
+    """Fraction of test samples classified right; None for regression and language models."""
+    test_f1: float | None = None
+    test_r2: float | None = None
+    test_mse: float | None = None
+    test_mae: float | None = None
+    test_token_accuracy: float | None = None
+    """Language models: fraction of next tokens predicted right."""
+    test_perplexity: float | None = None
+    """Language models: ``exp(test_loss)``."""
+    bits_per_char: float | None = None
+    """Language models on characters: ``test_loss / ln 2``."""
+    bits_per_token: float | None = None
+    """Language models on tokens: ``test_loss / ln 2``."""
+    eval_time_s: float
+    """Wall time of the evaluation (left out of the epoch's time and step times)."""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EvalRecord:
+        return cls(**{**_task_of_old(d), **d})
+
+    @property
+    def main(self) -> float | None:
+        """The value of the task's main metric."""
+        return getattr(self, self.metric)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSummary(_Record):
     """The run in one row: the summary table, ``--metrics-json``'s ``summary`` and bench's rows read it."""
 
@@ -239,3 +285,5 @@ class TrainResult:
     summary: RunSummary
     stopped: str | None = None
     """Why the run stopped early (non-finite loss, too many skipped steps), or None."""
+    evals: list[EvalRecord] = dataclasses.field(default_factory=list)
+    """The ``--eval-every`` evaluations, a resumed run's earlier ones included."""
