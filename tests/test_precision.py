@@ -273,6 +273,6 @@ def test_a_recipe_to_run_on_a_device_this_machine_lacks_is_refused_and_a_target_
     target = build_recipe("fp16-mixed", device=absent, for_target=True)
     assert target.device == torch.device(absent) and target.impl == "native"  # a GPU has fast fp16: native
     assert target.facts() == {"compute": "fp16", "params": "fp32", "loss_scaling": True, "master_weights": False,
-                              "emulated": False, "stochastic_rounding": False}
+                              "emulated": False, "stochastic_rounding": False, "fp8_impl": None}
     assert build_recipe("bf16-master", device=absent, for_target=True).facts()["master_weights"] is True
     assert build_recipe("fp32", device="cpu").device == torch.device("cpu")  # here: no flag needed

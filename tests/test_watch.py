@@ -296,3 +296,21 @@ def test_dynamic_loss_scaler_skip_is_seen(tmp_path):
     w, rep, text, _ = _run(tmp_path, mode=BACKWARD, dtype=torch.float16, scaler=scaler)
     assert rep["loss_scale_history"]["summary"]["skipped"] == 1
     assert _first_fault(rep)["event"]["phase"] == "backward"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_train_watch_flag_reports_and_changes_nothing(cli, tmp_path, precision):
+    """``mixprec train --watch N`` is the same watch over mixprec's own run: its reports appear in OUT/watch and the
+    trained weights equal an unwatched run's bit for bit (under a loss scaler too)."""
+    flags = ["train", "--dataset", "synthetic", "--synthetic-train", "256", "--synthetic-test", "64", "--model", "mlp",
+             "--width", "32", "--depth", "1", "--epochs", "2", "--precision", precision, "--log-every", "0"]
+    assert cli(*flags, "--out", tmp_path / "plain")[0] == 0
+    assert cli(*flags, "--out", tmp_path / "watched", "--watch", "3")[0] == 0
+    doc = json.loads((tmp_path / "watched" / "watch" / "watch.json").read_text())
+    assert doc["watch"]["steps"] == 8 and (tmp_path / "watched" / "watch" / "steps.csv").exists()
+    plain = torch.load(tmp_path / "plain" / "last.pt", weights_only=True)["model"]
+    watched = torch.load(tmp_path / "watched" / "last.pt", weights_only=True)["model"]
+    assert plain.keys() == watched.keys() and all(torch.equal(plain[k], watched[k]) for k in plain)
+    code, _, err = cli(*flags, "--out", tmp_path / "bad", "--watch", "0")
+    assert code == 2 and "--watch must be a positive integer" in err

@@ -192,6 +192,8 @@ def _run_arguments(add: _Flags) -> None:
     add("--check-consistency", type=_int_or_none, metavar="N",
         help="every N steps, check that all ranks hold the same loss scale, skipped-step count and parameters; "
              "stop on divergence (debug)")
+    add("--watch", type=_int_or_none, metavar="N",
+        help="watch the run with mixprec.watch, sampling every N steps (reports in OUT/watch or mixprec-watch)")
 
 
 def add_output_arguments(p: argparse.ArgumentParser, *, typed_only: bool = False) -> None:

@@ -7,6 +7,8 @@ apply to it, and only those a resume may change (:mod:`mixprec.train.resume`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
 from .args import add_output_arguments, add_train_arguments, typed_flags
 
@@ -32,7 +34,21 @@ def train_main(args: argparse.Namespace) -> int:
     typed = typed_flags(args)
     config = resume_config(typed) if typed.get("resume") is not None else TrainConfig.from_flags(**typed)
     try:
-        result = train(build_run(config))
+        run = build_run(config)
+        with _watching(run):
+            result = train(run)
     finally:
         distributed.teardown()  # leave torchrun's process group (no-op in a one-process run)
     return 1 if result.stopped else 0
+
+
+def _watching(run):
+    """``--watch N``: :func:`mixprec.watch` over the built run's model, optimizer and scaler (the same watch a
+    user's own loop gets), or nothing."""
+    every = run.config.run.watch
+    if every is None:
+        return contextlib.nullcontext()
+    from ..watching import watch
+
+    out = os.path.join(run.config.run.out, "watch") if run.config.run.out else "mixprec-watch"
+    return watch(run.model, run.optimizer, scaler=run.recipe.scaler, out=out, every=every)

@@ -222,11 +222,14 @@ class RunConfig:
     check_consistency: int | None = None
     """Every N optimizer steps, compare loss scale, skipped steps and a parameter checksum across ranks and
     stop on divergence (debug; one all-gather each time)."""
+    watch: int | None = None
+    """Watch the run with :func:`mixprec.watch`, sampling every N optimizer steps (reports in ``OUT/watch``, or
+    ``mixprec-watch`` without ``--out``); the watch never changes the numerics."""
 
     def validate(self) -> None:
         if not (is_int(self.seed) and 0 <= self.seed < 2**63):
             raise ConfigError(f"--seed must be an integer in [0, 2^63), got {self.seed!r}")
-        for flag in ("checkpoint_every", "check_consistency", "eval_every"):
+        for flag in ("checkpoint_every", "check_consistency", "eval_every", "watch"):
             positive_int(flag, getattr(self, flag), allow_none=True)
         nonnegative_int("log_every", self.log_every)
         if self.checkpoint_every is not None and self.out is None:

@@ -32,7 +32,7 @@ __all__ = ["RESUME_MAY_CHANGE", "resume_config", "check_resume", "stored_config"
 
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "out", "checkpoint_every", "resume", "overwrite", "metrics_json",
                      "log_every", "eval_every", "progress", "data_dir", "data_path", "num_workers", "limit_test",
-                     "check_consistency", "max_consecutive_skips")
+                     "check_consistency", "max_consecutive_skips", "watch")
 """Flags a resumed run may change: how long to train, where outputs go, what is shown and how often the test
 split is evaluated, where the data lies and how many processes load it, how often ranks are compared, when
 skipped steps stop the run. ``--device`` and ``--amp-impl`` may change only to values that resolve to the
