@@ -88,7 +88,7 @@ def test_every_refused_flag_is_named_at_once(saved):
 MAY_CHANGE_VALUES = {
     "epochs": 9, "max_steps": None, "out": "elsewhere", "checkpoint_every": 2, "resume": None, "overwrite": True,
     "metrics_json": "m.json", "log_every": 1, "eval_every": 7, "progress": "on", "data_dir": "/data", "data_path": "/text",
-    "num_workers": 2, "limit_test": 10, "check_consistency": 5, "max_consecutive_skips": 3,
+    "num_workers": 2, "limit_test": 10, "check_consistency": 5, "max_consecutive_skips": 3, "watch": 4,
 }
 
 
