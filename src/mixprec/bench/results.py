@@ -140,7 +140,8 @@ class MemoryProbe:
     step_peak_bytes: int | None = None
     """What one step adds at its peak above the resident state (the largest over ``repeats``)."""
     exact_activations: int | None = None
-    """The exact accounting's saved activations of the same step."""
+    """The exact accounting's bytes saved for backward in the same step (activations, autocast weight copies and
+    FP8 buffers together: :data:`mixprec.memory.SAVED_CATEGORIES`)."""
     exact_gradients: int | None = None
     """The exact accounting's gradients of the same step."""
     repeats: int | None = None
