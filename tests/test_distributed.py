@@ -24,6 +24,7 @@ import gc
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -392,3 +393,95 @@ def test_inf_on_one_rank_skips_on_every_rank_and_checks_catch_divergence(tmp_pat
         assert "ranks diverged at step 3" in r["errors"][0] and "parameter sum" in r["errors"][0]
         assert "loss scale:" not in r["errors"][0] and "skipped steps:" not in r["errors"][0]
         assert "skipped steps: rank 0 0, rank 1 1" in r["errors"][1]
+
+
+# ------------------------------------------------------------------- ranks stop together; several nodes, one host
+
+STOP = ["--dataset", "synthetic", "--synthetic-train", "512", "--synthetic-test", "64", "--synthetic-shape", "1,8,8",
+        "--model", "mlp", "--width", "32", "--depth", "1", "--epochs", "3", "--log-every", "0", "--progress", "off",
+        "--strategy", "ddp"]
+STOPS = {  # how each rule is provoked, the step every rank stops at, the step of the last.pt it leaves
+    # fp32 has no loss scaler: a non-finite loss stops the run before step 4 is applied (epoch 1, batch 0)
+    "non-finite loss": (["--lr", "1e6"], 4, 4),
+    # every scaled loss overflows fp16: three skipped steps in a row (the state is unchanged: it is saved)
+    "consecutive skips": (["--precision", "fp16-mixed", "--amp-impl", "native", "--init-scale", "1e30",
+                           "--max-consecutive-skips", "3"], 3, 3),
+    # rank 1's replica drifts at its third step: the check after step 3 stops both; the step-3 state is suspect,
+    # so the step-2 checkpoint stays
+    "ranks diverged": (["--model", "tests/userpkg/ranks.py:drifts", "--check-consistency", "1",
+                        "--checkpoint-every", "1"], 3, 2),
+}
+_RANK_STOP = re.compile(r"^mixprec: \[rank (\d+) of 2, step (\d+)\] (.*)$", re.M)
+
+
+def _launch_cmds(form: str, port: int) -> list[list[str]]:
+    """The launcher command(s) of one run: one torchrun with 2 processes, or 2 torchrun agents of 1 process each
+    on this host, joined by a static rendezvous (--node_rank) or by c10d (--rdzv-endpoint)."""
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if form == "1 node x 2":
+        return [[*run, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]]
+    if form == "2 nodes static":
+        return [[*run, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(r), "--master_addr", "127.0.0.1",
+                 "--master_port", str(port)] for r in (0, 1)]
+    assert form == "2 nodes c10d"
+    return [[*run, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             f"127.0.0.1:{port}", "--rdzv-id", f"mixprec-test-{port}"]] * 2
+
+
+def _launch(form: str, *args, timeout=240) -> tuple[list[int], str]:
+    """Run ``mixprec train ARGS`` under ``form``; returns every launcher's exit code and their output together.
+
+    The port is one the OS had free a moment ago; should another process take it before the launcher binds it
+    (the launcher's own error says "address already in use"), the run is retried on a fresh port."""
+    for _ in range(3):
+        procs = [subprocess.Popen([*cmd, "-m", "mixprec", "train", *map(str, args)], env=ENV, cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                 for cmd in _launch_cmds(form, _free_port())]
+        try:
+            outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        text = "\n".join(outs)
+        if "address already in use" not in text.lower():
+            return [p.returncode for p in procs], text
+    pytest.fail("no free port in 3 tries:\n" + text[-3000:])
+
+
+def _assert_stopped_together(codes, text, stop_step) -> list[str]:
+    """Every launcher exits 1, both ranks logged the same stop at the same step, neither rank was killed."""
+    assert codes == [1] * len(codes), (codes, text[-4000:])
+    stops = sorted(_RANK_STOP.findall(text))
+    assert [(r, int(s)) for r, s, _ in stops] == [("0", stop_step), ("1", stop_step)], text[-4000:]
+    assert stops[0][2] == stops[1][2]  # the same decision, word for word
+    # torchrun's report names each failed rank's exit code: 1 for both, never -15 (killed by the launcher's SIGTERM
+    # before it had finished; a rank that has logged and passed the final barrier ignores it and exits 1)
+    assert re.findall(r"^\s+exitcode\s+: (-?\d+)", text, re.M) == ["1", "1"], text[-4000:]
+    return [m for _, _, m in stops]
+
+
+def _state(path):
+    return torch.load(os.path.join(path, "last.pt"), weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", list(STOPS))
+def test_every_rank_stops_at_the_same_step_and_rank_0_keeps_the_last_good_state(tmp_path, rule):
+    """Each stop rule under DDP: every rank logs the same decision at the same step, rank 0 has written last.pt
+    before any rank exits (train ends in a barrier), both ranks exit 1 (none is SIGTERMed by torchrun), so the
+    launcher exits 1. The non-finite case runs three times (a race shows up as a varying outcome)."""
+    from mixprec.train.checkpoint import load_checkpoint
+
+    flags, stop_step, saved_step = STOPS[rule]
+    for attempt in range(3 if rule == "non-finite loss" else 1):
+        out = tmp_path / f"out{attempt}"
+        codes, text = _launch("1 node x 2", *STOP, *flags, "--out", out)
+        (message, _) = _assert_stopped_together(codes, text, stop_step)
+        ck = load_checkpoint(out)  # intact: digest-checked
+        assert ck["global_step"] == saved_step and ck["world_size"] == 2, (ck["global_step"], message)
+    if rule == "consecutive skips":
+        assert "3 optimizer steps in a row were skipped" in message  # not "the weights became non-finite"
+    if rule == "ranks diverged":
+        assert "ranks diverged at step 3" in message and "last.pt was not updated" in message

@@ -7,6 +7,7 @@ apply to it, and only those a resume may change (:mod:`mixprec.train.resume`).
 from __future__ import annotations
 
 import argparse
+import signal
 
 from .args import add_output_arguments, add_train_arguments, typed_flags
 
@@ -32,7 +33,19 @@ def train_main(args: argparse.Namespace) -> int:
     typed = typed_flags(args)
     config = resume_config(typed) if typed.get("resume") is not None else TrainConfig.from_flags(**typed)
     try:
-        result = train(build_run(config))
+        run = build_run(config)
+        result = train(run)
+        if run.world_size > 1:
+            _finish_together()
     finally:
         distributed.teardown()  # leave torchrun's process group (no-op in a one-process run)
     return 1 if result.stopped else 0
+
+
+def _finish_together() -> None:
+    """Every rank has logged its outcome and rank 0 has written its files (``train`` ends in a barrier): the
+    run is decided. torchrun stops the ranks still running once one exits non-zero (SIGTERM), which would
+    report a rank that merely had not finished exiting as killed (-15); from here on SIGTERM is ignored, so
+    each rank exits with the run's own code. The launcher still ends a rank that hangs on exit (SIGKILL after
+    its grace period)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -95,6 +95,7 @@ __all__ = [
     "wrap_model",
     "unwrap",
     "no_sync",
+    "barrier",
     "all_reduce_sum",
     "mean_over_ranks",
     "max_over_ranks",
@@ -273,6 +274,12 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if _active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def barrier() -> None:
+    """Wait until every rank got here (no-op on one process)."""
+    if _active():
+        dist.barrier()
 
 
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:

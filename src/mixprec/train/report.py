@@ -63,6 +63,14 @@ class Reporter:
     def error(self, msg: str) -> None:
         self._print(f"mixprec: {msg}", err=True)
 
+    def stopped(self, msg: str, *, step: int, world_size: int = 1) -> None:
+        """Why the run stops, on stderr. Under torchrun every rank logs it, prefixed with its rank and the step
+        it stopped at (the same on every rank); one process prints it as :meth:`error` does."""
+        if world_size == 1:
+            self.error(msg)
+            return
+        print(f"mixprec: [rank {self.rank} of {world_size}, step {step}] {msg}", file=sys.stderr, flush=True)
+
     def epoch_done(self, rec: EpochRecord, recipe: str) -> None:
         mem = rec.memory or {}
         self._print(
