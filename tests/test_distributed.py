@@ -485,3 +485,45 @@ def test_every_rank_stops_at_the_same_step_and_rank_0_keeps_the_last_good_state(
         assert "3 optimizer steps in a row were skipped" in message  # not "the weights became non-finite"
     if rule == "ranks diverged":
         assert "ranks diverged at step 3" in message and "last.pt was not updated" in message
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """The 1-node, 2-process reference: a whole run, and a run that stops on a non-finite loss."""
+    d = tmp_path_factory.mktemp("one_node")
+    codes, text = _launch("1 node x 2", *STOP, "--momentum", "0.9", "--out", d / "full", "--metrics-json",
+                          d / "full.json")
+    assert codes == [0], text[-3000:]
+    codes, text = _launch("1 node x 2", *STOP, *STOPS["non-finite loss"][0], "--out", d / "nonfinite")
+    _assert_stopped_together(codes, text, STOPS["non-finite loss"][1])
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["2 nodes static", "2 nodes c10d"])
+def test_two_nodes_on_one_host_train_resume_and_stop_as_one_node_does(tmp_path, one_node, form):
+    """Two torchrun agents of one process each (the README's several-machines command, both rendezvous forms):
+    global rank 0 logs and writes; a run stopped mid-epoch and resumed ends with the 1-node run's checkpoint,
+    bit for bit, and the same losses; a non-finite loss stops both nodes at the same step with the same last.pt."""
+    part = tmp_path / "part"
+    codes, text = _launch(form, *STOP, "--momentum", "0.9", "--out", part, "--max-steps", 6)  # epoch 1, batch 2
+    assert codes == [0, 0], text[-3000:]
+    assert text.count("| recipe | peak memory") == 1  # one summary: from global rank 0 only
+    assert (_state(part)["epoch"], _state(part)["batch"], _state(part)["global_step"]) == (1, 2, 6)
+    codes, text = _launch(form, "--resume", part, "--max-steps", "none", "--metrics-json", tmp_path / "m.json")
+    assert codes == [0, 0] and "resumed from" in text, text[-3000:]
+    ref, got = _state(one_node / "full"), _state(part)
+    _assert_identical(ref["model"], got["model"])
+    assert ref["global_step"] == got["global_step"] == 12 and ref["recipe"] == got["recipe"]
+    for k, v in ref["optimizer"]["state"].items():
+        _assert_identical(v, got["optimizer"]["state"][k])
+    losses = [[(e["train_loss"], e["test_loss"], e["loss_curve"]) for e in json.loads(p.read_text())["epochs"]]
+              for p in (one_node / "full.json", tmp_path / "m.json")]
+    assert losses[0] == losses[1]
+
+    flags, stop_step, _ = STOPS["non-finite loss"]
+    codes, text = _launch(form, *STOP, *flags, "--out", tmp_path / "nonfinite")
+    _assert_stopped_together(codes, text, stop_step)
+    ref, got = _state(one_node / "nonfinite"), _state(tmp_path / "nonfinite")
+    assert ref["global_step"] == got["global_step"] == stop_step
+    _assert_identical(ref["model"], got["model"])

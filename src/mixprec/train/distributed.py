@@ -99,6 +99,7 @@ __all__ = [
     "all_reduce_sum",
     "mean_over_ranks",
     "max_over_ranks",
+    "rows_over_ranks",
     "eval_shard",
     "state_dicts",
     "load_state_dicts",
@@ -291,6 +292,16 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
         out = out.float()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out / dist.get_world_size()
+
+
+def rows_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` (same shape on all), stacked in rank order: shape ``(world_size, *t.shape)``; ``t``
+    itself on one process."""
+    if not _active():
+        return t
+    rows = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, t.contiguous())
+    return torch.stack(rows)
 
 
 def max_over_ranks(x: float, device: torch.device) -> float:
