@@ -27,11 +27,13 @@ test-fast: setup data
 
 setup: $(VENV)/.installed
 
-# torch is pinned to the CPU build that lies on this machine's disk; pyproject accepts torch>=2.4.
-$(VENV)/.installed: pyproject.toml
+# torch is pinned to the CPU build that lies on this machine's disk (constraints.txt, so the test extras —
+# transformers, lightning, torchao, tensorboard — install beside it instead of pulling another torch);
+# pyproject accepts torch>=2.4.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
 data: $(FMNIST) $(FORTUNES)

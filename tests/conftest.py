@@ -45,6 +45,28 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs(options)`` mounts a fresh tmpfs (e.g. ``"ro"``, ``"size=64k"``) and returns its path: a real
+    read-only or full filesystem, so those branches run for real (EROFS, ENOSPC). Skipped where mounting is not
+    allowed (not root, or a sandbox without the capability); unmounted afterwards."""
+    mounted = []
+
+    def mount(options: str) -> Path:
+        where = tmp_path / f"mnt{len(mounted)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "mixprec-test", str(where)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount failed'})")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
 # ------------------------------------------------------------------------------ the fast tier stays fast
 
 FAST_TIER_LIMIT_S = 2.0

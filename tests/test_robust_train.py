@@ -115,30 +115,20 @@ def test_metrics_json_cannot_destroy_the_checkpoint_or_be_a_folder(cli, tmp_path
     assert _digest(out / "last.pt") == before
 
 
-@pytest.mark.parametrize("make", ["file_as_folder", "below_a_file", "read_only"])
-def test_unwritable_outputs_are_refused_before_the_first_step(cli, tmp_path, make, monkeypatch):
+@pytest.mark.parametrize("make", ["file_as_folder", "below_a_file", "read_only_filesystem"])
+def test_unwritable_outputs_are_refused_before_the_first_step(cli, tmp_path, make, monkeypatch, mount_tmpfs):
     blocker = tmp_path / "f"
     blocker.write_text("mine")
     if make == "file_as_folder":
         flags = ["--out", blocker]
     elif make == "below_a_file":
         flags = ["--metrics-json", blocker / "m.json"]
-    else:
-        ro = tmp_path / "ro"
-        ro.mkdir()
-        ro.chmod(0o500)
-        if os.geteuid() == 0:  # root writes anywhere: simulate the read-only filesystem
-            import tempfile
-
-            def refuse(*a, **k):
-                raise PermissionError(30, "Read-only file system")
-
-            monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
-        flags = ["--out", ro / "run"]
+    else:  # a real read-only filesystem (EROFS even for root); read-only folders: tests/test_permissions.py
+        flags = ["--out", mount_tmpfs("ro,size=64k") / "run"]
     steps = []
     monkeypatch.setattr(loop_mod, "accumulate_step", lambda *a, **k: steps.append(1))
     code, _, err = cli("train", *TINY, "--epochs", "1", *flags)
-    _one_line_error(code, err, match="--")
+    _one_line_error(code, err, match="Read-only file system" if make == "read_only_filesystem" else "--")
     assert steps == [] and blocker.read_text() == "mine"
 
 

@@ -10,6 +10,12 @@ Kinds, most urgent first:
 * ``switch-bf16`` -- fp16's range cannot hold these gradients at any loss scale;
 * ``master-weights`` -- updates are rounded away in low-precision weights;
 * ``keep-recipe`` -- nothing wrong found.
+
+After these, what-if advice on the block formats (:mod:`.block_formats`), which holds whatever the recipe:
+
+* ``block-format-filter`` -- layers whose SQNR in a format is far below the model's median: keep them out of
+  that format (its recipe's layer filter);
+* ``block-format-range`` -- blocks whose scale clamps at its format's limit (their values lose range).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ THRESHOLDS = {
     "underflow_gain": 0.005,  # ...if the recommended scale lowers overflow + underflow by this much
     "unfixable": 0.01,  # overflow + underflow left at the best fp16 scale that calls for bf16
     "lost_updates": 0.05,  # lost-update fraction that calls for master weights
+    "clamped_blocks": 0.001,  # fraction of a block format's blocks with a clamped scale worth a word
 }
 
 
@@ -169,4 +176,31 @@ def recommend(report: Any) -> list[dict[str, str]]:
         if low == "fp16":
             text += f"; fp16 gradient underflow at the current scale {_pct(report.gradient_fractions()['underflow'])}"
         recs.append({"kind": "keep-recipe", "text": text})
+    return recs + _block_formats(report)
+
+
+def _block_formats(report: Any) -> list[dict[str, str]]:
+    bf = getattr(report, "block_formats", None)
+    if bf is None:
+        return []
+    from .block_formats import SHORT
+
+    recs, by_format = [], {}
+    for d in bf.flagged():
+        by_format.setdefault(d["format"], {}).setdefault(d["layer"], d)  # worst cell per layer, flagged() sorts
+    for f, worst in by_format.items():
+        layers = list(worst.values())[:MAX_NAMED]
+        more = f" and {len(worst) - MAX_NAMED} more" if len(worst) > MAX_NAMED else ""
+        why = "; ".join(f"{display_path(d['layer'])} {d['tensor']} ({d['gemm']}) SQNR {d['sqnr_db']:.1f} dB vs "
+                        f"median {d['median_db']:.1f} dB" for d in layers)
+        recs.append({"kind": "block-format-filter",
+                     "text": f"keep {_names([d['layer'] for d in layers])[0]}{more} in bf16 for {SHORT[f]} (its "
+                             f"recipe's layer filter): {why}"})
+    for f, v in bf.format_totals().items():
+        w = v["most_clamped"]
+        if v["scale_clamped"] > THRESHOLDS["clamped_blocks"] and w is not None:
+            recs.append({"kind": "block-format-range",
+                         "text": f"{SHORT[f]}: {_pct(v['scale_clamped'])} of non-zero blocks need a scale beyond "
+                                 f"its scale format's range (most in {w['layer']} {w['tensor']} ({w['gemm']}): "
+                                 f"{_pct(w['scale_clamped'])}); their values lose range or flush to zero"})
     return recs

@@ -13,7 +13,9 @@ backward, unscale/step) on a run built by the trainer's one build path
    produced inf/nan; more replays classify it (a loss-scale overflow that a smaller scale avoids, or a
    fault) and, for the first fault, search the smallest set of modules to keep in fp32;
 4. ``optimizer.step`` is hooked to count lost updates (:mod:`.lost_updates`);
-5. the loss scale, skips and their causes are recorded (:mod:`.scale_history`).
+5. the loss scale, skips and their causes are recorded (:mod:`.scale_history`);
+6. the fp32 pass of the first steps also quantizes every linear layer's GEMM operands in each FP8/FP4
+   format (:mod:`.block_formats`: SQNR, clamped block scales, underflow), a what-if table per layer.
 
 The observation costs a lot more than training (an extra fp32 pass and a weight snapshot per step, a shadow
 optimizer step, replays of failed steps, a Python call per op on step 0), which is why it lives here and
@@ -28,7 +30,7 @@ import copy
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from ..train.config import TrainConfig
 from ..train.data.sources import UserBatches
 from ..train.step import train_step
 from .attribution import ModuleTracker
+from .block_formats import BlockFormatConfig, BlockFormatProbe
 from .lost_updates import LostUpdateMonitor, optimizer_param_names, same_optimizer
 from .nonfinite import NonFiniteEvent
 from .observer import OpObserver
@@ -206,8 +209,9 @@ def _locate(run: Run, pre_step: nn.Module, xb, yb, rng: tuple, step: int, scale:
 class _Watch:
     """The observers one diagnosis attaches to a run, and what they found so far."""
 
-    def __init__(self, run: Run, formats: Iterable[str]) -> None:
+    def __init__(self, run: Run, formats: Iterable[str], block_formats: BlockFormatConfig | None) -> None:
         self.tracker = ModuleTracker(run.model)
+        self.blocks = BlockFormatProbe(run.model, block_formats)
         self.map_sink = PrecisionMapSink(run.recipe.low_dtype)
         self.profiler = RangeProfiler(run.model, formats)
         self.monitor = LostUpdateMonitor(run.optimizer, optimizer_param_names(run.optimizer, run.model))
@@ -222,6 +226,7 @@ def diagnose_run(
     *,
     steps: int = 8,
     formats: Iterable[str] = DEFAULT_FORMATS,
+    block_formats: BlockFormatConfig | Sequence[str] | str | None = BlockFormatConfig(),
     replay: bool = True,
     max_analyzed: int = 3,
     title: dict[str, Any] | None = None,
@@ -232,13 +237,15 @@ def diagnose_run(
     Args:
         steps: optimizer steps to observe; the run's batches are cycled if there are fewer (a shuffling
             loader is re-shuffled per pass).
+        block_formats: the what-if formats of the block-format section (a
+            :class:`~mixprec.doctor.block_formats.BlockFormatConfig`, format names, ``"all"``), or None to skip it.
         replay: classify non-finite steps and search the minimal fp32 module set (replays a copy).
         max_analyzed: classify at most this many non-finite steps (the rest keep their first op as cause).
         title: extra facts for the report header (model name, dataset...).
     """
     if steps < 1:
         raise DoctorError(f"--steps must be >= 1, got {steps}")
-    watch = _Watch(run, formats)
+    watch = _Watch(run, formats, BlockFormatConfig.coerce(block_formats))
     scale = run.recipe.loss_scale()  # the initial scale: no step has run
     run.model.train()
     with run.recipe.run_context(), watch.monitor:
@@ -253,7 +260,8 @@ def diagnose_run(
 def _observe_step(run: Run, watch: _Watch, step: int, xb, yb, scale: float, *, replay: bool,
                   max_analyzed: int, log: Callable[[str], None] | None) -> tuple[float, bool]:
     """One watched step; returns the next step's loss scale and whether the diagnosis must stop."""
-    ref_grads = watch.profiler.observe(run.loss_fn, xb, yb)
+    with watch.blocks.watching():
+        ref_grads = watch.profiler.observe(run.loss_fn, xb, yb)
     pre_step = copy.deepcopy(run.model) if len(watch.faults) < max_analyzed else None
     rng = _rng_state(xb.device)
     stopped = False
@@ -302,6 +310,7 @@ def _report(run: Run, watch: _Watch, scale: float, title: dict[str, Any] | None)
         faults=watch.faults,
         lost_updates=watch.monitor.result(order),
         history=watch.history,
+        block_formats=watch.blocks.result(),
     )
 
 
@@ -322,6 +331,7 @@ def diagnose(
     clip_grad_norm: float | None = None,
     device: str | torch.device = "cpu",
     formats: Iterable[str] = DEFAULT_FORMATS,
+    block_formats: BlockFormatConfig | Sequence[str] | str | None = BlockFormatConfig(),
     replay: bool = True,
     out: str | None = None,
 ) -> DoctorReport:
@@ -337,14 +347,16 @@ def diagnose(
         init_scale, growth_interval: the dynamic loss scaler (fp16 recipes); defaults are
             :class:`~mixprec.scaler.ScalerConfig`'s.
         formats: formats the range profile projects onto.
+        block_formats: the block-format what-if section's formats or config (None: skip it).
         replay: classify non-finite steps and search the minimal fp32 module set.
         out: also write doctor.json and the PNG plots into this folder.
     """
+    block_formats = BlockFormatConfig.coerce(block_formats)  # a bad format name fails before anything is built
     run = _user_run(model, batch, loss_fn, precision=precision, optimizer=optimizer, lr=lr, device=device,
                     amp_impl=amp_impl, init_scale=init_scale, growth_interval=growth_interval,
                     stochastic_rounding=stochastic_rounding, keep_fp32=tuple(keep_fp32),
                     clip_grad_norm=clip_grad_norm)
-    report = diagnose_run(run, steps=steps, formats=formats, replay=replay,
+    report = diagnose_run(run, steps=steps, formats=formats, block_formats=block_formats, replay=replay,
                           title={"model": type(model).__name__, "data": run.data.name})
     if out is not None:
         report.write(out)

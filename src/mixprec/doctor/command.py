@@ -6,6 +6,7 @@ import argparse
 
 from ..errors import ConfigError
 from ..train.args import add_train_arguments, config_from_args
+from .block_formats import WHAT_IF_FORMATS, BlockFormatConfig
 
 __all__ = ["add_parser", "doctor_main"]
 
@@ -17,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "doctor",
         help="diagnose a recipe's numerics: precision map, ranges, first non-finite, lost updates",
         description="Train a few steps with every numerics check on and report: which op ran in which dtype, "
-                    "per-layer value ranges against fp16/bf16/fp8, the first op that produced inf/nan (with an "
+                    "per-layer value ranges against fp16/bf16/fp8, each linear layer's GEMM operands under every "
+                    "FP8/FP4 format (SQNR, clamped scales, underflow), the first op that produced inf/nan (with an "
                     "fp32 replay that finds the modules to keep in fp32), updates rounded away in low-precision "
                     "weights, and the loss-scale history. Writes doctor.json, report.txt and PNG plots to --out.",
     )
@@ -31,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="locate the first non-finite op of a failed step, but skip the follow-up replays "
                         "(loss-scale bisection, fp32 module search)")
     g.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    g.add_argument("--formats", default="all", metavar="LIST",
+                   help="formats of the block-format what-if table, comma-separated, from "
+                        f"{', '.join(WHAT_IF_FORMATS)} (aliases such as mxfp8, rowwise, e4m3 work); 'none' skips "
+                        "the section (default all)")
     p.set_defaults(func=doctor_main)
     return p
 
@@ -47,13 +53,14 @@ def doctor_main(args: argparse.Namespace) -> int:
     if args.strategy not in ("auto", "none"):
         raise ConfigError(f"mixprec doctor runs in one process; drop --strategy {args.strategy} (the numerics of "
                           "one rank are what it diagnoses)")
+    block_formats = BlockFormatConfig.coerce(args.formats)
     # --out is the doctor's folder here, not the trainer's checkpoint folder
     config = config_from_args(args, out=None, checkpoint_every=None, resume=None, metrics_json=None)
     r = build_run(config)
     print(f"mixprec doctor: observing {args.steps} steps of {config.model.name} on {r.data.name} "
           f"with {r.recipe.name} [{r.recipe.impl}] ...", flush=True)
     report = diagnose_run(
-        r, steps=args.steps, replay=not args.no_replay,
+        r, steps=args.steps, replay=not args.no_replay, block_formats=block_formats,
         title={"model": config.model.name, "data": r.data.name, "batch_size": config.optim.batch_size},
     )
     print(report.render())

@@ -5,6 +5,8 @@
   value, smallest normal, smallest subnormal). Gradients are drawn as stored at the current loss scale.
 * ``loss_scale.png``: the loss scale per step (log2), skipped steps marked, the loss on a second axis.
 * ``lost_updates.png``: lost-update fraction per layer.
+* ``block_formats.png``: the block-format what-if table as a heatmap: one row per (layer, tensor), one column
+  per format, colour = SQNR per dot product in dB (grey: n/a or nothing measured), flagged cells outlined.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def write_plots(report: Any, out_dir: str) -> list[str]:
                  f"{head}: gradient magnitudes x loss scale 2^{k} (as stored) vs format limits"),
         _loss_scale_plot(os.path.join(out_dir, "loss_scale.png"), report, head),
         _lost_updates_plot(os.path.join(out_dir, "lost_updates.png"), report, head),
+        _block_formats_plot(os.path.join(out_dir, "block_formats.png"), report, head),
     ]
     return [p for p in paths if p]
 
@@ -148,6 +151,45 @@ def _lost_updates_plot(path: str, report: Any, head: str) -> str | None:
     ax.set_xlabel("share of non-zero updates rounded away (low(w + d) == w)")
     ax.tick_params(axis="y", labelsize=7)
     ax.set_title(f"{head}: lost updates per layer", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _block_formats_plot(path: str, report: Any, head: str) -> str | None:
+    bf = getattr(report, "block_formats", None)
+    if bf is None or not bf.layers:
+        return None
+    import matplotlib
+    from matplotlib.patches import Rectangle
+
+    from .block_formats import SHORT
+
+    fmts, layers = bf.config.formats, bf.worst_first()
+    flagged = {(d["layer"], d["format"], d["tensor"]) for d in bf.flagged()}
+    rows = [(lr, t) for lr in layers for t in ("x", "w", "dy")]
+    cells = [[lr.tensor_cell(t, f) for f in fmts] for lr, t in rows]
+    grid = np.array([[c.sqnr_db if c.status == "ok" else np.nan for c in r] for r in cells], dtype=float)
+    top = np.nanmax(grid) if np.isfinite(grid).any() else 40.0
+    grid = np.where([[c.status == "exact" for c in r] for r in cells], top, grid)  # exact: as good as the best
+    fig = _figure(max(6.0, 0.9 * len(fmts) + 2.5), max(2.5, 0.24 * len(rows) + 1.4))
+    ax = fig.add_subplot(1, 1, 1)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+    im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, interpolation="nearest")
+    for i, r in enumerate(cells):
+        for j, c in enumerate(r):
+            label = {"ok": f"{c.sqnr_db:.0f}" if c.sqnr_db is not None else "", "exact": "exact"}.get(c.status, "n/a")
+            dark = c.status == "ok" and grid[i, j] < np.nanmin(grid) + 0.6 * (top - np.nanmin(grid))
+            ax.text(j, i, label, ha="center", va="center", fontsize=6, color="white" if dark else "black")
+            if (rows[i][0].name, fmts[j], rows[i][1]) in flagged:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="tab:red", lw=1.5))
+    ax.set_xticks(range(len(fmts)))
+    ax.set_xticklabels([SHORT[f] for f in fmts], fontsize=7, rotation=30)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{display_path(lr.name)} {t}" for lr, t in rows], fontsize=7)
+    fig.colorbar(im, ax=ax, label="SQNR per dot product (dB)")
+    ax.set_title(f"{head}: GEMM operands in each format (red: > {bf.config.flag_db:g} dB below the median)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     return path

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..jsonio import write_json, write_text
 from .attribution import display_path
+from .block_formats import SHORT, BlockFormatProfile
 from .lost_updates import LostUpdates
 from .precision_map import PrecisionMap
 from .ranges import RangeProfile
@@ -100,6 +101,8 @@ class DoctorReport:
     """:class:`~mixprec.doctor.api.FaultAnalysis` of the first non-finite steps."""
     lost_updates: LostUpdates
     history: ScaleHistory
+    block_formats: BlockFormatProfile | None = None
+    """The block-format what-if section (None: not measured)."""
 
     # -- derived facts --------------------------------------------------------------------------------
     @property
@@ -151,6 +154,7 @@ class DoctorReport:
             },
             "lost_updates": self.lost_updates.to_dict(),
             "loss_scale_history": self.history.to_dict(),
+            "block_formats": None if self.block_formats is None else self.block_formats.to_dict(),
             "recommendations": self.recommendations(),
         }
 
@@ -181,6 +185,8 @@ class DoctorReport:
         lines += self._render_nonfinite() + [""]
         lines += self._render_lost() + [""]
         lines += self._render_history() + [""]
+        if self.block_formats is not None:
+            lines += self._render_blocks() + [""]
         lines.append("Recommendations")
         for r in self.recommendations():
             lines.append(f"  - {r['text']}")
@@ -329,3 +335,54 @@ class DoctorReport:
         if len(recs) > 12:
             lines.append(f"  (steps without events omitted; all {len(recs)} in doctor.json)")
         return lines
+
+    MAX_BLOCK_LAYERS = 12
+    """Layers the block-format table shows (worst first); doctor.json has all."""
+
+    def _render_blocks(self) -> list[str]:
+        bf = self.block_formats
+        cfg, fmts = bf.config, bf.config.formats
+        lines = [f"6. Block formats, what-if (fp32 pass of {bf.steps} step(s): each linear layer's GEMM operands in "
+                 "each format, SQNR per dot product in dB)",
+                 "  x: the worse of forward (along in_features) and grad_weight (along tokens); w: of forward and "
+                 "grad_input (along out_features); dy: of grad_input and grad_weight",
+                 f"  ! = more than {cfg.flag_db:g} dB below the layers' median; e4m3, e5m2: per tensor, as fp8-mixed; "
+                 "the rest: blockformats, default scale rules"]
+        if not bf.layers:
+            return lines + ["  no linear layer ran in the observed steps"]
+        flagged = {(d["layer"], d["format"], d["tensor"]) for d in bf.flagged()}
+        shown = bf.worst_first()[:self.MAX_BLOCK_LAYERS]
+        rows, med = [], bf.medians()
+        for lr in shown:
+            for i, t in enumerate(("x", "w", "dy")):
+                label = [display_path(lr.name), f"{lr.in_features}x{lr.out_features}"] if i == 0 else ["", ""]
+                rows.append(label + [t] + [_sqnr(lr.tensor_cell(t, f), (lr.name, f, t) in flagged) for f in fmts])
+        for i, t in enumerate(("x", "w", "dy")):
+            rows.append(["median" if i == 0 else "", "", t]
+                        + ["-" if med[f][t] is None else f"{med[f][t]:.1f}" for f in fmts])
+        lines += _table(["layer", "in x out", "tensor"] + [SHORT[f] for f in fmts], rows)
+        if len(bf.layers) > len(shown):
+            lines.append(f"  ... {len(bf.layers) - len(shown)} more layers in doctor.json")
+        lines += _not_applicable_lines(bf)
+        totals = bf.format_totals()
+        lines.append("  over every layer and operand:")
+        lines += _table(["format", "blocks clamped", "flushed to 0", "subnormal", "most flushed to 0"],
+                        [[SHORT[f], _pct(v["scale_clamped"]), _pct(v["underflow"]), _pct(v["subnormal"]),
+                          "-" if not (w := v["most_underflow"]) or not w["underflow"] else
+                          f"{w['layer']} {w['tensor']} ({w['gemm']}) {_pct(w['underflow'])}"]
+                         for f, v in totals.items()], indent="    ")
+        return lines
+
+
+def _sqnr(c, flag: bool) -> str:
+    if c.status == "ok":
+        return f"{c.sqnr_db:.1f}" + ("!" if flag else "")
+    return {"exact": "exact", "n/a": "n/a"}.get(c.status, "-")
+
+
+def _not_applicable_lines(bf: BlockFormatProfile) -> list[str]:
+    by_layer: dict[str, dict[str, list[str]]] = {}
+    for name, f, reason in bf.not_applicable():
+        by_layer.setdefault(name, {}).setdefault(reason, []).append(SHORT[f])
+    return [f"  n/a {display_path(name)}: " + "; ".join(f"{', '.join(fs)}: {r}" for r, fs in reasons.items())
+            for name, reasons in by_layer.items()]

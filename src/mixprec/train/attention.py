@@ -1,13 +1,12 @@
 """Self-attention for the built-in transformer and GPT, with the attention kernel that is fast where it runs.
 
-On the CPU, PyTorch's flash-attention kernel is 4-6x *slower* in bf16 than in fp32 at this project's shapes
-(its backward above all; measured with torch 2.13, 1 thread: batch 256 x 4 heads x 17 tokens x 32 dims,
-forward + backward 53 ms in bf16 vs 8.5 ms in fp32; GPT shapes 64 tokens x 16 dims, causal: 15 ms vs 2.7 ms).
-Under autocast that one op made the whole bf16-mixed transformer step barely faster than fp32 (131 vs 148 ms)
-although its matmuls ran 4x faster. So on the CPU a bf16 q/k/v is attended in fp32 and the result cast
-back: the softmax and the two small batched matmuls cost less in fp32 than the bf16 kernel's overhead, and
-the numerics are better, not worse. fp16 is left as it is (on this CPU it is emulated with fp32 carriers, or a
-slow native fallback either way). Elsewhere (CUDA) attention runs in the input dtype, as autocast wants.
+On the CPU, PyTorch's flash-attention kernel is several times *slower* in bf16 than in fp32 at this project's
+shapes (its backward above all; the measurements are in benchmarks/README.md): under autocast that one op made
+the whole bf16-mixed transformer step barely faster than fp32 although its matmuls ran much faster. So on the
+CPU a bf16 q/k/v is attended in fp32 and the result cast back: the softmax and the two small batched matmuls
+cost less in fp32 than the bf16 kernel's overhead, and the numerics are better, not worse. fp16 is left as it
+is (emulated with fp32 carriers on CPUs without fast fp16, or the native kernels). Elsewhere (CUDA) attention
+runs in the input dtype, as autocast wants.
 The choice is made here, below both autocasts (torch's and mixprec's), so a doctor precision map shows it.
 """
 
