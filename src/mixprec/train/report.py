@@ -69,7 +69,9 @@ class Reporter:
         if world_size == 1:
             self.error(msg)
             return
-        print(f"mixprec: [rank {self.rank} of {world_size}, step {step}] {msg}", file=sys.stderr, flush=True)
+        # one write (print writes the newline apart), so the ranks' lines do not interleave on a shared stderr
+        sys.stderr.write(f"mixprec: [rank {self.rank} of {world_size}, step {step}] {msg}\n")
+        sys.stderr.flush()
 
     def epoch_done(self, rec: EpochRecord, recipe: str) -> None:
         mem = rec.memory or {}
