@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for `mixprec bench`: fp32, tf32, fp16-mixed, bf16-mixed, fp16-master and bf16-master side by side on
-# the transformer and the mlp at GPU-sized batches, on Fashion-MNIST. Budget: under 8 minutes on one recent GPU
+# the transformer and the mlp at GPU-sized batches, on Fashion-MNIST; then the FP8/FP4 recipes (fp8-mixed,
+# fp8-rowwise, mxfp8, nvfp4) on the mlp and one layer's real GEMMs against the CPU emulation (lowp_gpu_check.py). Budget: under 8 minutes on one recent GPU
 # (24 runs: 6 recipes x 2 repeats x 2 models, each a fresh process of ~10-20 s with CUDA start-up; each run is
 # capped by --timeout and the whole script by `timeout`).
 #
@@ -41,11 +42,22 @@ timeout 230 "$PY" -m mixprec bench "${COMMON[@]}" --model transformer --d-model 
 timeout 200 "$PY" -m mixprec bench "${COMMON[@]}" --model mlp --width 4096 --depth 4 --batch-size 1024 \
   --out "$OUT/mlp" || echo "mlp bench exit $?"
 
+# FP8/FP4 recipes (issue 19): the mlp at width 4096 (hidden layers multiples of 32; the 784-wide input layer is
+# not, so MX keeps it out), --fp8-impl auto (torchao where the GPU has units for the format: H100 fp8-mixed and
+# fp8-rowwise, B200 also mxfp8; scratch elsewhere); then one layer's real GEMMs against the CPU emulation. UNTESTED.
+LOWP=(--device cuda --amp-impl native --precisions bf16-mixed,fp8-mixed,fp8-rowwise,mxfp8,nvfp4 --repeats 2
+      --epochs 1 --warmup-steps 5 --timeout 60 --peak-seconds 1 --fp8-impl auto)
+if [ -n "${DATA_DIR:-}" ]; then LOWP+=(--data-dir "$DATA_DIR"); fi
+timeout 240 "$PY" -m mixprec bench "${LOWP[@]}" --model mlp --width 4096 --depth 4 --batch-size 1024 \
+  --out "$OUT/mlp-lowp" || echo "mlp-lowp bench exit $?"
+timeout 120 "$PY" benchmarks/lowp_gpu_check.py > "$OUT/lowp-real-vs-emulated.txt" 2>&1 || echo "lowp check exit $?"
+cat "$OUT/lowp-real-vs-emulated.txt" || true
+
 {
   echo "### $GPU — $(date +%Y-%m-%d)"
   echo
   echo "\`bash benchmarks/gpu_check.sh\` (torch $("$PY" -c 'import torch; print(torch.__version__)'), native amp)."
-  for m in transformer mlp; do
+  for m in transformer mlp mlp-lowp; do
     if [ -f "$OUT/$m/results.md" ]; then
       echo
       echo "#### $m"

@@ -5,20 +5,11 @@
         --precision bf16-mixed --optimizer adamw --lr 3e-3 --max-steps 200
 
 The factory declares `vocab_size` and `block_size`, which mixprec takes from the text corpus and
-`--block-size`. GPT-2's output is a `CausalLMOutput`; the wrapper returns its logits so the default
-cross-entropy (over the last dimension) applies. fp8-mixed converts GPT-2's `Conv1D` projections too.
+`--block-size`, and returns the model as it is: mixprec reads the `.logits` of its `CausalLMOutput` (README,
+"How mixprec calls your model"). GPT-2 shifts `labels=` inside forward while the corpus's targets are already
+the next characters, so mixprec does not pass them and trains it with cross-entropy on the logits (the run
+says so). fp8-mixed converts GPT-2's `Conv1D` projections too.
 """
-
-from torch import nn
-
-
-class LogitsOnly(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx):
-        return self.model(input_ids=idx).logits
 
 
 def make_gpt2(vocab_size, block_size):
@@ -27,7 +18,7 @@ def make_gpt2(vocab_size, block_size):
     config = GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=64, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
                         eos_token_id=None)
-    return LogitsOnly(GPT2LMHeadModel(config))
+    return GPT2LMHeadModel(config)
 
 
 if __name__ == "__main__":

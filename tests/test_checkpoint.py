@@ -72,11 +72,12 @@ def test_killed_run_resumes_bit_identically(tmp_path):
     assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
     ck = load_checkpoint(killed)
     assert 0 < ck["global_step"] < total
-    leftovers = [f for f in os.listdir(killed) if f != "last.pt"]
+    leftovers = [f for f in os.listdir(killed) if f not in ("last.pt", ".mixprec.lock")]  # the lock: stale now
     assert not [f for f in leftovers if not f.endswith(".tmp")]  # only last.pt (a killed write may leave a .tmp)
     r = subprocess.run([sys.executable, "-m", "mixprec", "train", "--resume", str(killed)],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
+    assert os.listdir(killed) == ["last.pt"]  # the killed run's lock taken over and released, temporaries cleaned
     _assert_identical(_params(full / "last.pt"), _params(killed / "last.pt"))
 
 
@@ -127,3 +128,60 @@ def test_bad_resume_exits_2_and_leaves_the_run_untouched(cli, tmp_path):
     code, _, err = cli("train", "--dataset", "digits", "--precision", "fp32", "--resume", out)
     assert code == 2 and "--precision 'bf16-mixed' in the checkpoint vs 'fp32' now" in err
     assert (out / "last.pt").read_bytes() == before
+
+
+# ---------------------------------------------------------------------- refusals that say what is wrong
+
+V1_FIXTURE = Path(__file__).parent / "fixtures" / "main_9dc6817_fp16_digits_mlp_v1.pt"  # a real version-1 file
+
+
+def _copy(src: Path, folder: Path) -> Path:
+    folder.mkdir()
+    shutil.copy(src, folder / "last.pt")
+    return folder
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_names_each_tensor_and_both_shapes(tmp_path):
+    """The refusal used to end in torch's "Error(s) in loading state_dict for MLP:", the reasons cut off."""
+    from mixprec.train.resume import resume_config
+
+    ck = torch.load(FIXTURE, weights_only=True)
+    ck["model"]["head.weight"] = torch.zeros(10, 9)  # the digest is recomputed: a file edited, then re-saved
+    ck["model"]["extra.bias"] = torch.zeros(3)
+    out = tmp_path / "run"
+    save_checkpoint(out / "last.pt", {k: v for k, v in ck.items() if k not in ("format", "version", "digest")})
+    before = (out / "last.pt").read_bytes()
+    with pytest.raises(CheckpointError) as e:
+        train(resume_config({"resume": str(out), "out": str(out)}))
+    msg = str(e.value)
+    assert "checkpoint does not fit this model: head.weight is [10, 9] in the checkpoint, [10, 8] in this model" in msg
+    assert "the checkpoint's extra.bias is not in this model" in msg and "\n" not in msg
+    assert "Error(s) in loading state_dict" not in msg
+    assert (out / "last.pt").read_bytes() == before
+
+
+def test_version_1_checkpoints_are_refused_with_the_fix(cli, tmp_path):
+    """Version 1 carried no digest, so a file edited and re-tagged as version 1 slipped past the integrity
+    check. Decision: version-1 files are refused (the fix: finish the run with the mixprec that wrote it,
+    or start a new one); tests/fixtures holds a real one, written by main at 9dc6817."""
+    run = _copy(V1_FIXTURE, tmp_path / "v1")
+    before = (run / "last.pt").read_bytes()
+    assert torch.load(run / "last.pt", weights_only=True)["version"] == 1 and b"digest" not in before
+    code, out, err = cli("train", "--resume", run)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "is a version-1 checkpoint, which carries no integrity digest" in lines[0]
+    assert "finish that run with the mixprec that wrote it, or start a new run" in lines[0]
+    assert "epoch" not in out and (run / "last.pt").read_bytes() == before
+
+    edited = torch.load(FIXTURE, weights_only=True)  # the attack: change a weight, re-tag as version 1
+    edited["model"]["head.bias"] += 1.0
+    edited["version"] = 1
+    torch.save(edited, tmp_path / "retagged.pt")
+    with pytest.raises(CheckpointError, match="is a version-1 checkpoint, which carries no integrity digest"):
+        load_checkpoint(tmp_path / "retagged.pt")
+    edited["version"] = 2  # the same edit without a digest at all
+    del edited["digest"]
+    torch.save(edited, tmp_path / "nodigest.pt")
+    with pytest.raises(CheckpointError, match="carries no integrity digest"):
+        load_checkpoint(tmp_path / "nodigest.pt")

@@ -41,8 +41,9 @@ def test_dict_round_trip_is_exact_and_json_shaped():
     assert TrainConfig.from_dict(d).flags() == c.flags()
 
 
-# what main wrote at d16a38d (see tests/fixtures/README.md)
-FIXTURE_CONFIG = TrainConfig(model=ModelConfig(name="cnn", channels=8),
+# what main wrote at d16a38d (see tests/fixtures/README.md); its loss was the default of then, cross-entropy,
+# stored by name (today's default is auto: the model's own loss, else the task's)
+FIXTURE_CONFIG = TrainConfig(model=ModelConfig(name="cnn", channels=8, loss="cross-entropy"),
                              data=DataConfig(synthetic_shape=(1, 8, 8)),
                              recipe=RecipeConfig(precision="fp16-mixed", scaler=ScalerConfig(growth_interval=7),
                                                  keep_fp32=("head",)),

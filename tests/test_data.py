@@ -369,7 +369,7 @@ def test_every_source_and_its_loader_implement_the_protocol(tmp_path):
     assert [type(s) for s in sources.values()] == [TensorData, UserBatches, MapData, TextCorpus]
     for what, src in sources.items():
         assert isinstance(src, DataSource), what
-        assert isinstance(src.name, str) and isinstance(src.source, str) and src.task in TASKS, what
+        assert isinstance(src.name, str) and isinstance(src.source, str) and (src.task is None or src.task in TASKS), what
         assert isinstance(src.input_shape, tuple) and src.num_classes >= 1, what
         assert src.n_train >= 1 and src.n_test >= 0, what
         # every keyword the protocol names is accepted (isinstance does not check signatures)

@@ -306,14 +306,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         # fp32 (no loss scaler): a non-finite loss on rank 1 alone stops both ranks at the same step
         fp32 = {k: v for k, v in base.items() if k not in ("init_scale", "growth_interval")}  # fp32 has no scaler
         run = build_run(TrainConfig.from_flags(**{**fp32, "precision": "fp32"}, strategy="ddp"))
-        loss_fn, calls = run.loss_fn, []
+        default, calls = run.task.default_loss, []
 
-        def bad_loss(logits, y):
+        def bad_loss(logits, y):  # an explicit --loss: gets the model's raw output (here the logits)
             calls.append(1)
-            loss = loss_fn(logits, y)
+            loss = default(logits, y)
             return loss * float("inf") if rank == 1 and len(calls) == 2 else loss
 
-        run.ctx.loss_fn = bad_loss
+        run.ctx.objective.loss_fn = bad_loss
         stopped_at = None
         for step, (xb, yb) in zip(range(4), run.train_loader):
             try:
@@ -332,10 +332,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         out["accum_scale"] = run.recipe.loss_scale()
 
         # sharded evaluation (65 test samples: rank 1 pads one) equals a whole-test-set pass
-        acc, loss = evaluate(run.ctx, run.data)
+        metrics, loss = evaluate(run.ctx, run.data)
+        acc = metrics["accuracy"]
         with torch.no_grad(), run.recipe.autocast():
             logits = distributed.unwrap(run.model)(run.data.x_test)
-            full_loss = float(run.loss_fn(logits, run.data.y_test))
+            full_loss = float(run.task.default_loss(logits, run.data.y_test))
         out["eval"] = [acc, loss, float((logits.argmax(1) == run.data.y_test).double().mean()), full_loss]
 
         # check_consistency: silent while ranks agree; stops every rank when they do not

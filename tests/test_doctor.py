@@ -1,7 +1,12 @@
 """mixprec doctor: planted faults it must find, its range arithmetic against real casts, the precision map
 against torch's own autocast, and the command line."""
 
+import contextlib
 import json
+import os
+import re
+import shutil
+import subprocess
 from collections import Counter
 
 import pytest
@@ -437,3 +442,95 @@ def test_cli_doctor_on_digits(cli, tmp_path):
 def test_cli_doctor_usage_errors_exit_2(cli, tmp_path, args, needle):
     code, _, err = cli("doctor", "--dataset", "digits", "--out", tmp_path, *args)
     assert code == 2 and needle in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# --out: checked before the diagnosis; a disk that fills up later is one line naming the file
+# ---------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _tmpfs(path, size: str, read_only: bool = False):
+    """A real filesystem of ``size`` (read-only if asked) mounted at ``path``: a full disk and EROFS for real,
+    not a patched ``open``. Skips where nothing can be mounted (not root, or a container without the right)."""
+    path.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    opts = f"size={size}" + (",ro" if read_only else "")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+DOCTOR = ["doctor", "--dataset", "digits", "--model", "mlp", "--width", "16", "--depth", "1", "--batch-size", "32",
+          "--steps", "2", "--no-replay"]
+
+
+@pytest.fixture
+def read_only_fs(tmp_path):
+    with _tmpfs(tmp_path / "ro", "64k", read_only=True) as path:
+        yield path
+
+
+@pytest.mark.parametrize("where", ["a_file", "read_only_folder", "below_read_only"])
+def test_doctor_out_is_checked_before_the_diagnosis_runs(cli, tmp_path, monkeypatch, request, where):
+    """Through the check train and bench use: --out naming a file, a read-only filesystem (a real EROFS mount)
+    → exit 2, one line, before anything is built; they used to be tracebacks after the whole diagnosis."""
+    import mixprec.train.build as build
+
+    built = []
+    monkeypatch.setattr(build, "build_run", lambda *a, **k: built.append(1))
+    if where == "a_file":
+        out = tmp_path / "notes.txt"
+        out.write_text("mine")
+        expected = f"--out {out} is a file, not a folder; pass a folder (it is created if missing)"
+    elif where == "read_only_folder":
+        out = request.getfixturevalue("read_only_fs")
+        expected = f"--out {out}: cannot write into the folder: Read-only file system; pick a writable place"
+    else:
+        out = request.getfixturevalue("read_only_fs") / "doctor"
+        expected = f"--out {out}: cannot create the folder: Read-only file system; pick a writable place"
+    code, stdout, err = cli(*DOCTOR, "--out", out)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0] == f"mixprec doctor: error: {expected}"
+    assert built == [] and "observing" not in stdout
+    if where == "a_file":
+        assert out.read_text() == "mine"
+
+
+def _complete(path) -> bool:
+    """The file is whole: JSON that parses, a PNG that ends in its IEND chunk, text that ends its last line."""
+    data = path.read_bytes()
+    if path.suffix == ".json":
+        return bool(json.loads(data))
+    if path.suffix == ".png":
+        return data.startswith(b"\x89PNG\r\n\x1a\n") and data.endswith(b"IEND\xaeB`\x82")
+    return data.endswith(b"\n") and b"Recommendations" in data
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_while_doctor_writes_is_one_line_naming_the_file(cli, tmp_path):
+    """A filesystem that holds doctor.json and report.txt but no plot (sized from a first run on a normal disk:
+    the same seed writes as much): exit 1, one line naming the file that did not fit and the ones
+    written before it, which are whole; no temporary or half file is left."""
+    ref = tmp_path / "ref"
+    assert cli(*DOCTOR, "--out", ref)[0] == 0
+    pages = sum(-(-(ref / n).stat().st_size // 4096) for n in ("doctor.json", "report.txt"))
+    smallest_plot = min(p.stat().st_size for p in ref.glob("*.png"))
+    assert smallest_plot > 8192
+    with _tmpfs(tmp_path / "small", f"{4 * pages + 4}k") as disk:  # room for the two, less than a page over
+        out = disk / "doctor"
+        code, stdout, err = cli(*DOCTOR, "--out", out)
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+        assert "1. Precision map" in stdout  # the diagnosis ran and was printed before the writes
+        failed = re.search(r"could not write (\S+\.png) \(No space left on device\)", lines[0])
+        assert failed and failed.group(1).startswith(str(out)), lines[0]
+        kept = lines[0].split("written before it, intact: ")[1].split(", ")
+        assert [os.path.basename(k) for k in kept] == ["doctor.json", "report.txt"]
+        assert sorted(os.listdir(out)) == ["doctor.json", "report.txt"]  # no half file, no temporary file
+        assert all(_complete(out / n) for n in ("doctor.json", "report.txt"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,3 +85,106 @@ def test_op_flops_uses_the_same_table():
     res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q)
     assert op_flops(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {}, res) > 0
     assert op_flops(torch.ops.aten.add.Tensor, (x, x), {}, x + x) == 0
+
+
+# ------------------------------------------------------------------------------ bench and doctor use it
+
+LSTM_PY = str(Path(__file__).parent / "userpkg" / "lstm.py")
+
+
+def _lstm_batch(b=32):
+    from userpkg import lstm
+
+    (x, y), _ = lstm.data()
+    torch.manual_seed(0)
+    return lstm, x[:b], y[:b]
+
+
+def _bench_count(model, x, y, loss):
+    """bench's count of one step of ``model`` on ``(x, y)``, the loss given as an explicit ``--loss``."""
+    from mixprec.bench.flops import count_step_flops
+    from mixprec.train.contract import ModelCall, Objective, as_batch
+    from mixprec.train.tasks import LossOnly
+
+    return count_step_flops(model, as_batch((x, y)), Objective(ModelCall(model), LossOnly(), loss))
+
+
+def test_bench_counts_the_lstm_by_the_hand_formula():
+
+    lstm, x, y = _lstm_batch()
+    L, h, total = lstm.hand_flops(len(x))
+    f = _bench_count(lstm.model(), x, y, F.cross_entropy)
+    assert (f.forward, f.total, f.uncounted) == (L + h, total, ())
+    assert f.by_op["mkldnn_rnn_layer"] == L and f.by_op["mkldnn_rnn_layer_backward"] == 2 * L
+    g = _bench_count(lstm.model_with_opaque_layer(), x, y, F.cross_entropy)
+    assert g.total == total and g.uncounted == ("opaque (Opaque)",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep", [(), ("head",), ("lstm",)])
+def test_doctor_share_of_an_lstm_model_matches_the_hand_formula(keep):
+    """bf16-mixed (scratch autocast, so --keep-fp32 applies): the map's total is the hand formula, and the
+    low-precision share is what the kept-in-fp32 layer leaves in bf16."""
+    from mixprec.doctor.api import diagnose
+
+    lstm, x, y = _lstm_batch()
+    L, h, total = lstm.hand_flops(len(x))
+    rep = diagnose(lstm.model(), (x, y), F.cross_entropy, precision="bf16-mixed", amp_impl="scratch",
+                   keep_fp32=keep, steps=1, replay=False)
+    pm = rep.precision_map
+    assert pm.total_flops == total and pm.uncounted == []
+    low = {(): 3 * L + 3 * h, ("head",): 3 * L, ("lstm",): 3 * h}[keep]
+    assert pm.low_flops == low and pm.low_flop_share == low / total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_bench_and_doctor_count_the_same_total(precision):
+    """A GPT (CPU SDPA) and the LSTM model: bench's count of the fp32 step equals doctor's map of the same
+    step under any recipe (the map counts the ops that ran, in whatever dtype)."""
+    from mixprec.doctor.api import precision_map
+    from mixprec.train.gpt import GPT
+
+    lstm, x, y = _lstm_batch(16)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 30, (4, 17))
+    cases = [(lstm.model(), x, y), (GPT(30, 16, n_layers=2, n_heads=2, d_model=32), tokens[:, :-1], tokens[:, 1:])]
+
+    def loss(out, t):
+        return F.cross_entropy(out.reshape(-1, out.size(-1)), t.reshape(-1))
+
+    for model, xb, yb in cases:
+        bench = _bench_count(model, xb, yb, loss)
+        doctor = precision_map(model, (xb, yb), loss, precision=precision)
+        assert doctor.total_flops == bench.total > 0, type(model).__name__
+    assert "_scaled_dot_product_flash_attention_for_cpu" in _bench_count(cases[1][0], *cases[1][1:], loss).by_op
+
+
+@pytest.mark.slow
+def test_doctor_report_names_the_layers_whose_flops_are_unknown(tmp_path):
+    from mixprec.doctor.api import diagnose
+
+    lstm, x, y = _lstm_batch()
+    rep = diagnose(lstm.model_with_opaque_layer(), (x, y), F.cross_entropy, precision="bf16-mixed", steps=1,
+                   replay=False)
+    assert rep.precision_map.uncounted == ["opaque (Opaque)"]
+    assert "FLOPs unknown (left out of the share) for: opaque (Opaque)" in rep.render()
+    assert rep.to_dict()["precision_map"]["summary"]["uncounted"] == ["opaque (Opaque)"]
+
+
+@pytest.mark.slow
+def test_bench_mfu_counts_the_lstm_and_lists_unknown_layers(tmp_path, capsys):
+    from mixprec.cli import main
+    from userpkg import lstm
+
+    out = tmp_path / "bench"
+    code = main(["bench", "--model", f"{LSTM_PY}:model_with_opaque_layer", "--dataset", f"{LSTM_PY}:data",
+                 "--precisions", "fp32", "--repeats", "1", "--batch-size", "32", "--max-steps", "4",
+                 "--warmup-steps", "1", "--peak-seconds", "0.1", "--no-plots", "--device", "cpu", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    doc = json.loads((out / "results.json").read_text())
+    fl = doc["flops_per_step"]
+    assert fl["total"] == lstm.hand_flops(32)[2] and fl["uncounted"] == ["opaque (Opaque)"]
+    assert "FLOPs unknown (not counted, so MFU is low by their share) for: opaque (Opaque)" in stdout
+    assert "FLOPs unknown (not counted, MFU is low by their share) for: opaque (Opaque)" in (out / "results.md").read_text()

@@ -72,3 +72,34 @@ def test_tracker_hooks_are_removed_on_exit_even_after_an_exception():
     x = torch.randn(10, requires_grad=True)
     (x * x).sum()
     assert tr.nbytes == 0
+
+
+def test_autocast_weight_copies_are_their_own_category():
+    m = nn.Linear(16, 32)
+    x = torch.randn(8, 16, requires_grad=True)
+    for ctx in (lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                lambda: __import__("mixprec").autocast(torch.bfloat16, device_type="cpu")):
+        with SavedTensorTracker(exclude=m.parameters()) as tr, ctx():
+            m(x)
+        assert tr.by_category == {"activations": 2 * 8 * 16, "autocast_weight_copies": 2 * 16 * 32,
+                                  "fp8_buffers": 0}
+        assert tr.nbytes == 2 * 8 * 16 + 2 * 16 * 32
+
+
+def test_fp8_layer_saves_weight_and_scales_as_fp8_buffers():
+    from mixprec.fp8 import Fp8Linear
+
+    m = Fp8Linear(32, 16)
+    x = torch.randn(8, 32, requires_grad=True)
+    with SavedTensorTracker(exclude=m.parameters()) as tr:
+        m(x)
+    # emulated on CPU: the quantized x and W are held as bf16 (2 bytes), the scales as 0-dim fp32
+    assert tr.by_category == {"activations": 2 * 8 * 32, "autocast_weight_copies": 0,
+                              "fp8_buffers": 2 * 16 * 32 + 2 * 4}
+
+
+def test_memory_report_total_includes_the_split_categories():
+    from mixprec.memory import CATEGORIES, MemoryReport
+
+    rep = MemoryReport(parameters=1, activations=2, autocast_weight_copies=4, fp8_buffers=8)
+    assert rep.total == 15 and set(CATEGORIES) <= set(rep.to_dict())

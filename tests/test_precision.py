@@ -64,7 +64,8 @@ def test_auto_impl_picks_emulated_scratch_for_fp16_on_cpu_without_fast_fp16(fast
 _STATES = {  # name: (autocast, loss scaler, params rounded to)
     "fp32": (False, False, None), "tf32": (False, False, None), "fp16-mixed": (True, True, None),
     "bf16-mixed": (True, False, None), "fp16-master": (True, True, "fp16"), "bf16-master": (True, False, "bf16"),
-    "bf16-true": (True, False, None), "fp8-mixed": (True, False, None),
+    "bf16-true": (True, False, None), "fp8-mixed": (True, False, None), "fp8-rowwise": (True, False, None),
+    "mxfp8": (True, False, None), "mxfp4": (True, False, None), "nvfp4": (True, False, None),
 }
 _WORDS = {"native": ("torch.autocast", "torch.amp.GradScaler"), "scratch": ("mixprec autocast", "DynamicLossScaler")}
 
@@ -175,7 +176,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     (dict(name="fp16-true", compute_dtype=F16, param_dtype=F16, autocast=True, loss_scaling=True,
           master_weights=False), "fp16 params with loss scaling but no fp32 master"),
     (dict(name="fp8-plain", compute_dtype=BF16, param_dtype=F32, autocast=False, loss_scaling=False,
-          master_weights=False, fp8=True), "fp8 without autocast"),
+          master_weights=False, fp8="tensorwise"), "fp8 without autocast"),
     (dict(name="fp32-master", compute_dtype=F32, param_dtype=F32, autocast=False, loss_scaling=False,
           master_weights=True), "master_weights with fp32 params"),
     (dict(name="bf16-scaled", compute_dtype=BF16, param_dtype=F32, autocast=True, loss_scaling=True,
@@ -185,7 +186,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     (dict(name="tf32-bf16", compute_dtype=BF16, param_dtype=F32, autocast=True, loss_scaling=False,
           master_weights=False, tf32=True), "tf32 with bf16 compute"),
     (dict(name="fp8-fp16", compute_dtype=F16, param_dtype=F32, autocast=True, loss_scaling=True,
-          master_weights=False, fp8=True), "fp8 with fp16 compute"),
+          master_weights=False, fp8="tensorwise"), "fp8 with fp16 compute"),
     (dict(name="fp32-autocast", compute_dtype=F32, param_dtype=F32, autocast=True, loss_scaling=False,
           master_weights=False), "autocast with fp32 compute"),
     (dict(name="bf16-no-autocast", compute_dtype=BF16, param_dtype=F32, autocast=False, loss_scaling=False,
@@ -251,3 +252,27 @@ def test_an_unknown_mechanism_lists_the_registered_ones():
     with pytest.raises(RecipeError) as e:
         build_recipe("bf16-mixed", amp_impl="apex")
     assert "'apex'" in str(e.value) and "auto, native, scratch" in str(e.value)
+
+
+def test_a_recipe_to_run_on_a_device_this_machine_lacks_is_refused_and_a_target_is_not(cli):
+    """``build_recipe`` refuses a device that is not here, as ``--device`` does (the GPU index one past the
+    last refuses on any machine: ``cuda:0`` without CUDA, ``cuda:1`` on one GPU); planning for it is
+    ``for_target=True``, whose recipe answers the device-free questions (what runs in which dtype)."""
+    absent = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(RecipeError) as e:
+        build_recipe("fp32", device=absent)
+    msg = str(e.value)
+    assert msg.startswith(f"build_recipe('fp32', device='{absent}'): ") and "for_target=True" in msg
+    assert ("no CUDA device is available" in msg) if not torch.cuda.is_available() else (f"no {absent}" in msg)
+    if not torch.cuda.is_available():  # the issue's case, word for word
+        with pytest.raises(RecipeError, match="no CUDA device is available"):
+            build_recipe("fp32", device="cuda")
+    code, _, err = cli("train", "--device", absent, "--dataset", "digits", "--epochs", "1")
+    assert code == 2 and f"--device {absent} was requested but" in err and "Traceback" not in err
+
+    target = build_recipe("fp16-mixed", device=absent, for_target=True)
+    assert target.device == torch.device(absent) and target.impl == "native"  # a GPU has fast fp16: native
+    assert target.facts() == {"compute": "fp16", "params": "fp32", "loss_scaling": True, "master_weights": False,
+                              "emulated": False, "stochastic_rounding": False, "fp8_impl": None}
+    assert build_recipe("bf16-master", device=absent, for_target=True).facts()["master_weights"] is True
+    assert build_recipe("fp32", device="cpu").device == torch.device("cpu")  # here: no flag needed

@@ -11,7 +11,9 @@ and checks what actually happened against the table below, written from the docu
   holds fp16 values;
 - fp32 master weights: the optimizer steps fp32 copies, not the model's parameters;
 - loss scaling: the gradient backward produced is ``init_scale`` times the one the optimizer stepped;
-- FP8 layers (:class:`mixprec.fp8.Fp8Linear`) exactly where the recipe converts them.
+- FP8/FP4 layers exactly where the recipe converts them, of the class that runs its GEMMs
+  (:class:`mixprec.fp8.Fp8Linear` per tensor, :class:`mixprec.blocklinear.BlockLinear` for the block-scaled
+  recipes; torchao's layers under ``--fp8-impl torchao``), and the formats each GEMM quantises to.
 
 What ``--amp-impl auto`` picks depends on the CPU (fast fp16 kernels or not): the expectation is derived
 from :mod:`mixprec.hardware`, and both answers are checked on any machine by patching it. One CLI smoke
@@ -28,6 +30,7 @@ from torch import nn
 
 from mixprec import hardware
 from mixprec.autocast import autocast_dtype, is_autocast_active
+from mixprec.blocklinear import BlockLinear
 from mixprec.fp8 import Fp8Linear
 from mixprec.precision import AMP_IMPLS, RECIPES
 from mixprec.train.build import build_run
@@ -52,32 +55,42 @@ class Expected:
     """Dynamic loss scaling."""
     masters: bool
     """The optimizer steps fp32 master copies of the (low-precision) parameters."""
-    fp8: bool
-    """Eligible linear layers become FP8 layers."""
+    fp8: tuple[type, int, tuple[str, str, str]] | None = None
+    """FP8/FP4 recipes: the layer class, the multiple in/out features need, and the formats of ``(x, W, dy)`` in
+    the forward GEMM, of ``dy`` in ``dx``, and of ``dy`` in ``dW`` (docs: the recipe table of gemm_recipes)."""
 
 
 EXPECTED = {
-    "fp32": Expected(params=F32, compute=None, scaled=False, masters=False, fp8=False),
-    "tf32": Expected(params=F32, compute=None, scaled=False, masters=False, fp8=False),
-    "fp16-mixed": Expected(params=F32, compute=F16, scaled=True, masters=False, fp8=False),
-    "bf16-mixed": Expected(params=F32, compute=BF16, scaled=False, masters=False, fp8=False),
-    "fp16-master": Expected(params=F16, compute=F16, scaled=True, masters=True, fp8=False),
-    "bf16-master": Expected(params=BF16, compute=BF16, scaled=False, masters=True, fp8=False),
-    "bf16-true": Expected(params=BF16, compute=BF16, scaled=False, masters=False, fp8=False),
-    "fp8-mixed": Expected(params=F32, compute=BF16, scaled=False, masters=False, fp8=True),
+    "fp32": Expected(params=F32, compute=None, scaled=False, masters=False),
+    "tf32": Expected(params=F32, compute=None, scaled=False, masters=False),
+    "fp16-mixed": Expected(params=F32, compute=F16, scaled=True, masters=False),
+    "bf16-mixed": Expected(params=F32, compute=BF16, scaled=False, masters=False),
+    "fp16-master": Expected(params=F16, compute=F16, scaled=True, masters=True),
+    "bf16-master": Expected(params=BF16, compute=BF16, scaled=False, masters=True),
+    "bf16-true": Expected(params=BF16, compute=BF16, scaled=False, masters=False),
+    "fp8-mixed": Expected(params=F32, compute=BF16, scaled=False, masters=False,
+                          fp8=(Fp8Linear, 16, ("e4m3-tensor", "e4m3-tensor", "e5m2-tensor"))),
+    "fp8-rowwise": Expected(params=F32, compute=BF16, scaled=False, masters=False,
+                            fp8=(BlockLinear, 16, ("e4m3-row", "e4m3-row", "e4m3-row"))),
+    "mxfp8": Expected(params=F32, compute=BF16, scaled=False, masters=False,
+                      fp8=(BlockLinear, 32, ("mxfp8", "mxfp8", "mxfp8"))),
+    "mxfp4": Expected(params=F32, compute=BF16, scaled=False, masters=False,
+                      fp8=(BlockLinear, 32, ("mxfp4", "mxfp4", "mxfp4"))),
+    "nvfp4": Expected(params=F32, compute=BF16, scaled=False, masters=False,
+                      fp8=(BlockLinear, 16, ("nvfp4", "nvfp4", "nvfp4"))),
 }
 
-MODEL_FLAGS = {  # tiny, but wide enough (multiples of 16) that FP8 converts some layers
+MODEL_FLAGS = {  # tiny, but wide enough (multiples of 32) that FP8 and MX convert some layers
     "simplenet": {},
-    "mlp": {"width": 16, "depth": 1},
+    "mlp": {"width": 32, "depth": 1},
     "cnn": {"channels": 2},
-    "transformer": {"d_model": 16, "n_heads": 2, "n_layers": 1, "patch_size": 4},
+    "transformer": {"d_model": 32, "n_heads": 2, "n_layers": 1, "patch_size": 4},
 }
-FP8_LAYERS = {  # FP8 needs in/out features that are multiples of 16 and keeps the classifier (fc/head) out
-    "simplenet": set(),
-    "mlp": {"body.0"},
-    "cnn": set(),
-    "transformer": {"embed", "blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.fc1", "blocks.0.fc2"},
+FP8_LAYERS = {  # in/out features multiples of 16 (FP8, NVFP4) or 32 (MX); the classifier (fc/head) stays out
+    16: {"simplenet": set(), "mlp": {"body.0"}, "cnn": set(),
+         "transformer": {"embed", "blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.fc1", "blocks.0.fc2"}},
+    32: {"simplenet": set(), "mlp": {"body.0"}, "cnn": set(),  # the transformer's embed is 16 (4x4 patch) -> 32
+         "transformer": {"blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.fc1", "blocks.0.fc2"}},
 }
 DATA_FLAGS = {"dataset": "synthetic", "synthetic_train": 8, "synthetic_test": 4, "synthetic_shape": [1, 8, 8],
               "batch_size": 4}
@@ -86,7 +99,7 @@ RUN_FLAGS = {"epochs": 1, "max_steps": 2, "log_every": 0, "progress": "off", "de
 
 def test_the_table_covers_every_recipe_and_model():
     assert set(EXPECTED) == set(RECIPES)
-    assert set(MODEL_FLAGS) == set(FP8_LAYERS) == set(MODELS)
+    assert set(MODEL_FLAGS) == set(FP8_LAYERS[16]) == set(FP8_LAYERS[32]) == set(MODELS)
 
 
 def mechanism(recipe: str, impl: str) -> str:
@@ -115,9 +128,10 @@ class Observed:
     skipped: list = dataclasses.field(default_factory=list)
 
 
-def two_steps(recipe: str, model: str, impl: str) -> tuple:
+def two_steps(recipe: str, model: str, impl: str, **extra) -> tuple:
     """Build the run like ``mixprec train`` does and take two steps; returns (run, initial params, Observed)."""
-    flags = dict(precision=recipe, amp_impl=impl, model=model, **MODEL_FLAGS[model], **DATA_FLAGS, **RUN_FLAGS)
+    flags = dict(precision=recipe, amp_impl=impl, model=model, **MODEL_FLAGS[model], **DATA_FLAGS, **RUN_FLAGS,
+                 **extra)
     if EXPECTED[recipe].scaled:
         flags["init_scale"] = INIT_SCALE
     run = build_run(TrainConfig.from_flags(**flags))
@@ -207,9 +221,19 @@ def check_facts(recipe: str, model: str, impl: str) -> None:
     assert ratios
     assert ratios == pytest.approx([INIT_SCALE if e.scaled else 1.0] * len(ratios), rel=1e-3)
 
-    # FP8 layers exactly where the recipe converts them
-    fp8 = {n for n, m in run.model.named_modules() if isinstance(m, Fp8Linear)}
-    assert fp8 == (FP8_LAYERS[model] if e.fp8 else set())
+    # FP8/FP4 layers exactly where the recipe converts them, each running the recipe's formats
+    low = {n: m for n, m in run.model.named_modules() if isinstance(m, (Fp8Linear, BlockLinear))}
+    if e.fp8 is None:
+        assert low == {}
+        return
+    cls, multiple, (x_fmt, w_fmt, dy_fmt) = e.fp8
+    assert set(low) == FP8_LAYERS[multiple][model]
+    assert {type(m) for m in low.values()} <= {cls}
+    for m in low.values():
+        if cls is BlockLinear:
+            r = m.recipe
+            assert (r.output, r.grad_input[0], r.grad_weight[0]) == ((x_fmt, w_fmt), dy_fmt, dy_fmt)
+    assert run.recipe.facts()["fp8_impl"] == "scratch"  # auto on a CPU
 
 
 SMOKE_RECIPE = {"simplenet": "fp16-mixed", "mlp": "bf16-master", "cnn": "bf16-mixed", "transformer": "fp8-mixed"}
@@ -226,3 +250,20 @@ def test_cli_trains_each_model(cli, one_thread, model):
     code, out, err = cli("train", "--precision", recipe, "--model", model, *flags)
     assert code == 0, err
     assert "Traceback" not in out + err and f"| {recipe} |" in out  # the summary table was printed
+
+
+TORCHAO_LAYER = {"fp8-mixed": "Float8Linear", "fp8-rowwise": "Float8Linear", "mxfp8": "PaddedMXFP8Linear"}
+"""The torchao layer each recipe torchao has becomes under --fp8-impl torchao (emulated on a CPU)."""
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+@pytest.mark.parametrize("recipe", list(TORCHAO_LAYER))
+def test_torchao_runs_the_recipes_it_has(one_thread, recipe, model):
+    """--fp8-impl torchao: torchao's layers exactly where mixprec's would be, trained two steps (not skipped)."""
+    pytest.importorskip("torchao")
+    run, before, seen = two_steps(recipe, model, "native", fp8_impl="torchao")
+    assert seen.skipped == [False, False]
+    assert any(not torch.equal(before[n], p.detach()) for n, p in run.model.named_parameters())
+    tao = {n for n, m in run.model.named_modules() if type(m).__name__ == TORCHAO_LAYER[recipe]}
+    assert tao == FP8_LAYERS[EXPECTED[recipe].fp8[1]][model]
+    assert run.recipe.facts()["fp8_impl"] == "torchao"

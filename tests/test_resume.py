@@ -68,6 +68,9 @@ def test_recipe_aliases_are_the_same_run(saved, spelling):
     ({"compile": True}, "--compile False in the checkpoint vs True now"),
     ({"amp_impl": "scratch"}, "--amp-impl 'auto' in the checkpoint vs 'scratch' now (bf16-mixed would run with "
                               "impl scratch instead of native)"),
+    ({"lr_schedule": "cosine"}, "--lr-schedule 'constant' in the checkpoint vs 'cosine' now"),
+    ({"lr_warmup_steps": 5}, "--lr-warmup-steps 0 in the checkpoint vs 5 now"),
+    ({"optimizer": "adamw"}, "--optimizer 'sgd' in the checkpoint vs 'adamw' now"),
 ])
 def test_a_change_of_numerics_is_refused_naming_the_flag_and_both_values(saved, typed, named):
     with pytest.raises(CheckpointError) as e:
@@ -84,8 +87,8 @@ def test_every_refused_flag_is_named_at_once(saved):
 
 MAY_CHANGE_VALUES = {
     "epochs": 9, "max_steps": None, "out": "elsewhere", "checkpoint_every": 2, "resume": None, "overwrite": True,
-    "metrics_json": "m.json", "log_every": 1, "progress": "on", "data_dir": "/data", "data_path": "/text",
-    "num_workers": 2, "limit_test": 10, "check_consistency": 5, "max_consecutive_skips": 3,
+    "metrics_json": "m.json", "log_every": 1, "eval_every": 7, "progress": "on", "data_dir": "/data", "data_path": "/text",
+    "num_workers": 2, "limit_test": 10, "check_consistency": 5, "max_consecutive_skips": 3, "watch": 4,
 }
 
 

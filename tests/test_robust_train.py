@@ -6,9 +6,11 @@ Every CLI case asserts the exit code, a one-line message, no traceback, and that
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,6 +145,25 @@ def test_nonfinite_weights_are_never_saved_and_never_exit_0(cli, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_stop_before_the_first_save_does_not_promise_a_checkpoint(cli, tmp_path):
+    """--weight-decay 3e38 --lr 100 makes the weights non-finite at step 1, before anything was saved: the
+    message used to say OUT/last.pt "keeps the last finite state saved before", a file that is not there."""
+    out = tmp_path / "o"
+    bad = ["--weight-decay", "3e38", "--lr", "100", "--epochs", "1"]
+    code, _, err = cli("train", *TINY, *bad, "--out", out)
+    _one_line_error(code, err, expect_code=1, match="non-finite loss at step 1")
+    assert "no state of this run is on disk (none had been saved yet)" in err
+    assert "keeps the last finite state" not in err and "was left as it was" not in err
+    assert not (out / "last.pt").exists()
+
+    shutil.copy(FIXTURE, out / "last.pt")  # an earlier run's checkpoint that --overwrite was to replace
+    code, _, err = cli("train", *TINY, *bad, "--out", out, "--overwrite")
+    _one_line_error(code, err, expect_code=1, match="no state of this run is on disk")
+    assert f"{out}/last.pt is still the earlier run's file that --overwrite was to replace" in err
+    assert _digest(out / "last.pt") == _digest(FIXTURE)
+
+
+@pytest.mark.slow
 def test_a_run_that_skips_nearly_every_step_fails_and_keeps_its_state(cli, tmp_path):
     out = tmp_path / "o"
     code, _, err = cli("train", *TINY, "--precision", "fp16-mixed", "--lr", "1e30", "--epochs", "2", "--out", out)
@@ -213,8 +234,15 @@ def test_a_flipped_bit_in_a_weight_fails_the_digest(tmp_path):
         load_checkpoint(out)
 
 
-@pytest.mark.parametrize("content, match", [(b"", "not a readable checkpoint"), (b"\x00" * 10, "not a readable")])
+@pytest.mark.parametrize("content, match", [
+    (b"", "is empty (0 bytes), not a mixprec checkpoint"),
+    (b"\x00" * 10, "neither a zip archive (what torch.save writes) nor a pickle (it starts with bytes 00 00 00 00)"),
+    (bytes(np.random.default_rng(21).integers(0, 256, 4096, dtype=np.uint8)), "neither a zip archive"),
+    (b"PK\x03\x04garbage", "not a readable checkpoint (a zip archive)"),
+])
 def test_empty_and_garbage_last_pt(cli, tmp_path, content, match):
+    """Random bytes are called what they are, never "pickled Python objects" (torch's weights-only unpickler
+    says weights_only about anything that is not a zip); a damaged zip is named as one."""
     (tmp_path / "last.pt").write_bytes(content)
     code, _, err = cli("train", *TINY, "--epochs", "1", "--resume", tmp_path)
     _one_line_error(code, err, match=match)
@@ -230,6 +258,9 @@ def test_a_malicious_pickle_is_refused_without_inviting_weights_only_false(tmp_p
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(tmp_path)
     assert "pickled Python objects" in str(e.value) and "weights_only=False" not in str(e.value)
+    pickle.dump({"format": "mixprec-checkpoint", "evil": Evil()}, (tmp_path / "last.pt").open("wb"))  # bare pickle
+    with pytest.raises(CheckpointError, match="not a readable checkpoint \\(a pickle\\): it holds pickled Python"):
+        load_checkpoint(tmp_path)
 
 
 def test_resume_position_past_the_end_of_an_epoch_is_refused(tmp_path):

@@ -12,6 +12,7 @@ import copy
 import io
 import pickle
 import random
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -394,7 +395,7 @@ def test_two_optimizers_share_one_update() -> None:
     assert s.get_scale() == 32.0
 
 
-def test_none_grads_are_skipped_and_sparse_grads_rejected() -> None:
+def test_none_grads_are_skipped_and_sparse_grads_unscaled() -> None:
     m = _model()
     frozen = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([*m.parameters(), frozen], lr=0.1)
@@ -404,10 +405,19 @@ def test_none_grads_are_skipped_and_sparse_grads_rejected() -> None:
     assert frozen.grad is None and torch.equal(frozen, torch.ones(3))
     s.update()
 
-    emb = nn.Embedding(10, 4, sparse=True)
+    emb = nn.Embedding(10, 4, sparse=True)  # as GradScaler: the sparse gradient's values are unscaled
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     s.scale(emb(torch.tensor([1, 2])).sum()).backward()
-    with pytest.raises(NotImplementedError, match="sparse gradient.*sparse=False"):
+    s.unscale_(opt)
+    assert emb.weight.grad.is_sparse and torch.equal(emb.weight.grad.to_dense()[1:3], torch.ones(2, 4))
+
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        csr = torch.eye(2).to_sparse_csr().requires_grad_()  # another layout is named, not fed to the dense kernel
+        csr.grad = torch.eye(2).to_sparse_csr()
+    opt = torch.optim.SGD([csr], lr=0.1)
+    s.update()
+    with pytest.raises(NotImplementedError, match="sparse_csr gradient"):
         s.unscale_(opt)
 
 

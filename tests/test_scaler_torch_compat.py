@@ -3,7 +3,7 @@
 Sources: the device-generic ``test_grad_scaling_*`` tests of PyTorch's test/test_torch.py (formerly
 test/test_cuda.py: ``_run_scaling_case``, autocast, clipping, clipping with a separate unscale_,
 gradient penalty, accumulation, multiple losses/optimizers, ``test_grad_scaler_pass_itself``,
-state_dict), ``test_grad_scaling_autocast_fused_optimizers`` of test/test_optim.py, and the helpers
+state_dict, ``test_grad_scaling_unscale_sparse``), ``test_grad_scaling_autocast_fused_optimizers`` of test/test_optim.py, and the helpers
 ``_create_scaling_case`` / ``_create_scaling_models_optimizers`` of
 torch/testing/_internal/common_cuda.py, rewritten for pytest on CPU.
 
@@ -482,3 +482,79 @@ def test_grad_scale_will_not_overflow() -> None:
     scaler.update()
     assert scaler._scale != float("inf") and scaler._scale != float("nan")
     assert scaler.get_scale() == torch.tensor(1e38).item()  # the growth to inf was refused
+
+
+# ---------------------------------------------------------------- sparse gradients
+
+
+def _sparse(values, indices=((0, 1, 1), (2, 0, 2)), dtype=torch.float32) -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.tensor(indices), torch.tensor(values), (2, 3), dtype=dtype,
+                                   check_invariants=True)
+
+
+def _unscale_sparse(make: Callable, grad: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """A fresh scaler at scale 4 (PyTorch's inv_scale 0.25) unscales ``grad`` of a sparse parameter:
+    (found_inf, the gradient afterwards)."""
+    from mixprec.scaler_view import ScalerView
+
+    p = grad.detach().clone().coalesce()
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = grad
+    scaler = make(init_scale=4.0)
+    scaler.scale(torch.ones(()))  # the scale is created on first use
+    scaler.unscale_(opt)
+    return ScalerView(scaler).found_inf(opt).item(), p.grad
+
+
+@pytest.mark.parametrize("make", [DynamicLossScaler, lambda **kw: torch.amp.GradScaler("cpu", **kw)],
+                         ids=["DynamicLossScaler", "GradScaler"])
+def test_grad_scaling_unscale_sparse(make) -> None:
+    """PyTorch's ``test_grad_scaling_unscale_sparse`` (test/test_cuda.py, now device-generic in
+    test/test_torch.py), through the public ``unscale_``: a sparse COO gradient's values are unscaled and
+    checked for inf and NaN; GradScaler side by side gives the same answers."""
+    s = _sparse([16.0, 32.0, 64.0])
+    found, g = _unscale_sparse(make, s.clone())
+    assert found == 0.0 and g.is_sparse
+    assert torch.equal(g.to_dense(), (s / 4).to_dense())
+    assert _unscale_sparse(make, _sparse([16.0, 32.0, float("inf")]))[0] == 1.0
+    assert _unscale_sparse(make, _sparse([16.0, 32.0, float("nan")]))[0] == 1.0
+
+
+def test_grad_scaling_unscale_sparse_fp16_checks_the_coalesced_values() -> None:
+    """The fp16 half of PyTorch's test (GradScaler takes fp16 gradients only with its private
+    ``allow_fp16``; DynamicLossScaler unscales any dtype): duplicate indices whose sum overflows fp16
+    (64000 + 64000 > 65504) are found although no stored value overflows, as
+    ``GradScaler._unscale_grads_(..., allow_fp16=True)`` finds them."""
+    s = _sparse([16.0, 32.0, 64.0], dtype=torch.float16)
+    found, g = _unscale_sparse(DynamicLossScaler, s.clone())
+    assert found == 0.0 and torch.equal(g.to_dense(), (s / 4).to_dense())
+    dup = _sparse([64000.0, 32.0, 64000.0], indices=((0, 1, 0), (2, 0, 2)), dtype=torch.float16)
+    assert not dup.is_coalesced() and torch.isfinite(dup._values()).all()
+    assert _unscale_sparse(DynamicLossScaler, dup.clone())[0] == 1.0
+    ref = torch.amp.GradScaler("cpu")
+    p = dup.clone().coalesce()
+    p.grad = dup.clone()
+    found_ref = ref._unscale_grads_(torch.optim.SGD([p], lr=1.0), torch.full((1,), 0.25), torch.zeros(1), True)
+    assert sum(v.item() for v in found_ref.values()) == 1.0
+
+
+def test_sparse_embedding_trains_bit_identically_to_gradscaler() -> None:
+    """nn.Embedding(sparse=True) under fp16 autocast with SGD, one step overflowing: DynamicLossScaler and
+    GradScaler skip the same step, keep the same scale and end with the same weights, bit for bit."""
+    torch.manual_seed(0)
+    ours, theirs = nn.Embedding(20, 4, sparse=True), nn.Embedding(20, 4, sparse=True)
+    theirs.load_state_dict(ours.state_dict())
+    o1, o2 = torch.optim.SGD(ours.parameters(), lr=0.5), torch.optim.SGD(theirs.parameters(), lr=0.5)
+    s1, s2 = DynamicLossScaler(init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(4):
+        ids = torch.randint(0, 20, (8,))
+        for model, opt, scaler in ((ours, o1, s1), (theirs, o2, s2)):
+            opt.zero_grad()
+            loss = model(ids).sum() * (float("inf") if step == 2 else 1.0)
+            scaler.scale(loss).backward()
+            assert model.weight.grad.is_sparse
+            scaler.step(opt)
+            scaler.update()
+        assert s1.get_scale() == s2.get_scale()
+        assert torch.equal(ours.weight, theirs.weight), step
+    assert s1.get_scale() == 2.0**9  # the overflowing step backed off once

@@ -98,6 +98,23 @@ def test_scale_growth_and_found_inf_follow_the_scalers_public_state(kind):
     assert view.growth_tracker().item() == scaler.state_dict()["_growth_tracker"] == 0
 
 
+def test_the_iteration_token_changes_at_a_skipped_update_only(kind):
+    """A skipped step calls no optimizer hook: the token is how a watcher tells it from gradient accumulation."""
+    from mixprec.watching.scaler_state import iteration_changed
+
+    scaler = _make(kind)
+    view = ScalerView(scaler)
+    model, opt = _model_and_opt()
+    _backward(scaler, model)
+    before = view.iteration()
+    _backward(scaler, model)  # a second micro-batch: the iteration goes on
+    assert not iteration_changed(before, view.iteration())
+    _backward(scaler, model, poison=True)
+    scaler.step(opt)  # skipped
+    scaler.update()
+    assert iteration_changed(before, view.iteration())
+
+
 def test_the_growth_tracker_counts_to_growth(kind):
     scaler = _make(kind)
     view = ScalerView(scaler)

@@ -83,11 +83,10 @@ def test_user_loss_by_reference(cli):
     (["--model", "/nowhere/model.py:f"], "no file"),
     (["--model", f"{F}:raises"], "raised ValueError: width must be even"),
     (["--model", f"{F}:not_a_module"], "not a torch.nn.Module"),
-    (["--model", f"{F}:wrong_output"], "does not fit"),
+    (["--model", f"{F}:wrong_output"], "do not fit logits of shape (2, 1, 8, 3)"),
     (["--model", "resnet"], "unknown model"),
     (["--dataset", f"{F}:empty"], "split is empty"),
     (["--dataset", f"{F}:not_a_pair"], "return (train, test)"),
-    (["--dataset", f"{F}:float_labels"], "integer class indices"),
     (["--loss", f"{F}:not_scalar"], "scalar"),
     (["--loss", "mse"], "unknown --loss"),
     (["--model", "gpt"], "do not go together"),
@@ -105,7 +104,7 @@ def test_bad_user_input_is_one_line(cli, flags, match):
 
 def test_labels_beyond_the_models_classes_are_named(cli):
     code, _, err = cli("train", "--model", f"{F}:wrong_output", "--dataset", f"{F}:digits_tensors", *QUICK)
-    _one_line(code, err, "does not fit")
+    _one_line(code, err, "do not fit logits of shape (2, 1, 8, 3)")
 
 
 def test_non_utf8_text_names_the_file(cli, tmp_path):

@@ -27,6 +27,10 @@ Pieces:
 - :mod:`mixprec.master` — :class:`MasterWeights`: fp32 copies for the optimizer when the model's params are
   fp16/bf16, so updates smaller than half an ulp of the weight are not rounded away.
 - :mod:`mixprec.memory` — exact bytes by category (params, grads, optimizer state, masters, activations).
+- :func:`mixprec.plan` (:mod:`mixprec.planning`) — memory by category, peak, largest batch and step time of
+  each recipe on a target GPU or this CPU, from one step traced under fake tensors (nothing runs).
+- :mod:`mixprec.watching` — ``mixprec.watch(model, optimizer, scaler=...)``: the doctor's checks inside the
+  user's own loop (hooks only); callbacks for Hugging Face and Lightning in :mod:`mixprec.integrations`.
 - :mod:`mixprec.precision` — the recipes (``fp32``, ``amp``, ``bf16-mixed``, ``bf16-master``...; the table
   in :mod:`mixprec.recipes`) built from these pieces or from PyTorch's own (:mod:`mixprec.mechanisms`),
   behind one interface the trainer uses.
@@ -40,6 +44,8 @@ from .policy import CastKind, CastPolicy, default_policy
 from .precision import RECIPES, Recipe, RecipeConfig, ScalerConfig, StepResult, build_recipe, resolve_recipe
 from .scaler import DynamicLossScaler
 from .scaler_view import ScalerView
+from .planning import plan
+from .watching import watch
 
 __version__ = "0.1.0"
 
@@ -51,6 +57,7 @@ __all__ = [
     "CastPolicy",
     "default_policy",
     "DynamicLossScaler",
+    "plan",
     "Format",
     "FORMATS",
     "get_format",
@@ -67,5 +74,6 @@ __all__ = [
     "StepResult",
     "build_recipe",
     "resolve_recipe",
+    "watch",
     "__version__",
 ]

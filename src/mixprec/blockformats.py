@@ -131,7 +131,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["ElementFormat", "ScaleFormat", "BlockFormat", "BlockQuantized", "ELEMENT_FORMATS", "SCALE_FORMATS",
-           "BLOCK_FORMATS", "get_block_format", "quantize_blocks", "quantize_blocks_with_scales"]
+           "BLOCK_FORMATS", "get_block_format", "quantize_blocks", "quantize_blocks_with_scales", "mx_scale_exponent"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,9 +363,9 @@ def _block128(blocks: torch.Tensor, f: BlockFormat, rule: str, in_dtype: torch.d
     return elements, _nan_where(bad, torch.reciprocal(m)), None
 
 
-def _mx(blocks: torch.Tensor, f: BlockFormat, rule: str, in_dtype: torch.dtype):
-    el = f.element
-    amax = blocks.abs().amax(dim=-1)
+def mx_scale_exponent(amax: torch.Tensor, el: ElementFormat, rule: str) -> torch.Tensor:
+    """int32 ``k`` of each MX block's scale ``2**k`` from its float32 ``amax`` (``rule``: ``"floor"`` or
+    ``"rceil"``, module docstring); NaN blocks are the caller's to mark."""
     if rule == "floor":
         # Subnormal (and zero) amax reads as -127; its true floor(log2) is lower, but emax >= 2 puts
         # both below the e8m0 minimum, so the clamp gives the spec's scale either way.
@@ -375,7 +375,13 @@ def _mx(blocks: torch.Tensor, f: BlockFormat, rule: str, in_dtype: torch.dtype):
         bits = d.view(torch.int32)
         k = _exponent_field(d) + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # exact ceil(log2(d)), d normal
         k = torch.where(bits < (1 << 23), torch.where(bits > (1 << 22), -126, -127), k)  # d subnormal or 0
-    k = torch.clamp(k, -127, 127)
+    return torch.clamp(k, -127, 127)
+
+
+def _mx(blocks: torch.Tensor, f: BlockFormat, rule: str, in_dtype: torch.dtype):
+    el = f.element
+    amax = blocks.abs().amax(dim=-1)
+    k = mx_scale_exponent(amax, el, rule)
     nan = torch.isnan(amax)
     elements = _nan_where(nan.unsqueeze(-1), _saturate_round(blocks, _pow2(-k), el))
     return elements, _nan_where(nan, _pow2(k)), None

@@ -1,4 +1,4 @@
-"""Command line: ``mixprec train | bench | doctor``. Dispatch only; each command defines its own flags.
+"""Command line: ``mixprec train | bench | doctor | plan``. Dispatch only; each command defines its own flags.
 
 User mistakes (bad names, missing data, contradictory flags, foreign checkpoints) exit with code 2 and a
 one-line message naming the fix; they never print a traceback.
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from .bench import command as bench_command
 from .doctor import command as doctor_command
 from .errors import OutputError, UsageError
+from .planning import command as plan_command
 from .train import command as train_command
 
 __all__ = ["main", "build_parser"]
@@ -20,11 +21,11 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mixprec", description="Mixed-precision training for PyTorch: train, benchmark, diagnose."
+        prog="mixprec", description="Mixed-precision training for PyTorch: train, benchmark, diagnose, plan."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for command in (train_command, bench_command, doctor_command):
+    for command in (train_command, bench_command, doctor_command, plan_command):
         command.add_parser(sub)
     return parser
 

@@ -35,7 +35,8 @@ from torch import nn
 from torch.utils import flop_counter as _fc
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["CUSTOM_FORMULAS", "flop_counter", "op_flops", "uncounted_modules", "StepFlops", "count_flops"]
+__all__ = ["CUSTOM_FORMULAS", "flop_counter", "op_flops", "uncounted_modules", "unknown_layers", "StepFlops",
+           "count_flops"]
 
 aten = torch.ops.aten
 
@@ -145,6 +146,13 @@ def uncounted_modules(model: nn.Module, counter: FlopCounterMode, ran: set[str] 
     """Leaf modules with parameters that ``counter`` gave no FLOPs, as ``"name (Type)"``, except
     :data:`FLOP_FREE` kinds and (when ``ran`` is given) modules that did not run."""
     counted = {k.split(".", 1)[1] for k, v in counter.get_flop_counts().items() if "." in k and sum(v.values())}
+    return unknown_layers(model, counted, ran)
+
+
+def unknown_layers(model: nn.Module, counted: set[str], ran: set[str] | None = None) -> list[str]:
+    """Leaf modules with parameters whose qualified name is not in ``counted`` (the modules that got FLOPs),
+    as ``"name (Type)"``, except :data:`FLOP_FREE` kinds and (when ``ran`` is given) modules not in ``ran``.
+    :func:`uncounted_modules` and doctor's precision map (which sees each op's module) both use it."""
     out = []
     for name, mod in model.named_modules():
         if not name or any(True for _ in mod.children()) or isinstance(mod, FLOP_FREE):

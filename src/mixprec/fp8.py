@@ -95,6 +95,11 @@ is the most sensitive to quantization, while the layer is a tiny share of the FL
 ``nn.Linear`` (e.g. ``MultiheadAttention.out_proj``, whose weight its parent uses directly) are left
 alone. :class:`Fp8Linear` keeps ``nn.Linear``'s parameters, so state_dicts load either way.
 
+Block-scaled recipes (rowwise, MXFP8, MXFP4, NVFP4: :mod:`mixprec.gemm_recipes`) convert through the same
+functions with ``recipe=``: layers become :class:`~mixprec.blocklinear.BlockLinear`, and the shape rule uses
+the recipe's multiple (32 for MX, 16 for NVFP4 and FP8) for in and out features, the dimensions the forward
+and input-gradient GEMMs reduce over.
+
 Linear layers that are not ``nn.Linear`` are converted through a small adapter registry
 (:func:`register_linear_adapter`): a predicate that recognises the class and a view of its weight as
 ``(out, in)``. Built in: Hugging Face's ``Conv1D`` (GPT, GPT-2), a linear layer whose weight is stored
@@ -116,7 +121,9 @@ import torch
 from torch import nn
 
 from . import hardware
-from .autocast import autocast, autocast_dtype, is_autocast_active
+from .gemm_context import no_autocast as _no_autocast
+from .gemm_context import output_dtype as _output_dtype
+from .memory import FP8_ROLE_ATTR
 
 __all__ = [
     "E4M3",
@@ -129,6 +136,7 @@ __all__ = [
     "fp8_linear",
     "fp8_scale",
     "plan_fp8_conversion",
+    "planned_gemm_path",
     "register_linear_adapter",
     "to_fp8",
     "to_fp8_as_bf16",
@@ -156,9 +164,15 @@ def fp8_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     tensor ops of :func:`_device_scale` each pay an op's overhead, a GEMM's worth on small layers); elsewhere
     on the device (no host sync). Both compute the same float64 ratio and read its exponent exactly.
     """
-    if amax.device.type == "cpu":
+    if amax.device.type == "cpu" and not _is_fake(amax):
         return torch.tensor(_host_scale(float(amax), fp8_dtype), dtype=torch.float32)
-    return _device_scale(amax, fp8_dtype)
+    return _device_scale(amax, fp8_dtype)  # also fake tensors (mixprec plan): they cannot be read on the host
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def _host_scale(amax: float, fp8_dtype: torch.dtype) -> float:
@@ -226,7 +240,7 @@ def _work_buffers(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     hold 2 x 4 bytes per element of the largest operand seen.
     Other devices have caching allocators.
     """
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" or _is_fake(t):  # fake tensors (mixprec plan): the real buffers cannot take them
         v, magic = torch.empty(t.shape, device=t.device), torch.empty(t.shape, dtype=torch.int32, device=t.device)
         return v, v.view(torch.int32), magic, magic.view(torch.float32)
     views = _WORK.__dict__.setdefault("views", {})
@@ -283,20 +297,6 @@ def _gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Te
     return out if bias is None else out + bias.to(out_dtype)
 
 
-@contextlib.contextmanager
-def _no_autocast(device_type: str):
-    """Turn off torch.autocast and mixprec's autocast, so the FP8 GEMMs' operands are not re-cast."""
-    if not (torch.is_autocast_enabled(device_type) or is_autocast_active()):  # backward: nothing to turn off
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        if torch.is_autocast_enabled(device_type):
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-        if is_autocast_active():
-            stack.enter_context(autocast(device_type=device_type, enabled=False))
-        yield
-
-
 def _quantize(t: torch.Tensor, fp8_dtype: torch.dtype, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8_as_bf16(t, fp8_dtype) if mode == "emulated" else to_fp8(t, fp8_dtype)
 
@@ -310,6 +310,8 @@ class _Fp8Matmul(torch.autograd.Function):
             xq, x_inv = _quantize(x, E4M3, mode)
             wq, w_inv = _quantize(weight, E4M3, mode)
             y = _gemm(xq, x_inv, wq.t(), w_inv, out_dtype, mode, bias)
+        for t, role in ((xq, "activation"), (x_inv, "scale"), (wq, "weight"), (w_inv, "scale")):
+            setattr(t, FP8_ROLE_ATTR, role)  # how mixprec.memory tells FP8 buffers from activations
         ctx.save_for_backward(xq, x_inv, wq, w_inv)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mode = mode
@@ -331,17 +333,13 @@ class _Fp8Matmul(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return autocast_dtype() or x.dtype
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                emulate: bool | None = None) -> torch.Tensor:
     """``F.linear`` with FP8 GEMMs. ``emulate``: None = real where the device has FP8 matmuls, else emulated;
     True = always emulate; False = require real FP8 (raises where the device lacks it)."""
+    planned = getattr(_PLANNED, "mode", None)
+    if planned is not None:
+        return _linear(x, weight, bias, planned)
     real = hardware.has_fp8_matmul(x.device)
     if emulate is False and not real:
         raise RuntimeError(
@@ -349,6 +347,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             "none; use emulate=None (auto) or emulate=True"
         )
     return _linear(x, weight, bias, "real" if real and not emulate else "emulated")
+
+
+_PLANNED = threading.local()
+
+
+@contextlib.contextmanager
+def planned_gemm_path(mode: str | None):
+    """Run every FP8 layer's GEMMs on the path ``mode`` (``"real"`` or ``"emulated"``) in this thread, whatever
+    the tensors' device: ``mixprec plan`` traces, on fake CPU tensors, the path a GPU target would take (None:
+    the device decides, as always). Restored on exit."""
+    if mode not in (None, "real", "emulated"):
+        raise ValueError(f"planned_gemm_path({mode!r}): choose 'real', 'emulated' or None")
+    prev = getattr(_PLANNED, "mode", None)
+    _PLANNED.mode = mode
+    try:
+        yield
+    finally:
+        _PLANNED.mode = prev
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
@@ -451,7 +467,8 @@ class Fp8AdaptedLinear(nn.Module):
     Plain attributes of the original (Conv1D's ``nf``, ``nx``) are carried over for code that reads them.
     """
 
-    def __init__(self, module: nn.Module, adapter: LinearAdapter, *, emulate: bool | None = None) -> None:
+    def __init__(self, module: nn.Module, adapter: LinearAdapter, *, emulate: bool | None = None,
+                 recipe=None, seed: int = 0) -> None:
         super().__init__()
         for k, v in vars(module).items():
             if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str)):
@@ -461,10 +478,19 @@ class Fp8AdaptedLinear(nn.Module):
         self.adapter = adapter
         self.out_features, self.in_features = adapter.weight_as_linear(module.weight).shape
         self.emulate = emulate
+        self.recipe = recipe
+        """A block-scaled :class:`~mixprec.gemm_recipes.LinearRecipe`, or None for per-tensor FP8."""
+        self._generator = None if recipe is None or not recipe.stochastic_rounding else (
+            torch.Generator(device=module.weight.device).manual_seed(seed))
         self.train(module.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.adapter.weight_as_linear(self.weight), self.bias, emulate=self.emulate)
+        w = self.adapter.weight_as_linear(self.weight)
+        if self.recipe is None:
+            return fp8_linear(x, w, self.bias, emulate=self.emulate)
+        from .blocklinear import block_linear
+
+        return block_linear(x, w, self.bias, self.recipe, emulate=self.emulate, generator=self._generator)
 
     def extra_repr(self) -> str:
         return (f"{self.adapter.name}: in_features={self.in_features}, out_features={self.out_features}, "
@@ -487,30 +513,45 @@ def _default_filter(module: nn.Module, fqn: str) -> bool:
     return fqn.rsplit(".", 1)[-1] not in SKIP_NAMES
 
 
-def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, str], bool] | None) -> str | None:
+def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, str], bool] | None,
+                 recipe=None) -> str | None:
     """Why linear layer ``m`` stays as it is, or None to convert it."""
     adapter = _adapter_for(m)
     if adapter is None and type(m) is not nn.Linear:
         return (f"{type(m).__name__} is a subclass of nn.Linear (its parent may use the weight directly, e.g. "
                 "MultiheadAttention.out_proj)")
     out_f, in_f = adapter.weight_as_linear(m.weight).shape if adapter else (m.out_features, m.in_features)
-    if in_f % GEMM_MULTIPLE or out_f % GEMM_MULTIPLE:
-        return f"in_features={in_f}, out_features={out_f}: FP8 GEMMs need multiples of {GEMM_MULTIPLE}"
+    multiple = GEMM_MULTIPLE if recipe is None else recipe.multiple
+    if in_f % multiple or out_f % multiple:
+        what = ("FP8 GEMMs need" if recipe is None or recipe.token_block is None
+                else f"{recipe.name}'s blocks along the reduced dimensions need")
+        return f"in_features={in_f}, out_features={out_f}: {what} multiples of {multiple}"
     if not (module_filter_fn or _default_filter)(m, fqn):
         return ("final classifier, kept out of FP8 (logits are the most sensitive layer)" if module_filter_fn is None
                 else "excluded by module_filter_fn")
     return None
 
 
+def _converted_types() -> tuple[type, ...]:
+    from .blocklinear import BlockLinear
+
+    return Fp8Linear, Fp8AdaptedLinear, BlockLinear
+
+
 def plan_fp8_conversion(
-    module: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None
+    module: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None, recipe=None
 ) -> Fp8Conversion:
-    """Which linear layers :func:`convert_to_fp8` would swap, and why the others are skipped."""
+    """Which linear layers :func:`convert_to_fp8` would swap, and why the others are skipped.
+
+    ``recipe``: a block-scaled :class:`~mixprec.gemm_recipes.LinearRecipe` (its multiple), or None for
+    per-tensor FP8."""
+    if recipe is not None and recipe.name == "tensorwise":
+        recipe = None
     converted, skipped = [], []
     for fqn, m in module.named_modules():
-        if isinstance(m, (Fp8Linear, Fp8AdaptedLinear)) or not (isinstance(m, nn.Linear) or _adapter_for(m)):
+        if isinstance(m, _converted_types()) or not (isinstance(m, nn.Linear) or _adapter_for(m)):
             continue
-        reason = _skip_reason(m, fqn, module_filter_fn)
+        reason = _skip_reason(m, fqn, module_filter_fn, recipe)
         if reason is None:
             converted.append(fqn)
         else:
@@ -518,10 +559,17 @@ def plan_fp8_conversion(
     return Fp8Conversion(tuple(converted), tuple(skipped))
 
 
-def _to_fp8_module(m: nn.Module, emulate: bool | None) -> nn.Module:
+def _to_fp8_module(m: nn.Module, emulate: bool | None, recipe=None, fqn: str = "", seed: int = 0) -> nn.Module:
     adapter = _adapter_for(m)
-    return Fp8Linear.from_linear(m, emulate=emulate) if adapter is None else Fp8AdaptedLinear(m, adapter,
-                                                                                                emulate=emulate)
+    if recipe is None:
+        return Fp8Linear.from_linear(m, emulate=emulate) if adapter is None else Fp8AdaptedLinear(m, adapter,
+                                                                                                    emulate=emulate)
+    from .blocklinear import BlockLinear, layer_seed
+
+    seed = layer_seed(seed, fqn)
+    if adapter is None:
+        return BlockLinear.from_linear(m, recipe=recipe, emulate=emulate, seed=seed)
+    return Fp8AdaptedLinear(m, adapter, emulate=emulate, recipe=recipe, seed=seed)
 
 
 def convert_to_fp8(
@@ -529,6 +577,8 @@ def convert_to_fp8(
     *,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     emulate: bool | None = None,
+    recipe=None,
+    seed: int = 0,
 ) -> nn.Module:
     """Swap eligible linear layers of ``module`` for FP8 ones, in place: ``nn.Linear`` for :class:`Fp8Linear`,
     a registered linear class (Hugging Face's Conv1D; :func:`register_linear_adapter`) for
@@ -539,14 +589,19 @@ def convert_to_fp8(
         module_filter_fn: ``(module, qualified_name) -> bool``, True to convert; replaces the default rule
             (skip layers named ``head``/``fc``). The multiple-of-16 rule always applies.
         emulate: passed to every converted layer (None: real FP8 where the device has it).
+        recipe: a block-scaled :class:`~mixprec.gemm_recipes.LinearRecipe` (layers become
+            :class:`~mixprec.blocklinear.BlockLinear`; its multiple replaces 16), or None / ``tensorwise``.
+        seed: seeds each layer's stochastic-rounding stream (NVFP4 option).
     """
-    plan = plan_fp8_conversion(module, module_filter_fn=module_filter_fn)
+    if recipe is not None and recipe.name == "tensorwise":
+        recipe = None
+    plan = plan_fp8_conversion(module, module_filter_fn=module_filter_fn, recipe=recipe)
     for fqn, reason in plan.skipped:
         log.info("convert_to_fp8: kept %s in its precision: %s", fqn or "<root>", reason)
     for fqn in plan.converted:
         if not fqn:
-            return _to_fp8_module(module, emulate)
+            return _to_fp8_module(module, emulate, recipe, fqn, seed)
         parent_name, _, child = fqn.rpartition(".")
         parent = module.get_submodule(parent_name)
-        setattr(parent, child, _to_fp8_module(getattr(parent, child), emulate))
+        setattr(parent, child, _to_fp8_module(getattr(parent, child), emulate, recipe, fqn, seed))
     return module

@@ -3,7 +3,7 @@
 CPUs: bf16 matmuls are fast with AVX512-BF16 or AMX-BF16; fp16 matmuls are only fast with AVX512-FP16 or
 AMX-FP16 — without them PyTorch's CPU fp16 GEMM is a scalar fallback, far slower than fp32
 (benchmarks/README.md has the figures). GPUs: bf16 needs compute capability 8.0+ (Ampere), TF32 tensor cores 8.0+, FP8
-matmuls 8.9+ (Ada/Hopper).
+matmuls 8.9+ (Ada/Hopper; rowwise-scaled FP8 9.0+), MXFP8/MXFP4/NVFP4 block-scaled matmuls 10.x (Blackwell).
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ __all__ = [
     "has_fast_bf16",
     "has_fast_fp16",
     "has_fp8_matmul",
+    "has_lowp_units",
+    "has_mx_matmul",
     "has_tf32",
     "resolve_device",
+    "missing_device",
 ]
 
 
@@ -96,19 +99,57 @@ def has_fp8_matmul(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def missing_device(device: torch.device | str) -> str | None:
+    """Why this process cannot run on ``device`` (no CUDA, no such GPU index), or None if it can."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"no CUDA device is available (torch {torch.__version__})"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"this machine has {torch.cuda.device_count()} CUDA device(s), so there is no {device}"
+        return None
+    backend = getattr(torch, device.type, None)
+    if backend is not None and callable(getattr(backend, "is_available", None)) and backend.is_available():
+        return None
+    return f"no {device.type} device is available (torch {torch.__version__})"
+
+
+def has_mx_matmul(device: torch.device) -> bool:
+    """True where the GPU has MXFP8/MXFP4/NVFP4 tensor cores (block-scaled GEMMs): NVIDIA compute capability
+    10.x (B200, GB200; what torchao's MX kernels target). H100/H200 (9.0) have FP8 but no MX/NVFP4 units."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return (10, 0) <= torch.cuda.get_device_capability(device) < (11, 0)
+
+
+def has_lowp_units(recipe: str, device: torch.device) -> bool:
+    """Whether ``device`` has units for the formats of low-precision linear recipe ``recipe``
+    (:mod:`mixprec.gemm_recipes`): per-tensor FP8 on 8.9+, rowwise FP8 on 9.0+ (``torch._scaled_mm`` with
+    rowwise scales), MX and NVFP4 on 10.x."""
+    if recipe == "tensorwise":
+        return has_fp8_matmul(device)
+    if recipe == "rowwise":
+        return has_fp8_matmul(device) and torch.cuda.get_device_capability(device) >= (9, 0)
+    return has_mx_matmul(device)
+
+
 def resolve_device(name: str) -> torch.device:
-    """``auto`` → cuda if available, else cpu. Raises ValueError for an unavailable device."""
+    """``auto`` → cuda if available, else cpu. Raises ConfigError for an unavailable device."""
     from .errors import ConfigError
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"--device {name} was requested but no CUDA device is available "
-                f"(torch {torch.__version__}); use --device cpu or --device auto"
-            )
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ConfigError(f"unknown --device {name!r}; choose auto, cpu, cuda or cuda:N") from None
+        why = missing_device(device)
+        if why is not None:
+            raise ConfigError(f"--device {name} was requested but {why}; use --device cpu or --device auto")
+        return device
     if name == "cpu":
         return torch.device("cpu")
     raise ConfigError(f"unknown --device {name!r}; choose auto, cpu or cuda")

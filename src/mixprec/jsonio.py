@@ -1,4 +1,5 @@
-"""One way to write JSON files: strict (NaN and inf become null) and atomic (temp file + rename).
+"""One way to write JSON files: strict (NaN and inf become null) and atomic (temp file + rename); text and
+bytes (doctor's plots) go through the same atomic write.
 
 train's ``--metrics-json``, bench's ``results.json`` and doctor's ``doctor.json`` all go through
 :func:`write_json`, so a reader never sees half a file and every file is valid JSON for every parser
@@ -17,7 +18,7 @@ from typing import Any
 
 from .errors import OutputError
 
-__all__ = ["write_json", "write_text", "to_jsonable"]
+__all__ = ["write_json", "write_text", "write_bytes", "to_jsonable"]
 
 
 def to_jsonable(o: Any) -> Any:
@@ -46,14 +47,19 @@ def to_jsonable(o: Any) -> Any:
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` atomically; a failed write raises :class:`~mixprec.errors.OutputError` naming the
     path (disk full, read-only, folder gone) and leaves any previous file there intact."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` (a PNG, a text's bytes) atomically, as :func:`write_text` does."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
         os.makedirs(d, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1] or ".tmp", dir=d)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is as readable as any file written
         os.replace(tmp, path)
         tmp = None

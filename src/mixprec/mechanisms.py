@@ -2,7 +2,7 @@
 
 A :class:`~mixprec.precision.Recipe` owns one :class:`Mechanism` for its life. The mechanism answers what
 depends on *whose code runs* the recipe: which autocast context, which loss scaler, how a loss-scaled step
-is skipped, how the FP8 layers are made, and what it cannot do (options it cannot honour,
+is skipped, and what it cannot do (options it cannot honour,
 ``torch.compile``). What a recipe means -- dtypes, master weights, TF32, FSDP -- stays the recipe's.
 
 - :class:`NativeMechanism` (``native``): PyTorch's ``torch.autocast`` + ``torch.amp.GradScaler``
@@ -11,10 +11,11 @@ is skipped, how the FP8 layers are made, and what it cannot do (options it canno
   :class:`~mixprec.scaler.DynamicLossScaler`. Per-module fp32 overrides (``--keep-fp32``), scaler
   hysteresis, and fp16 *emulation* (fp16 values, fp32 arithmetic) on CPUs without fast fp16 kernels.
 
-Master weights are always mixprec's (:mod:`mixprec.master`, PyTorch has no native equivalent), and both
-mechanisms make FP8 layers with :mod:`mixprec.fp8`. A new mechanism (torchao's FP8 training, say) is one
-subclass overriding the hooks it changes, registered in :data:`MECHANISMS`: ``--amp-impl`` and its check
-take their names from there.
+Master weights are always mixprec's (:mod:`mixprec.master`, PyTorch has no native equivalent). The FP8/FP4
+linear layers are a second, independent strategy (:mod:`mixprec.fp8_impls`, ``--fp8-impl scratch|torchao``):
+whose layers run the low-precision GEMMs does not change whose autocast runs the ops around them. A new
+mechanism is one subclass overriding the hooks it changes, registered in :data:`MECHANISMS`: ``--amp-impl``
+and its check take their names from there.
 """
 
 from __future__ import annotations
@@ -71,13 +72,6 @@ class Mechanism:
 
     def check_module(self, model: nn.Module) -> None:
         """Check the converted model against this mechanism's options (RecipeError on a mistake)."""
-
-    def convert_fp8(self, model: nn.Module) -> tuple[nn.Module, Any]:
-        """FP8 recipes: swap the eligible linear layers; returns the model and the conversion's record."""
-        from .fp8 import convert_to_fp8, plan_fp8_conversion
-
-        plan = plan_fp8_conversion(model)
-        return convert_to_fp8(model), plan
 
     def autocast(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
         """The forward's autocast context (autocast recipes only)."""

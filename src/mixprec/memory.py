@@ -11,8 +11,17 @@ This module counts bytes exactly, per category:
 - **saved activations** — every tensor autograd saves for backward during one forward, captured with
   ``torch.autograd.graph.saved_tensors_hooks`` and deduplicated by storage, so a tensor saved by three
   ops counts once and views count their base storage once. Storages that belong to parameters are
-  excluded (they are already counted); the low-precision weight copies autocast makes *are* counted,
-  because they are real extra memory held until backward.
+  excluded (they are already counted). Two kinds of saved tensor are not activations and get their own
+  category, because they do not grow with the batch:
+- **autocast weight copies** — the low-precision copies of fp32 parameters that autocast (PyTorch's or
+  mixprec's) makes and autograd keeps until backward: a saved tensor whose autograd history is a cast
+  (``ToCopyBackward0``, through views such as the transpose a linear layer saves) of a parameter;
+- **FP8 buffers** — what an FP8 linear layer (:mod:`mixprec.fp8`) saves besides its quantized input: the
+  quantized weight (FP8, or its bf16 image when emulated) and the two scales. The layer marks them
+  (``FP8_ROLE_ATTR``); its quantized input is an activation.
+
+:data:`CATEGORIES` names every category once; bench's exact accounting and ``mixprec plan`` both use
+:class:`SavedTensorTracker` and these names, so a number has one meaning in both.
 
 Counting is exact (bytes of distinct storages), cheap (no copies), and done on a sampled step, never on
 every step. On CUDA, ``torch.cuda.max_memory_allocated`` is reported beside it as the allocator's view
@@ -28,9 +37,23 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["MemoryReport", "SavedTensorTracker", "storage_bytes", "static_memory", "local_tensor", "MIB"]
+__all__ = ["MemoryReport", "SavedTensorTracker", "storage_bytes", "static_memory", "local_tensor", "MIB",
+           "CATEGORIES", "SAVED_CATEGORIES", "FP8_ROLE_ATTR", "saved_category", "storage_key"]
 
 MIB = 1024.0 * 1024.0
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "activations",
+              "autocast_weight_copies", "fp8_buffers")
+"""The exact categories, in the order reports print them (fields of :class:`MemoryReport`)."""
+SAVED_CATEGORIES = ("activations", "autocast_weight_copies", "fp8_buffers")
+"""The categories of tensors saved for backward (:func:`saved_category`)."""
+FP8_ROLE_ATTR = "_mixprec_fp8_role"
+"""Attribute an FP8 layer sets on what it saves: ``"activation"`` (quantized input), ``"weight"``, ``"scale"``."""
+
+_VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "ViewBackward0", "PermuteBackward0",
+                         "ExpandBackward0", "AliasBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                         "SliceBackward0", "SelectBackward0", "AsStridedBackward0"})
+_CAST_NODES = frozenset({"ToCopyBackward0", "_ToCopyBackward0"})
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -38,10 +61,45 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """``(device, address)`` of ``t``'s storage: views share it. Fake tensors (``FakeTensorMode``, which
+    ``mixprec plan`` traces with) have no data address; their storage object's identity stands in."""
     t = local_tensor(t)
     s = t.untyped_storage()
+    if _is_fake(t):
+        return ("fake", s._cdata)
     return (str(t.device), s.data_ptr())
+
+
+_storage_key = storage_key
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def saved_category(t: torch.Tensor, param_keys: set[tuple[str, int]]) -> str:
+    """Which of :data:`SAVED_CATEGORIES` a tensor saved for backward belongs to (see the module docstring).
+
+    ``param_keys`` holds the parameters' :func:`storage_key`: a saved tensor made from one by a cast
+    (through views) is an autocast weight copy.
+    """
+    role = getattr(t, FP8_ROLE_ATTR, None)
+    if role is not None:
+        return "activations" if role == "activation" else "fp8_buffers"
+    fn = t.grad_fn
+    while fn is not None and fn.name() in _VIEW_NODES:
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    casts = 0
+    while fn is not None and fn.name() in _CAST_NODES:  # emulation rounds with two casts in a row
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+        casts += 1
+    var = getattr(fn, "variable", None) if casts and fn is not None else None
+    if isinstance(var, torch.Tensor) and storage_key(var) in param_keys:
+        return "autocast_weight_copies"
+    return "activations"
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], *, exclude: set[tuple[str, int]] | None = None) -> int:
@@ -68,6 +126,11 @@ class MemoryReport:
     optimizer_state: int = 0
     master_weights: int = 0
     activations: int = 0
+    """Saved for backward, except the two categories below."""
+    autocast_weight_copies: int = 0
+    """Low-precision copies of fp32 parameters kept for backward."""
+    fp8_buffers: int = 0
+    """FP8 layers' saved quantized weights and scales."""
     cuda_peak_allocated: int | None = None
     """``torch.cuda.max_memory_allocated`` over the sampled step (None off CUDA)."""
     cuda_peak_reserved: int | None = None
@@ -75,7 +138,13 @@ class MemoryReport:
     @property
     def total(self) -> int:
         """Sum of the exact categories: what training must hold at its peak (end of forward)."""
-        return self.parameters + self.gradients + self.optimizer_state + self.master_weights + self.activations
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+    def add_saved(self, tracker: SavedTensorTracker) -> MemoryReport:
+        """Fill the saved-tensor categories from ``tracker`` (after the forward it watched); returns self."""
+        for c in SAVED_CATEGORIES:
+            setattr(self, c, tracker.by_category.get(c, 0))
+        return self
 
     def to_dict(self) -> dict[str, int | None]:
         d = dataclasses.asdict(self)
@@ -121,6 +190,9 @@ class SavedTensorTracker:
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._exclude = {_storage_key(t) for t in exclude}
         self._seen: dict[tuple[str, int], int] = {}
+        self._category: dict[tuple[str, int], str] = {}
+        self.on_save = None
+        """Optional ``(tensor, category)`` callback for each newly saved storage (``mixprec plan`` uses it)."""
         self._ctx: contextlib.AbstractContextManager | None = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -128,6 +200,9 @@ class SavedTensorTracker:
             key = _storage_key(t)
             if key[1] != 0 and key not in self._exclude and key not in self._seen:
                 self._seen[key] = t.untyped_storage().nbytes()
+                category = self._category[key] = saved_category(t, self._exclude)
+                if self.on_save is not None:
+                    self.on_save(t, category)
         return t
 
     @staticmethod
@@ -136,7 +211,16 @@ class SavedTensorTracker:
 
     @property
     def nbytes(self) -> int:
+        """Everything saved for backward: activations, autocast weight copies and FP8 buffers together."""
         return sum(self._seen.values())
+
+    @property
+    def by_category(self) -> dict[str, int]:
+        """Bytes saved per :data:`SAVED_CATEGORIES` entry (every one present, 0 when nothing was saved)."""
+        out = dict.fromkeys(SAVED_CATEGORIES, 0)
+        for key, n in self._seen.items():
+            out[self._category[key]] += n
+        return out
 
     @property
     def count(self) -> int:
@@ -144,6 +228,7 @@ class SavedTensorTracker:
 
     def __enter__(self) -> SavedTensorTracker:
         self._seen.clear()
+        self._category.clear()
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
         return self

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -35,6 +36,8 @@ from torch import nn
 
 from . import hardware, recipe_text
 from .errors import NonFiniteError, RecipeError
+from .fp8_impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
+from .gemm_recipes import linear_recipe
 from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism
 from .recipes import ALIASES, RECIPES, RecipeSpec, dtype_name, resolve_recipe
 from .scaler import ScalerConfig
@@ -43,6 +46,7 @@ __all__ = [
     "RECIPES",
     "ALIASES",
     "AMP_IMPLS",
+    "FP8_IMPL_CHOICES",
     "RecipeSpec",
     "ScalerConfig",
     "RecipeConfig",
@@ -59,7 +63,8 @@ class RecipeConfig:
     """What a run asks of its precision: the recipe, its mechanism and its options (the config's recipe section)."""
 
     precision: str = "fp32"
-    """Recipe name or alias (fp32, tf32, amp/fp16-mixed, bf16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed)."""
+    """Recipe name or alias (fp32, tf32, amp/fp16-mixed, bf16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed,
+    fp8-rowwise, mxfp8, mxfp4, nvfp4)."""
     amp_impl: str = "auto"
     """Mechanism behind the recipe (:data:`mixprec.mechanisms.MECHANISMS`): native (torch.autocast + GradScaler),
     scratch (mixprec engine), or auto."""
@@ -69,6 +74,17 @@ class RecipeConfig:
     """Round updates into low-precision params stochastically (bf16-true, *-master)."""
     keep_fp32: tuple[str, ...] = ()
     """Module names or types kept in fp32 (scratch autocast)."""
+    fp8_impl: str = "auto"
+    """Whose layers run the FP8/FP4 recipes' GEMMs (:data:`mixprec.fp8_impls.FP8_IMPLS`): scratch (mixprec's),
+    torchao, or auto (torchao where the GPU has units for the format and torchao is installed, else scratch)."""
+    wgrad_hp: bool = False
+    """fp8-rowwise, mxfp8, mxfp4, nvfp4: the weight-gradient GEMM in bf16 (fp8-rowwise: torchao's rowwise_with_gw_hp)."""
+    mx_scale_rule: str | None = None
+    """mxfp8, mxfp4: the e8m0 scale rule, rceil (None: the recipe's, rceil) or floor (the OCP spec's)."""
+    fp4_hadamard: bool = False
+    """nvfp4: random Hadamard transform of the weight-gradient GEMM's inputs (as TransformerEngine)."""
+    fp4_stochastic_rounding: bool = False
+    """nvfp4: round the output gradient to FP4 stochastically in the backward GEMMs (as TransformerEngine)."""
 
     def validate(self) -> None:
         """Raise a UsageError subclass naming the flag: unknown recipe or mechanism, bad scaler settings."""
@@ -77,6 +93,15 @@ class RecipeConfig:
         if self.amp_impl not in impls:
             raise RecipeError(f"unknown --amp-impl {self.amp_impl!r}; choose one of: {', '.join(impls)}")
         self.scaler.validate()
+        if self.fp8_impl not in FP8_IMPL_CHOICES:
+            raise RecipeError(f"unknown --fp8-impl {self.fp8_impl!r}; choose one of: {', '.join(FP8_IMPL_CHOICES)}")
+        if self.mx_scale_rule not in (None, "rceil", "floor"):
+            raise RecipeError(f"unknown --mx-scale-rule {self.mx_scale_rule!r}; choose rceil or floor")
+
+    def linear_options(self) -> dict[str, Any]:
+        """The low-precision linear options as :func:`mixprec.gemm_recipes.linear_recipe` takes them."""
+        return dict(wgrad_hp=self.wgrad_hp, mx_scale_rule=self.mx_scale_rule, hadamard=self.fp4_hadamard,
+                    stochastic_rounding=self.fp4_stochastic_rounding)
 
     def for_recipe(self, name: str) -> tuple[RecipeConfig, list[str]]:
         """This config applied to recipe ``name`` (bench runs one config per recipe), and notes on what
@@ -91,11 +116,41 @@ class RecipeConfig:
         if not spec.loss_scaling and self.scaler != _DEFAULT_SCALER:
             changes["scaler"] = _DEFAULT_SCALER
             notes.append("the loss-scaler flags do not apply (no loss scaling) and are off for this recipe")
+        for flag, field in _LINEAR_FLAGS:
+            default = getattr(_DEFAULTS, field)
+            if getattr(self, field) != default and not _linear_option_applies(spec, field, self):
+                changes[field] = default
+                notes.append(f"{flag} does not apply to {spec.name} and is off for this recipe")
         return dataclasses.replace(self, **changes), notes
 
 
-_DEFAULT_SCALER = RecipeConfig().scaler
+_DEFAULTS = RecipeConfig()
+_DEFAULT_SCALER = _DEFAULTS.scaler
 """The scaler settings nobody asked to change (a scaler flag on a recipe without a scaler is refused)."""
+_LINEAR_FLAGS = (("--fp8-impl", "fp8_impl"), ("--wgrad-hp", "wgrad_hp"), ("--mx-scale-rule", "mx_scale_rule"),
+                 ("--fp4-hadamard", "fp4_hadamard"), ("--fp4-stochastic-rounding", "fp4_stochastic_rounding"))
+"""The flags of the low-precision linear recipes, and their RecipeConfig fields."""
+
+
+def _linear_option_applies(spec: RecipeSpec, field: str, config: RecipeConfig) -> bool:
+    """Whether option ``field`` (set in ``config``) means something for ``spec`` (bench drops it where not)."""
+    if spec.fp8 is None:
+        return False
+    if field == "fp8_impl":
+        return True
+    keyword = {"fp4_hadamard": "hadamard", "fp4_stochastic_rounding": "stochastic_rounding"}.get(field, field)
+    try:
+        linear_recipe(spec.fp8, **{keyword: getattr(config, field)})
+    except RecipeError:
+        return False
+    return True
+    try:
+        linear_recipe(spec.fp8, **{k: v for k, v in config.linear_options().items()
+                                   if k == {"fp4_hadamard": "hadamard",
+                                            "fp4_stochastic_rounding": "stochastic_rounding"}.get(field, field)})
+    except RecipeError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +189,13 @@ class Recipe:
     """
 
     def __init__(self, spec: RecipeSpec, config: RecipeConfig, *, device: torch.device, mechanism: Mechanism,
-                 seed: int = 0, world_size: int = 1) -> None:
+                 seed: int = 0, world_size: int = 1, fp8: Fp8Impl | None = None) -> None:
         self.spec = spec
         self.config = config
         self.device = device
         self.mechanism = mechanism
+        self.fp8 = fp8
+        """Whose layers run the recipe's low-precision GEMMs (:mod:`mixprec.fp8_impls`); None without any."""
         self.world_size = world_size
         self._seed = seed
         self._model: nn.Module | None = None
@@ -227,8 +284,8 @@ class Recipe:
         if self.spec.param_dtype != torch.float32:
             model = model.to(self.spec.param_dtype)
         self.mechanism.check_module(model)
-        if self.spec.fp8:
-            model, self.fp8_conversion = self.mechanism.convert_fp8(model)
+        if self.fp8 is not None:
+            model, self.fp8_conversion = self.fp8.convert(model)
         self._model = model
         return model
 
@@ -336,15 +393,16 @@ class Recipe:
     # -- reporting -----------------------------------------------------------------------------------
     def hardware_facts(self) -> HardwareFacts:
         """What this device does with the recipe's dtypes (see :class:`HardwareFacts`)."""
-        matmul_dtype, fast, case = _matmul_facts(self.spec, self.device, self.emulate)
-        return HardwareFacts(matmul_dtype, fast, recipe_text.hardware_note(case, self.device))
+        matmul_dtype, fast, case = _matmul_facts(self.spec, self.device, self.emulate, self.fp8)
+        return HardwareFacts(matmul_dtype, fast, recipe_text.hardware_note(case, self.device, fp8=self.fp8))
 
     def facts(self) -> dict[str, Any]:
         """The recipe's numerics as plain data (reports and JSON)."""
         s = self.spec
         return {"compute": dtype_name(s.compute_dtype), "params": dtype_name(s.param_dtype),
                 "loss_scaling": s.loss_scaling, "master_weights": s.master_weights, "emulated": self.emulate,
-                "stochastic_rounding": self.stochastic_rounding}
+                "stochastic_rounding": self.stochastic_rounding,
+                "fp8_impl": None if self.fp8 is None else self.fp8.name}
 
     def nonfinite_remedies(self) -> str:
         """What to try when this recipe's run went non-finite (never suggests the recipe itself)."""
@@ -359,7 +417,8 @@ class Recipe:
         """One line: what the recipe does on this device and why."""
         return recipe_text.describe(self.spec, self.mechanism, scaler=self.config.scaler,
                                     stochastic_rounding=self.stochastic_rounding,
-                                    device_note=self.hardware_facts().note, fp8_conversion=self.fp8_conversion)
+                                    device_note=self.hardware_facts().note, fp8_conversion=self.fp8_conversion,
+                                    fp8=self.fp8)
 
 
 def _agree_on_finite(loss: torch.Tensor) -> torch.Tensor:
@@ -371,13 +430,13 @@ def _agree_on_finite(loss: torch.Tensor) -> torch.Tensor:
     return torch.where(bad > 0, torch.full_like(loss, float("nan")), loss)
 
 
-def _matmul_facts(spec: RecipeSpec, dev: torch.device, emulate: bool) -> tuple[str, bool, str]:
+def _matmul_facts(spec: RecipeSpec, dev: torch.device, emulate: bool, fp8: Fp8Impl | None) -> tuple[str, bool, str]:
     """``(matmul dtype, fast, case)``: what the matmuls run in, whether the device has fast kernels for it,
     and which case of :data:`mixprec.recipe_text.HARDWARE_NOTES` says so."""
-    if spec.fp8:
-        if hardware.has_fp8_matmul(dev):
+    if fp8 is not None:
+        if fp8.real():
             return "bf16", True, "fp8-real"
-        return "bf16", hardware.has_fast_bf16(dev), "fp8-emulated"
+        return "bf16", hardware.has_fast_bf16(dev), "fp8-emulated" if spec.fp8 == "tensorwise" else "lowp-emulated"
     if spec.compute_dtype == torch.float32:
         if spec.tf32 and hardware.has_tf32(dev):
             return "tf32", True, "tf32"
@@ -399,6 +458,7 @@ def build_recipe(
     device: torch.device | str = "cpu",
     seed: int = 0,
     world_size: int = 1,
+    for_target: bool = False,
     **options: Any,
 ) -> Recipe:
     """Resolve a recipe for a device and mechanism; contradictions raise RecipeError (exit 2).
@@ -407,9 +467,14 @@ def build_recipe(
         recipe: a :class:`RecipeConfig`, or a recipe name or alias (``amp``, ``bf16``...) with the
             config's other fields as keyword ``options`` (``amp_impl``, ``scaler``, ``stochastic_rounding``,
             ``keep_fp32``).
-        device: where the run trains.
+        device: where the run trains. It must be one this machine has (``cuda`` without CUDA, or ``cuda:3``
+            on a two-GPU machine, raises RecipeError, as ``--device`` does), unless ``for_target``.
         seed: seeds stochastic rounding.
         world_size: processes in the run (the loss scaler then agrees on skips across them).
+        for_target: ``device`` is a target being planned for, not where this process will train: its presence
+            and its capabilities are not checked (nor queried). Such a recipe must never run; only its
+            device-free answers (``spec``, ``facts()``, ``label``, ``low_dtype``, ``impl``, ``fsdp_policy()``)
+            are meaningful; the hardware ones (``hardware_facts()``, ``describe()``) need the device itself.
 
     ``amp_impl``: a name in :data:`mixprec.mechanisms.MECHANISMS` (``native``: torch.autocast + GradScaler;
     ``scratch``: mixprec's engine), or ``auto`` (:func:`mixprec.mechanisms.auto_mechanism`: native, except
@@ -426,17 +491,49 @@ def build_recipe(
     recipe.validate()
     spec = resolve_recipe(recipe.precision)
     device = torch.device(device)
+    missing = None if for_target else hardware.missing_device(device)
+    if missing is not None:
+        raise RecipeError(
+            f"build_recipe({recipe.precision!r}, device={str(device)!r}): {missing}; build it for a device this "
+            "machine has (device='cpu', or --device auto), or pass for_target=True to plan for one it lacks")
     impl = auto_mechanism(spec, device) if recipe.amp_impl == "auto" else recipe.amp_impl
-    mechanism = MECHANISMS[impl](spec, scaler=recipe.scaler, keep_fp32=tuple(recipe.keep_fp32), device=device,
-                                 world_size=world_size, emulate_fp16=not hardware.has_fast_fp16(device))
-    _refuse_contradictions(spec, recipe, device)
-    mechanism.refuse_options()
-    return Recipe(spec, recipe, device=device, mechanism=mechanism, seed=seed, world_size=world_size)
+    with warnings.catch_warnings():
+        if for_target:  # GradScaler("cuda") on a machine without CUDA warns that it disables itself
+            warnings.simplefilter("ignore", UserWarning)
+        mechanism = MECHANISMS[impl](spec, scaler=recipe.scaler, keep_fp32=tuple(recipe.keep_fp32), device=device,
+                                     world_size=world_size, emulate_fp16=not hardware.has_fast_fp16(device))
+        _refuse_contradictions(spec, recipe, device, query_device=not for_target)
+        mechanism.refuse_options()
+        fp8 = _fp8_impl(spec, recipe, device, impl, seed, for_target=for_target)
+        return Recipe(spec, recipe, device=device, mechanism=mechanism, seed=seed, world_size=world_size, fp8=fp8)
 
 
-def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, device: torch.device) -> None:
-    """What this recipe cannot do with these options on this device, whatever the mechanism."""
-    if device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
+def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, device: torch.device, amp_impl: str, seed: int, *,
+              for_target: bool = False) -> Fp8Impl | None:
+    """The low-precision linear implementation of an FP8/FP4 recipe (None for the others, which refuse its flags).
+    A recipe built ``for_target`` (a plan; never run) does not query the device: ``auto`` takes scratch's layers,
+    whose GEMM path the planner decides for the target itself."""
+    if spec.fp8 is None:
+        typed = [flag for flag, field in _LINEAR_FLAGS if getattr(config, field) != getattr(_DEFAULTS, field)]
+        if typed:
+            raise RecipeError(f"{', '.join(typed)} set(s) the FP8/FP4 linear layers, which {spec.name} does not have; "
+                              "drop it, or use --precision fp8-mixed, fp8-rowwise, mxfp8, mxfp4 or nvfp4")
+        return None
+    lin = linear_recipe(spec.fp8, **config.linear_options())
+    if config.fp8_impl == "auto":
+        name = "scratch" if for_target else auto_fp8_impl(lin, device)
+    else:
+        name = config.fp8_impl
+    impl = FP8_IMPLS[name](lin, device, seed=seed)
+    impl.refuse(amp_impl, spec.name)
+    return impl
+
+
+def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, device: torch.device, *,
+                           query_device: bool = True) -> None:
+    """What this recipe cannot do with these options on this device, whatever the mechanism (the device's
+    own capabilities only with ``query_device``: a planned target is not here to ask)."""
+    if query_device and device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
         including_emulation=False
     ):
         raise RecipeError(

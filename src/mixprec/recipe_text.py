@@ -20,8 +20,11 @@ __all__ = ["HARDWARE_NOTES", "describe", "hardware_note", "nonfinite_remedies"]
 _NO_FAST_FP16 = "this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16: {where})"
 
 HARDWARE_NOTES: dict[str, str] = {
-    "fp8-real": ("FP8 GEMMs are REAL here (torch._scaled_mm on {where}); other ops bf16; MFU is measured against "
+    "fp8-real": ("{fp8_words} are REAL here ({fp8_impl} on {where}); other ops bf16; MFU is measured against "
                  "the bf16 peak (no FP8 peak)"),
+    "lowp-emulated": ("no {fp8_words} on this device ({where}; {fp8_needs}), so they are EMULATED ({fp8_impl}): "
+                      "operands quantised exactly and held in bf16 with their block scales, GEMMs in bf16 with fp32 "
+                      "accumulation, other ops bf16; MFU is measured against the bf16 peak"),
     "fp8-emulated": ("no FP8 matmuls on this device ({where}; they need CUDA compute capability 8.9+), so FP8 is "
                      "EMULATED: operands scaled and rounded to e4m3/e5m2 and held in bf16 (exactly), GEMMs in bf16 "
                      "with fp32 accumulation, other ops bf16 — FP8 numerics at bf16 GEMM speed plus amax and "
@@ -44,13 +47,23 @@ HARDWARE_NOTES: dict[str, str] = {
 (with a CPU's relevant flags), ``{device}`` its type."""
 
 
-def hardware_note(case: str, device: torch.device) -> str:
-    """The clause for ``case`` (a key of :data:`HARDWARE_NOTES`) on ``device``."""
-    return HARDWARE_NOTES[case].format(where=hardware.describe_device(device), device=device.type)
+_LOWP_WORDS = {"tensorwise": ("FP8 GEMMs", "they need CUDA compute capability 8.9+"),
+               "rowwise": ("rowwise-scaled FP8 GEMMs", "they need CUDA compute capability 9.0+"),
+               "mxfp8": ("MXFP8 GEMMs", "they need Blackwell tensor cores, CUDA compute capability 10.x"),
+               "mxfp4": ("MXFP4 GEMMs", "they need Blackwell tensor cores, CUDA compute capability 10.x"),
+               "nvfp4": ("NVFP4 GEMMs", "they need Blackwell tensor cores, CUDA compute capability 10.x")}
+
+
+def hardware_note(case: str, device: torch.device, fp8=None) -> str:
+    """The clause for ``case`` (a key of :data:`HARDWARE_NOTES`) on ``device``; ``fp8``: the recipe's
+    :class:`~mixprec.fp8_impls.Fp8Impl`, for the FP8/FP4 cases."""
+    words, needs = _LOWP_WORDS[fp8.recipe.name] if fp8 is not None else ("", "")
+    return HARDWARE_NOTES[case].format(where=hardware.describe_device(device), device=device.type, fp8_words=words,
+                                       fp8_needs=needs, fp8_impl=fp8.words if fp8 is not None else "")
 
 
 def describe(spec: RecipeSpec, mechanism: Mechanism, *, scaler: ScalerConfig, stochastic_rounding: bool,
-             device_note: str, fp8_conversion=None) -> str:
+             device_note: str, fp8_conversion=None, fp8=None) -> str:
     """One line: what the recipe does on this device and why (see :meth:`mixprec.precision.Recipe.describe`).
 
     ``fp8_conversion``: the :class:`~mixprec.fp8.Fp8Conversion` once the model is converted (fp8 recipes).
@@ -71,9 +84,12 @@ def describe(spec: RecipeSpec, mechanism: Mechanism, *, scaler: ScalerConfig, st
         parts.append(f"updates rounded stochastically into {dtype_name(s.param_dtype)} params")
     if s.compute_dtype != torch.float32 or s.tf32:
         parts.append(device_note)
+    if fp8 is not None and fp8.recipe.name != "tensorwise":
+        parts.append(f"{fp8.recipe.name} GEMMs: {fp8.recipe.describe()} [{fp8.name}]")
     if s.fp8 and fp8_conversion is not None:
         c = fp8_conversion
-        parts.append(f"{len(c.converted)} linear layer(s) in FP8"
+        what = "FP8" if s.fp8 in ("tensorwise", "rowwise") else s.fp8.upper()
+        parts.append(f"{len(c.converted)} linear layer(s) in {what}"
                      + (f", kept out: {', '.join(n for n, _ in c.skipped)}" if c.skipped else ""))
     return "; ".join(parts)
 

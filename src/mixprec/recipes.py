@@ -10,6 +10,13 @@
 | bf16-master   | bf16             | bf16   | no           | fp32 copy the optimizer steps |
 | bf16-true     | bf16             | bf16   | no           | none (optional stochastic rounding) |
 | fp8-mixed     | FP8 GEMMs + bf16 | fp32   | no           | params are the master   |
+| fp8-rowwise   | FP8 GEMMs + bf16 | fp32   | no           | params are the master   |
+| mxfp8         | MXFP8 GEMMs+bf16 | fp32   | no           | params are the master   |
+| mxfp4         | MXFP4 GEMMs+bf16 | fp32   | no           | params are the master   |
+| nvfp4         | NVFP4 GEMMs+bf16 | fp32   | no           | params are the master   |
+
+The low-precision recipes name a :class:`~mixprec.gemm_recipes.LinearRecipe` (``fp8``): which operand of
+which GEMM is quantised in which format (:mod:`mixprec.gemm_recipes` has the table).
 
 A :class:`RecipeSpec` checks itself when it is built, so a combination no mechanism can train (fp16
 params with loss scaling but no fp32 master: GradScaler refuses to unscale fp16 gradients) is refused when
@@ -24,6 +31,7 @@ import dataclasses
 import torch
 
 from .errors import RecipeError
+from .gemm_recipes import LINEAR_RECIPES
 
 __all__ = ["RECIPES", "ALIASES", "RecipeSpec", "resolve_recipe", "dtype_name"]
 
@@ -58,8 +66,10 @@ class RecipeSpec:
     """Keep an fp32 copy of low-precision params for the optimizer to step."""
     tf32: bool = False
     """Allow TF32 tensor-core matmuls for fp32 tensors (GPUs of compute capability 8.0+)."""
-    fp8: bool = False
-    """Run eligible linear layers' three GEMMs in FP8 with per-tensor scaling (:mod:`mixprec.fp8`)."""
+    fp8: str | None = None
+    """The low-precision linear recipe eligible linear layers' three GEMMs run (a key of
+    :data:`mixprec.gemm_recipes.LINEAR_RECIPES`: ``tensorwise``, ``rowwise``, ``mxfp8``, ``mxfp4``, ``nvfp4``);
+    None: no low-precision GEMMs."""
     summary: str
     """One line saying what the recipe does and why."""
 
@@ -93,6 +103,8 @@ def _contradiction(s: RecipeSpec) -> str | None:
         return f"{params} params with {compute} compute: low-precision params compute in their own dtype"
     if s.tf32 and s.compute_dtype != _F32:
         return f"tf32 with {compute} compute: TF32 applies to fp32 matmuls only (set compute_dtype=torch.float32)"
+    if s.fp8 is not None and s.fp8 not in LINEAR_RECIPES:
+        return f"fp8={s.fp8!r} is not a linear recipe (one of {', '.join(LINEAR_RECIPES)})"
     if s.fp8 and not s.autocast:
         return "fp8 without autocast: the ops FP8 does not cover need autocast bf16 (set autocast=True)"
     if s.fp8 and s.compute_dtype != _BF16:
@@ -130,9 +142,27 @@ RECIPES: dict[str, RecipeSpec] = {
                    master_weights=False,
                    summary="bf16 params, compute and optimizer state; no fp32 copy (small updates can round away)"),
         RecipeSpec(name="fp8-mixed", compute_dtype=_BF16, param_dtype=_F32, autocast=True, loss_scaling=False,
-                   master_weights=False, fp8=True,
+                   master_weights=False, fp8="tensorwise",
                    summary="FP8 GEMMs in linear layers (e4m3 activations/weights, e5m2 gradients, per-tensor "
                            "power-of-two scales, so no loss scaling), other ops autocast bfloat16"),
+        RecipeSpec(name="fp8-rowwise", compute_dtype=_BF16, param_dtype=_F32, autocast=True, loss_scaling=False,
+                   master_weights=False, fp8="rowwise",
+                   summary="FP8 e4m3 GEMMs in linear layers with a power-of-two scale per row of each operand "
+                           "along the reduced dimension (torchao's rowwise; gradients e4m3 too), other ops "
+                           "autocast bfloat16"),
+        RecipeSpec(name="mxfp8", compute_dtype=_BF16, param_dtype=_F32, autocast=True, loss_scaling=False,
+                   master_weights=False, fp8="mxfp8",
+                   summary="MXFP8 GEMMs in linear layers (e4m3 elements, an e8m0 scale per 32 values along each "
+                           "GEMM's reduced dimension, RCEIL; torchao's MXFP8 training), other ops autocast bfloat16"),
+        RecipeSpec(name="mxfp4", compute_dtype=_BF16, param_dtype=_F32, autocast=True, loss_scaling=False,
+                   master_weights=False, fp8="mxfp4",
+                   summary="MXFP4 GEMMs in linear layers (e2m1 elements, an e8m0 scale per 32 values along each "
+                           "GEMM's reduced dimension), other ops autocast bfloat16"),
+        RecipeSpec(name="nvfp4", compute_dtype=_BF16, param_dtype=_F32, autocast=True, loss_scaling=False,
+                   master_weights=False, fp8="nvfp4",
+                   summary="NVFP4 GEMMs in linear layers (e2m1 elements, an e4m3 scale per 16 values along each "
+                           "GEMM's reduced dimension and an fp32 scale per tensor; no Hadamard transform or "
+                           "stochastic rounding unless asked), other ops autocast bfloat16"),
     ]
 }
 

@@ -706,11 +706,16 @@ class DynamicLossScaler:
                 g = p.grad
                 if g is None:
                     continue
-                if g.is_sparse:
+                if g.is_sparse:  # nn.Embedding(sparse=True): unscale and check the stored values, as GradScaler
+                    if g.dtype is torch.float16:
+                        # duplicate indices are summed when the optimizer applies the gradient, and in fp16 the
+                        # sum can overflow where no single value does: check the coalesced values
+                        p.grad = g = g.coalesce()
+                    g = g._values()
+                elif g.layout is not torch.strided:
                     raise NotImplementedError(
-                        f"unscale_(optimizer): a parameter of shape {tuple(p.shape)} has a sparse gradient; "
-                        "DynamicLossScaler only unscales dense gradients (use e.g. nn.Embedding(sparse=False), "
-                        "or torch.amp.GradScaler)"
+                        f"unscale_(optimizer): a parameter of shape {tuple(p.shape)} has a {g.layout} gradient; "
+                        "DynamicLossScaler unscales dense and sparse COO gradients (as torch.amp.GradScaler does)"
                     )
                 groups.setdefault(g.device, {}).setdefault(g.dtype, []).append(g)
         assert self._scale is not None

@@ -107,6 +107,15 @@ class ScalerView:
             found = found + t.to(found.device, non_blocking=True)
         return found.reshape(())  # ShardedGradScaler's is shape (1,); a view, not a copy
 
+    def iteration(self) -> Any:
+        """A token that changes at least when an iteration ends with a skipped step, so a caller that sees no
+        ``optimizer.step()`` can tell a skip from gradient accumulation without a sync. PyTorch's scalers: their
+        per-optimizer state dict, which every ``update()`` replaces (compare with ``is``; holding it keeps its
+        id from being reused). DynamicLossScaler: its count of skipped steps (compare with ``==``). No sync."""
+        if self._mixprec:
+            return self._scaler.skipped_steps
+        return self._scaler._per_optimizer_states if self.enabled else None
+
     def skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients had inf/NaN (so its step is skipped); False when not checked
         (see :meth:`found_inf`). Syncs once: reads the check on the host."""

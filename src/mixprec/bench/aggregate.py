@@ -3,10 +3,11 @@
 Per recipe, over its successful repeats: the median (and min..max) of the steady epoch time, step time
 and samples/s (:func:`mixprec.bench.measure.timing_from_history`); the exact memory accounting of the
 sampled step, by category, and the measured step peak; MFU = model FLOPs per step / median step time /
-measured peak matmul rate of the dtype the recipe's matmuls run in; final train loss, test accuracy,
+measured peak matmul rate of the dtype the recipe's matmuls run in; final train loss, the task's main
+metric (the key its summaries name: test accuracy, F1, R², a language model's test loss) and test accuracy,
 skipped steps and final loss scale (medians); and, against fp32: speedup (fp32 epoch time / recipe epoch
-time), memory saving (1 - recipe total / fp32 total), accuracy delta in percentage points, and the
-convergence-parity verdict (:mod:`mixprec.bench.parity`).
+time), memory saving (1 - recipe total / fp32 total), the main metric's delta (accuracy also in percentage
+points), and the convergence-parity verdict (:mod:`mixprec.bench.parity`).
 
 Any result is accepted, a dict as read from a file included (:meth:`RunResult.from_dict
 <mixprec.bench.results.RunResult.from_dict>`); a number a run did not produce is None in its row.
@@ -63,6 +64,7 @@ def _row(name: str, mine: list[RunResult], *, flops_per_step, peak, matmul_dtype
     probes = [r.memory_probe for r in ok]
     mem = next((s["memory"] for s in summaries if isinstance(s.get("memory"), dict)), None)
     step = Spread.of(t.step_time_s for t in timing)
+    metric = _metric(summaries)
     return SummaryRow(
         recipe=name,
         impl=next((r.impl for r in mine if r.impl), impl),
@@ -85,6 +87,9 @@ def _row(name: str, mine: list[RunResult], *, flops_per_step, peak, matmul_dtype
         peak_flops_per_s=peak,
         mfu=ratio(ratio(flops_per_step, step.median if step else None), peak),
         final_train_loss=_median(s.get("final_train_loss") for s in summaries),
+        task=next((s["task"] for s in summaries if isinstance(s.get("task"), str)), None),
+        metric=metric,
+        test_metric=Spread.of(s.get(metric) for s in summaries) if metric else None,
         test_accuracy=Spread.of(s.get("test_accuracy") for s in summaries),
         test_loss=Spread.of(s.get("test_loss") for s in summaries),
         bits_per_char=Spread.of(s.get("bits_per_char") for s in summaries),
@@ -92,6 +97,15 @@ def _row(name: str, mine: list[RunResult], *, flops_per_step, peak, matmul_dtype
         skipped_steps=max((number(s.get("skipped_steps")) or 0 for s in summaries), default=None),
         final_loss_scale=_median(s.get("final_loss_scale") for s in summaries),
     )
+
+
+def _metric(summaries: list[dict[str, Any]]) -> str | None:
+    """The summaries' main-metric key (results of older versions name none: accuracy, or a language model's
+    test loss)."""
+    named = next((s["metric"] for s in summaries if isinstance(s.get("metric"), str)), None)
+    if named or not summaries:
+        return named
+    return "test_loss" if any(s.get("bits_per_char") is not None for s in summaries) else "test_accuracy"
 
 
 def _delta(a: float | None, b: float | None, scale: float = 1.0) -> float | None:
@@ -114,6 +128,8 @@ def _compare_with_fp32(rows: list[SummaryRow], results: list[RunResult]) -> list
             memory_saving_vs_fp32=None if saving is None else 1.0 - saving,
             accuracy_delta_vs_fp32_pp=_delta(row.median("test_accuracy"), ref.median("test_accuracy"), 100.0),
             test_loss_delta_vs_fp32=_delta(row.median("test_loss"), ref.median("test_loss")),
+            metric_delta_vs_fp32=(_delta(row.median("test_metric"), ref.median("test_metric"))
+                                  if row.metric == ref.metric else None),
             parity=convergence_parity([r.loss_curve() for r in mine if r.ok], fp32_curves,
                                       stopped=any(r.summary.get("stopped") for r in mine)),
         ))

@@ -84,6 +84,8 @@ def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist
              "dataset": reference_of(data, "--dataset")}
     if loss is not None:
         flags["loss"] = reference_of(loss, "--loss")
+    if callable(flags.get("optimizer")):  # a factory: the worker processes import it by reference
+        flags["optimizer"] = reference_of(flags["optimizer"], "--optimizer")
     config = BenchConfig(train=TrainConfig.from_flags(**flags), precisions=precisions, repeats=repeats,
                          out=None if out is None else os.fspath(out), warmup_steps=warmup_steps, timeout=timeout,
                          peak_seconds=peak_seconds, plots=plots)

@@ -9,10 +9,12 @@ would change the resumed bench.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from ..train.args import add_train_arguments
 from ..train.config import TrainConfig
+from ..train.outputs import OutputLock
 from .config import BENCH_FLAGS, RUN_TRAIN_DEFAULTS, BenchConfig
 from .resume import resume_config
 from .runner import stop_on_signals
@@ -86,9 +88,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def bench_main(args: argparse.Namespace) -> int:
     """``mixprec bench``: exit 0, 1 (a run failed), 2 (usage error, raised) or 128 + signal (interrupted)."""
-    session = Session(config_from_args(args))
-    with stop_on_signals():
-        try:
-            return session.run()
-        except KeyboardInterrupt as e:  # SIGINT, or SIGTERM as runner.Stopped
-            return session.interrupted(e)
+    resume = args.resume if isinstance(args.resume, str) else None
+    # --resume reads the folder's results.json first: a live bench there is named before that
+    held = OutputLock.acquire(resume, command="mixprec bench", flag="--resume") if resume and os.path.isdir(resume) else None
+    try:
+        session = Session(config_from_args(args))
+        with stop_on_signals():
+            try:
+                return session.run()
+            except KeyboardInterrupt as e:  # SIGINT, or SIGTERM as runner.Stopped
+                return session.interrupted(e)
+    finally:
+        if held is not None:
+            held.release()

@@ -33,6 +33,8 @@ def announce(p: Plan, machine: Machine) -> None:
             + (f" ({', '.join(s.name for s in p.to_run)})" if p.to_run else ""))
     say(f"model FLOPs per step: {flops.total * accum:,} (per batch of {base.optim.batch_size}: forward "
         f"{flops.forward:,}, backward {flops.backward:,}" + (f"; x{accum} micro-batches" if accum > 1 else "") + ")")
+    if flops.uncounted:
+        say(f"FLOPs unknown (not counted, so MFU is low by their share) for: {', '.join(flops.uncounted)}")
     say("peak matmul rate measured now: " + ", ".join(
         f"{k} {v['flops_per_s'] / 1e9:,.1f} GFLOP/s" for k, v in machine.peaks.items()))
     for name in p.recipes:
@@ -53,6 +55,14 @@ def progress_line(i: int, n: int, r: RunResult | dict[str, Any]) -> None:
         return
     say(f"{head} {fmt(t.epoch_time_s, '.3f')} s/epoch, {fmt(t.samples_per_s, ',.0f')} samples/s, "
         f"train loss {fmt(s.get('final_train_loss'), '.4f')}, "
-        + (f"test loss {fmt(s.get('test_loss'), '.4f')}, {fmt(s.get('bits_per_char'), '.3f')} bits/char"
-           if s.get("bits_per_char") is not None else
-           f"test accuracy {fmt(s.get('test_accuracy'), '.2f', scale=100, suffix='%')}") + f", {wall}")
+        + _quality(s) + f", {wall}")
+
+
+def _quality(s: dict[str, Any]) -> str:
+    """The run's main metric (as its summary names it) in words."""
+    metric = s.get("metric")
+    if s.get("bits_per_char") is not None:
+        return f"test loss {fmt(s.get('test_loss'), '.4f')}, {fmt(s.get('bits_per_char'), '.3f')} bits/char"
+    if isinstance(metric, str) and metric != "test_accuracy":
+        return f"{metric.replace('_', ' ')} {fmt(s.get(metric), '.4f')}"
+    return f"test accuracy {fmt(s.get('test_accuracy'), '.2f', scale=100, suffix='%')}"

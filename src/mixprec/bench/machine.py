@@ -13,6 +13,7 @@ import numpy
 import torch
 
 from .. import __version__, hardware
+from ..train.contract import as_batch
 from .flops import StepFlops, count_step_flops
 from .measure import measure_matmul_peak
 from .plan import Plan
@@ -39,8 +40,8 @@ def measure_machine(p: Plan) -> Machine:
     plan's reference run afterwards."""
     ref = p.reference
     ref.train_loader.set_epoch(0)
-    xb, yb = next(iter(ref.train_loader))  # one micro-batch; an optimizer step runs `accum` of them
-    flops = count_step_flops(ref.model, xb.to(ref.device), yb.to(ref.device), ref.loss_fn)
+    batch = as_batch(next(iter(ref.train_loader))).to(ref.device)  # one micro-batch; a step runs `accum`
+    flops = count_step_flops(ref.model, batch, ref.objective)
     peaks = {dt: measure_matmul_peak(_DTYPES[dt], ref.device, budget_s=p.config.peak_seconds, tf32=(dt == "tf32"))
              for dt in dict.fromkeys(c.matmul_dtype for c in p.checks.values())}
     env = _environment(ref.device)

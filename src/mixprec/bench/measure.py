@@ -116,7 +116,7 @@ def _reset_hwm() -> bool:
         return False
 
 
-def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int = 2) -> MemoryProbe:
+def probe_step_memory(run, *batch: Any, repeats: int = 2) -> MemoryProbe:
     """Measured peak of one training step above the resident state (see the module docstring).
 
     Runs ``repeats`` real optimizer steps on ``run`` (it changes the weights: call it after the run's
@@ -145,7 +145,7 @@ def probe_step_memory(run, xb: torch.Tensor, yb: torch.Tensor, *, repeats: int =
             if not _reset_hwm() or _proc_status("VmHWM") > base + MMAP_THRESHOLD_BYTES * 16:
                 return MemoryProbe(reason="cannot reset VmHWM (/proc/self/clear_refs not writable)")
         tracker = SavedTensorTracker(exclude=run.model.parameters())
-        train_step(run.ctx, xb, yb, tracker=tracker)
+        train_step(run.ctx, *batch, tracker=tracker)
         if cuda:
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - base

@@ -14,13 +14,13 @@ import dataclasses
 import datetime as _dt
 import math
 import os
-import tempfile
 
 from .. import hardware
 from ..errors import ConfigError
 from ..precision import RecipeConfig, build_recipe
 from ..train.build import Run, build_run
 from ..train.config import TrainConfig
+from ..train.outputs import check_folder
 from .config import BenchConfig
 from .preflight import Preflight, preflight
 from .results import RunResult
@@ -110,34 +110,6 @@ def _check_warmup(warmup_steps: int, base: TrainConfig, n_batches: int) -> None:
 
 
 def _prepare_out_dir(path: str) -> None:
-    """Create the bench folder and test-write a file in it, so an unusable place exits 2 before the first run.
-
-    Nothing of the user's is touched: a file in the way is refused, and folders this call created are
-    removed again if the folder turns out not to be writable."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"--out {path} is a file, not a folder; pass a folder (it is created if missing)")
-    created, d = [], os.path.abspath(path)
-    while d and not os.path.exists(d):
-        created.append(d)
-        d = os.path.dirname(d) if os.path.dirname(d) != d else ""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        _remove_dirs(created)
-        raise ConfigError(f"--out {path}: cannot create the folder: {e.strerror or e}; pick a writable place") from None
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".mixprec-write-test-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        _remove_dirs(created)
-        raise ConfigError(f"--out {path}: cannot write into the folder: {e.strerror or e}; "
-                          "pick a writable place") from None
-
-
-def _remove_dirs(dirs: list[str]) -> None:
-    for d in dirs:  # deepest first
-        try:
-            os.rmdir(d)
-        except OSError:
-            pass
+    """Create the bench folder and test-write a file in it, so an unusable place exits 2 before the first run
+    (the check train and doctor use: :func:`mixprec.train.outputs.check_folder`)."""
+    check_folder(path, "--out")

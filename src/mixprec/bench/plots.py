@@ -1,4 +1,4 @@
-"""PNG plots of a bench: time bars, memory bars by category, loss curves overlaid.
+"""PNG plots of a bench: time bars, memory bars by category, loss curves overlaid, the task's main metric.
 
 Figures are drawn with ``matplotlib.figure.Figure`` and its Agg canvas directly, never through
 ``pyplot``: no display is needed, no global backend is switched, and nothing leaks between calls.
@@ -19,7 +19,10 @@ from .results import RunResult, SummaryRow, number
 
 __all__ = ["write_plots", "PLOT_FILES"]
 
-PLOT_FILES = ("time.png", "memory.png", "loss.png")
+PLOT_FILES = ("time.png", "memory.png", "loss.png", "metric.png")
+
+_METRIC_LABELS = {"test_accuracy": "test accuracy", "test_f1": "test F1", "test_r2": "test R²",
+                  "test_loss": "test loss"}
 
 
 def _figure(w: float = 8.0, h: float = 4.0):
@@ -103,9 +106,29 @@ def _loss_plot(rows: list[SummaryRow], results: list[RunResult], path: str, titl
     fig.savefig(path)
 
 
+def _metric_plot(rows: list[SummaryRow], path: str, title: str) -> None:
+    """The task's main metric per recipe (the key the rows name), median and min..max over repeats."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    names = [r.recipe for r in rows]
+    spreads = [r.test_metric for r in rows]
+    med = [(number(t.median) if t else None) for t in spreads]
+    lo = [max(0.0, m - (number(t.min) or m)) if t and m is not None else 0.0 for m, t in zip(med, spreads)]
+    hi = [max(0.0, (number(t.max) or m) - m) if t and m is not None else 0.0 for m, t in zip(med, spreads)]
+    ax.bar(names, [m or 0.0 for m in med], yerr=[lo, hi], capsize=4, color="#55A868")
+    for i, m in enumerate(med):
+        ax.annotate("—" if m is None else f"{m:.4g}", (i, m or 0.0), ha="center", va="bottom", xytext=(0, 3),
+                    textcoords="offset points", fontsize=8)
+    metric = next((r.metric for r in rows if r.metric), "test_accuracy")
+    ax.set_ylabel(f"{_METRIC_LABELS.get(metric, metric)}, median, min..max over repeats")
+    ax.set_title(title, fontsize=9)
+    fig.savefig(path)
+
+
 def write_plots(rows: Iterable[SummaryRow | dict[str, Any]], results: Iterable[RunResult | dict[str, Any]],
                 out_dir: str, *, title: str) -> list[str]:
-    """Write ``time.png``, ``memory.png`` and ``loss.png`` into ``out_dir``; returns their file names.
+    """Write ``time.png``, ``memory.png``, ``loss.png`` and ``metric.png`` into ``out_dir``; returns their
+    file names.
 
     Takes any rows and results, as records or as results.json holds them (a missing or non-finite number
     is drawn as nothing, or as 0 in a bar)."""
@@ -119,4 +142,5 @@ def write_plots(rows: Iterable[SummaryRow | dict[str, Any]], results: Iterable[R
     _time_plot(rows, os.path.join(out_dir, PLOT_FILES[0]), title)
     _memory_plot(rows, os.path.join(out_dir, PLOT_FILES[1]), title)
     _loss_plot(rows, results, os.path.join(out_dir, PLOT_FILES[2]), title)
+    _metric_plot(rows, os.path.join(out_dir, PLOT_FILES[3]), title)
     return list(PLOT_FILES)

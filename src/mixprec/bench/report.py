@@ -33,6 +33,14 @@ INVOCATION_COLUMN = "invocation"
 LM_COLUMNS = {"test accuracy": "test loss / bits per char", "Δ accuracy vs fp32": "Δ test loss vs fp32"}
 """Language models are judged by test loss (and bits per character), not accuracy."""
 
+METRIC_COLUMNS = {
+    "test_f1": {"test accuracy": "test F1", "Δ accuracy vs fp32": "Δ F1 vs fp32"},
+    "test_r2": {"test accuracy": "test R²", "Δ accuracy vs fp32": "Δ R² vs fp32"},
+    "test_loss": {"test accuracy": "test loss", "Δ accuracy vs fp32": "Δ test loss vs fp32"},
+}
+"""The other tasks' main metric (the key the rows name) in the accuracy columns: multilabel F1, regression R²,
+a loss-only run's test loss."""
+
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "activations")
 
 DASH = "—"
@@ -92,6 +100,8 @@ def _quality_cells(row: SummaryRow) -> list[str]:
     if row.language_model:
         return [f"{fmt(row.median('test_loss'), '.4f')} / {fmt(row.median('bits_per_char'), '.3f')}",
                 fmt(row.test_loss_delta_vs_fp32, "+.4f")]
+    if row.metric in METRIC_COLUMNS:
+        return [fmt(row.median("test_metric"), ".4f"), fmt(row.metric_delta_vs_fp32, "+.4f")]
     return [fmt(row.median("test_accuracy"), ".2f", scale=100, suffix="%"),
             fmt(row.accuracy_delta_vs_fp32_pp, "+.2f", suffix=" pp")]
 
@@ -101,10 +111,17 @@ def _invocations(rows: list[SummaryRow]) -> list[int]:
 
 
 def columns(rows: Iterable[SummaryRow | dict[str, Any]]) -> list[str]:
-    """The table's columns for these rows: language models show test loss where classifiers show accuracy,
-    and rows from several invocations get the invocation column."""
+    """The table's columns for these rows: the task's main metric where classifiers show accuracy (language
+    models: test loss; multilabel: F1; regression: R²), and rows from several invocations get the invocation
+    column."""
     rows = as_rows(rows)
-    cols = [LM_COLUMNS.get(c, c) for c in COLUMNS] if any(r.language_model for r in rows) else list(COLUMNS)
+    metric = next((r.metric for r in rows if r.metric), None)
+    if any(r.language_model for r in rows):
+        cols = [LM_COLUMNS.get(c, c) for c in COLUMNS]
+    elif metric in METRIC_COLUMNS:
+        cols = [METRIC_COLUMNS[metric].get(c, c) for c in COLUMNS]
+    else:
+        cols = list(COLUMNS)
     return cols + [INVOCATION_COLUMN] if len(_invocations(rows)) > 1 else cols
 
 
@@ -183,10 +200,12 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "",
         *[f"- {k}: {_fmt_rate(v.get('flops_per_s'))} (n={v.get('n')})" for k, v in doc["peaks"].items()],
         "",
-        f"Model FLOPs per step (FlopCounterMode, batch {train['optim']['batch_size']}): forward "
+        f"Model FLOPs per step (FlopCounterMode with mixprec.flops' formulas, batch {train['optim']['batch_size']}): forward "
         f"{fmt(fl.get('forward'), ',')}, backward {fmt(fl.get('backward'), ',')}, total {fmt(fl.get('total'), ',')}"
         + (f"; x{fl['micro_batches_per_step']} micro-batches = {fmt(fl.get('per_step'), ',')} per optimizer step"
-           if (number(fl.get("micro_batches_per_step")) or 1) > 1 else "") + ".",
+           if (number(fl.get("micro_batches_per_step")) or 1) > 1 else "") + "."
+        + (f" FLOPs unknown (not counted, MFU is low by their share) for: {', '.join(fl['uncounted'])}."
+           if fl.get("uncounted") else ""),
         "",
         *_invocation_lines(doc.get("invocations") or []),
         "## Method",

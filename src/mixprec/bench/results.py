@@ -272,11 +272,11 @@ def _parity(d: Any) -> ParityResult | None:
 
 
 _SPREADS = ("epoch_time_s", "raw_epoch_time_s", "step_time_s", "samples_per_s", "test_accuracy", "test_loss",
-            "bits_per_char")
+            "bits_per_char", "test_metric")
 _NUMBERS = ("memory_total_bytes", "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes",
             "measured_step_peak_bytes", "exact_activations_plus_gradients_bytes", "peak_flops_per_s", "mfu",
             "final_train_loss", "skipped_steps", "final_loss_scale", "speedup_vs_fp32", "memory_saving_vs_fp32",
-            "accuracy_delta_vs_fp32_pp", "test_loss_delta_vs_fp32")
+            "accuracy_delta_vs_fp32_pp", "test_loss_delta_vs_fp32", "metric_delta_vs_fp32")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -326,6 +326,12 @@ class SummaryRow:
     """Model FLOPs per step / median step time / peak."""
     final_train_loss: float | None = None
     """Last epoch's training loss (median)."""
+    task: str | None = None
+    """The task its runs trained (classify, binary, multilabel, regression, lm; loss: an explicit --loss only)."""
+    metric: str | None = None
+    """The key of the runs' summaries holding the task's main metric (``test_accuracy``, ``test_r2``...)."""
+    test_metric: Spread | None = None
+    """That main metric over the repeats: what the table shows and compares with fp32."""
     test_accuracy: Spread | None = None
     """Classifiers: test accuracy (0..1)."""
     test_loss: Spread | None = None
@@ -346,6 +352,8 @@ class SummaryRow:
     """Test accuracy minus fp32's, in percentage points."""
     test_loss_delta_vs_fp32: float | None = None
     """Test loss minus fp32's."""
+    metric_delta_vs_fp32: float | None = None
+    """The main metric's median minus fp32's (in the metric's own units: accuracy as a fraction)."""
     parity: ParityResult | None = None
     """Convergence parity with fp32's seed band."""
 
@@ -363,7 +371,8 @@ class SummaryRow:
                    invocations=_ints(d.get("invocations")),
                    memory=to_jsonable(d["memory"]) if isinstance(d.get("memory"), dict) else None,
                    measured_step_peak_method=_str(d.get("measured_step_peak_method")),
-                   matmul_dtype=_str(d.get("matmul_dtype")),
+                   matmul_dtype=_str(d.get("matmul_dtype")), task=_str(d.get("task")),
+                   metric=_str(d.get("metric")),
                    language_model=d.get("language_model") if isinstance(d.get("language_model"), bool) else None,
                    parity=_parity(d.get("parity")),
                    **{k: Spread.from_dict(d.get(k)) for k in _SPREADS}, **{k: number(d.get(k)) for k in _NUMBERS})

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from ..errors import OutputError
+from ..train.outputs import OutputLock
 from .config import BenchConfig
 from .console import announce, progress_line, say
 from .document import build_document, draw_plots, write_documents
@@ -49,14 +50,37 @@ class Session:
         """Finished runs: the kept ones of a resumed bench, then this invocation's."""
         self.doc: dict[str, Any] | None = None
         """The final results.json document, once the report is written."""
+        self.lock: OutputLock | None = None
+        """This bench's hold on its folder: a second bench on a live folder is refused."""
 
     def run(self) -> int:
-        """Plan, measure, run, report; the exit status (UsageError raised for exit 2)."""
+        """Plan, measure, run, report; the exit status (UsageError raised for exit 2). The folder stays
+        held after an interrupt until :meth:`interrupted` has written what was kept."""
+        interrupted = False
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
+        finally:
+            if not interrupted:
+                self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+    def _run(self) -> int:
+        given = self.config.resume or self.config.out
+        if given is not None and os.path.isdir(given):  # a live bench there is named before anything is read
+            self.lock = OutputLock.acquire(given, command="mixprec bench")
         previous = None
         if self.config.resume is not None:
             previous = load_previous(self.config.resume)
             previous.check_same_bench(self.config)
         self.plan = plan(self.config, previous)
+        if self.lock is None:
+            self.lock = OutputLock.acquire(self.plan.out_dir, command="mixprec bench")
         self.machine = measure_machine(self.plan)
         announce(self.plan, self.machine)
         self.results = list(self.plan.kept)
@@ -102,6 +126,7 @@ class Session:
         head = f"mixprec bench: interrupted by {sig.name}"
         if p is None or self.machine is None:
             print(f"{head} before the first run; nothing was run", file=sys.stderr, flush=True)
+            self.release()
             return 128 + sig
         ran = done - len(p.kept)  # finished in this invocation
         if ran < len(p.to_run):
@@ -119,4 +144,5 @@ class Session:
         except OutputError as err:
             kept = f"could not write the report ({err}); finished runs are in {p.out_dir}/runs/"
         print(f"{head}; {kept}", file=sys.stderr, flush=True)
+        self.release()
         return 128 + sig

@@ -66,9 +66,9 @@ def _probe(run) -> MemoryProbe:
     is a reason in the probe, not a failed run."""
     try:
         run.train_loader.set_epoch(0)
-        xb, yb = next(iter(run.train_loader))
+        batch = next(iter(run.train_loader))
         with run.recipe.run_context():
-            return probe_step_memory(run, xb, yb)
+            return probe_step_memory(run, batch)
     except Exception as e:  # noqa: BLE001
         return MemoryProbe(reason=f"{type(e).__name__}: {e}")
 

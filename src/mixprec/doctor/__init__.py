@@ -1,6 +1,6 @@
 """mixprec doctor: find out why low precision misbehaves.
 
-``diagnose(model, (x, y), loss_fn, precision="fp16-mixed")`` returns a :class:`DoctorReport` with five
+``diagnose(model, (x, y), loss_fn=None, precision="fp16-mixed")`` returns a :class:`DoctorReport` with five
 answers: the precision map (which op ran in which dtype), the range profile (per-layer magnitudes against
 fp16/bf16/fp8 limits, with the loss scale that loses the fewest gradients), the first non-finite op (with an
 fp32 replay that finds the modules to keep in fp32), lost updates in low-precision weights, and the

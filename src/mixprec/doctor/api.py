@@ -1,9 +1,12 @@
 """Library API: diagnose a model, a batch and a loss function under a precision recipe.
 
-``diagnose(model, (x, y), loss_fn, precision="fp16-mixed")`` trains a *copy* of the model for a few
+``diagnose(model, batch, loss_fn=None, precision="fp16-mixed")`` trains a *copy* of the model for a few
 steps with the trainer's own step (:func:`mixprec.train.step.train_step`: the recipe's autocast,
 backward, unscale/step) on a run built by the trainer's one build path
-(:func:`mixprec.train.build.build_run`, with the user's batches as its data source), and watches each step:
+(:func:`mixprec.train.build.build_run`, with the user's batches as its data source), and watches each step.
+The model is called, and its loss taken, by the model contract (:mod:`mixprec.train.contract`) in every
+pass — the step, the fp32 reference pass and the replays — so a batch may be ``(x, y)``, ``(x_1, ..., y)`` or a
+dict, the output a tensor, a tuple or a ``ModelOutput``, and the loss the model's own:
 
 1. step 0 runs under the dispatcher-level observer with the precision-map sink (every op, dtype, module);
 2. before every step, an fp32 pass records per-layer ranges (:mod:`.ranges`) and the true gradients,
@@ -30,7 +33,7 @@ import copy
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,9 +41,11 @@ from torch import nn
 
 from ..errors import NonFiniteError, UsageError
 from ..scaler import ScalerConfig
-from ..train.build import Run, build_run
+from ..train.build import Run, build_run, probe
 from ..train.config import TrainConfig
+from ..train.contract import Batch, Objective, as_batch, parse_output
 from ..train.data.sources import UserBatches
+from ..train.outputs import check_folder
 from ..train.step import train_step
 from .attribution import ModuleTracker
 from .block_formats import BlockFormatConfig, BlockFormatProbe
@@ -49,7 +54,7 @@ from .nonfinite import NonFiniteEvent
 from .observer import OpObserver
 from .precision_map import PrecisionMap, PrecisionMapSink
 from .ranges import DEFAULT_FORMATS, RangeProfile, RangeProfiler
-from .replay import ReplayResult, max_finite_scale, minimal_fp32_set, replay_step
+from .replay import ModelInputs, ReplayResult, max_finite_scale, minimal_fp32_set, replay_step
 from .report import DoctorReport, GradientLoss
 from .scale_history import ScaleHistory, StepRecord
 
@@ -123,7 +128,7 @@ def _optimizer_factory(optimizer: Any, lr: float) -> Callable[[Iterable[torch.Te
     )
 
 
-def _user_run(model: nn.Module, batch: Any, loss_fn: Callable, *, precision: str = "fp16-mixed",
+def _user_run(model: nn.Module, batch: Any, loss_fn: Callable | None, *, precision: str = "fp16-mixed",
               optimizer: Any = None, lr: float = 1e-2, device: str | torch.device = "cpu", **flags: Any) -> Run:
     """A :class:`Run` over a deep copy of ``model`` (the caller's module is never modified) and the caller's
     batches, built by the trainer's one build path. ``flags`` are config flags (``amp_impl``, ``init_scale``...)."""
@@ -133,22 +138,31 @@ def _user_run(model: nn.Module, batch: Any, loss_fn: Callable, *, precision: str
                      make_optimizer=_optimizer_factory(optimizer, lr))
 
 
-def _batches(batch: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
+def _is_batch(b: Any) -> bool:
+    """One batch of the contract: a dict of tensors, or a tuple of >= 2 items whose first is a tensor."""
+    if isinstance(b, Mapping):
+        return bool(b) and any(isinstance(v, torch.Tensor) for v in b.values())
+    return (isinstance(b, tuple) and len(b) >= 2 and isinstance(b[0], torch.Tensor) and b[0].dim() > 0)
+
+
+def _batches(batch: Any) -> list[Any]:
+    if _is_batch(batch):
         return [batch]
     try:
-        out = [tuple(b) for b in batch]
+        out = [tuple(b) if isinstance(b, list) else b for b in batch]
     except TypeError:
         out = []
-    if not out or not all(len(b) == 2 and isinstance(b[0], torch.Tensor) for b in out):
+    if not out or not all(_is_batch(b) for b in out):
         raise DoctorError(
-            "diagnose(model, batch, loss_fn): batch must be an (inputs, targets) tuple of tensors, or a list of "
-            "such tuples; loss_fn(model(inputs), targets) must return a scalar loss"
+            "diagnose(model, batch, loss_fn): batch must be an (inputs, targets) tuple of tensors, an (input_1, "
+            "..., input_n, targets) tuple, a dict of tensors (model(**batch), targets under 'labels'), or a list "
+            "of them; loss_fn(model output, targets) must return a scalar loss (None: the model's own loss, else "
+            "the task's)"
         )
     return out
 
 
-def _cycle(batches: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _cycle(batches: Any) -> Iterator[Any]:
     for epoch in itertools.count():
         if hasattr(batches, "set_epoch"):
             batches.set_epoch(epoch)
@@ -178,7 +192,15 @@ def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return True
 
 
-def _locate(run: Run, pre_step: nn.Module, xb, yb, rng: tuple, step: int, scale: float, bad_params: bool,
+def _replay_call(objective: Objective, batch: Batch) -> tuple[Callable, ModelInputs, Any]:
+    """The replays' ``(loss_fn, x, y)`` for one batch: the forward the model contract makes
+    (:class:`~mixprec.doctor.replay.ModelInputs`) and a loss that takes it by the contract's rule."""
+    args, kwargs = objective.call.arguments(batch)
+    return (lambda out, _y: objective.loss(parse_output(out), batch)), ModelInputs(tuple(args), dict(kwargs)), \
+        batch.targets
+
+
+def _locate(run: Run, pre_step: nn.Module, batch: Batch, rng: tuple, step: int, scale: float, bad_params: bool,
             *, bisect: bool, search: bool) -> FaultAnalysis:
     """Find and classify the first non-finite op of a failed step by replaying it on ``pre_step``.
 
@@ -186,9 +208,10 @@ def _locate(run: Run, pre_step: nn.Module, xb, yb, rng: tuple, step: int, scale:
     the step's RNG state (same dropout masks) and loss scale, under the non-finite watch. ``bisect``: find
     the largest finite loss scale for backward overflows; ``search``: the minimal fp32 module set for faults.
     """
-    autocast, loss_fn = run.recipe.autocast, run.loss_fn
+    autocast = run.recipe.autocast
+    loss_fn, x, y = _replay_call(run.objective, batch)
     base = list(run.recipe.keep_fp32)
-    ev = replay_step(pre_step, autocast, loss_fn, xb, yb, scale=scale, fp32=base, rng=rng)
+    ev = replay_step(pre_step, autocast, loss_fn, x, y, scale=scale, fp32=base, rng=rng)
     if ev is None:
         kind = "optimizer step" if bad_params else "not reproduced"
         return FaultAnalysis(step, None, kind, loss_scale=scale)
@@ -196,13 +219,13 @@ def _locate(run: Run, pre_step: nn.Module, xb, yb, rng: tuple, step: int, scale:
     if not ev.inputs_finite:
         return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
     if ev.phase == "backward" and scale > 1 and bisect:
-        mfs = max_finite_scale(pre_step, autocast, loss_fn, xb, yb, scale=scale, fp32=base, rng=rng)
+        mfs = max_finite_scale(pre_step, autocast, loss_fn, x, y, scale=scale, fp32=base, rng=rng)
         if mfs is not None:
             return FaultAnalysis(step, ev, "scale overflow", loss_scale=scale, max_finite_scale=mfs)
     kind = "overflow" if ev.output.n_nan == 0 else "nan"
     analysis = FaultAnalysis(step, ev, f"{ev.phase} {kind}", loss_scale=scale)
     if search:
-        analysis.replay = minimal_fp32_set(pre_step, autocast, loss_fn, xb, yb, scale=1.0, base=base, rng=rng)
+        analysis.replay = minimal_fp32_set(pre_step, autocast, loss_fn, x, y, scale=1.0, base=base, rng=rng)
     return analysis
 
 
@@ -249,39 +272,39 @@ def diagnose_run(
     scale = run.recipe.loss_scale()  # the initial scale: no step has run
     run.model.train()
     with run.recipe.run_context(), watch.monitor:
-        for step, (xb, yb) in zip(range(steps), _cycle(run.train_loader)):
-            scale, stop = _observe_step(run, watch, step, xb.to(run.device), yb.to(run.device), scale,
+        for step, raw in zip(range(steps), _cycle(run.train_loader)):
+            scale, stop = _observe_step(run, watch, step, as_batch(raw).to(run.device), scale,
                                         replay=replay, max_analyzed=max_analyzed, log=log)
             if stop:
                 break
     return _report(run, watch, scale, title)
 
 
-def _observe_step(run: Run, watch: _Watch, step: int, xb, yb, scale: float, *, replay: bool,
+def _observe_step(run: Run, watch: _Watch, step: int, batch: Batch, scale: float, *, replay: bool,
                   max_analyzed: int, log: Callable[[str], None] | None) -> tuple[float, bool]:
     """One watched step; returns the next step's loss scale and whether the diagnosis must stop."""
     with watch.blocks.watching():
-        ref_grads = watch.profiler.observe(run.loss_fn, xb, yb)
+        ref_grads = watch.profiler.observe(run.objective, batch)
     pre_step = copy.deepcopy(run.model) if len(watch.faults) < max_analyzed else None
-    rng = _rng_state(xb.device)
+    rng = _rng_state(run.device)
     stopped = False
     observe = step == 0  # the precision map: one step under the dispatcher-level observer
     watch.tracker.new_step()
     with watch.tracker if observe else contextlib.nullcontext(), \
             OpObserver(watch.tracker, [watch.map_sink]) if observe else contextlib.nullcontext():
         try:
-            loss, res = train_step(run.ctx, xb, yb, step=step)
+            loss, res = train_step(run.ctx, batch, step=step)
             loss_value, skipped, next_scale = float(loss), res.skipped, run.recipe.loss_scale()
         except NonFiniteError:
             loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
     if observe:
-        watch.pmap = watch.map_sink.result()
+        watch.pmap = watch.map_sink.result(run.model)
     bad_params = not skipped and not stopped and not _all_finite(run.model.parameters())
     cause = None
     if skipped or stopped or bad_params or not math.isfinite(loss_value):
         cause = "non-finite loss or gradients (not analysed: --steps past the first faults)"
         if pre_step is not None:
-            fa = _locate(run, pre_step, xb, yb, rng, step, scale, bad_params, bisect=replay,
+            fa = _locate(run, pre_step, batch, rng, step, scale, bad_params, bisect=replay,
                          search=replay and not any(f.is_fault for f in watch.faults))
             watch.faults.append(fa)
             cause = fa.describe(short=True)
@@ -317,7 +340,7 @@ def _report(run: Run, watch: _Watch, scale: float, title: dict[str, Any] | None)
 def diagnose(
     model: nn.Module,
     batch: Any,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     *,
     precision: str = "fp16-mixed",
     steps: int = 8,
@@ -339,8 +362,10 @@ def diagnose(
 
     Args:
         model: any ``nn.Module``; a deep copy is trained, the original is left untouched.
-        batch: ``(inputs, targets)``, or a list of them (cycled over ``steps``).
-        loss_fn: ``loss_fn(model(inputs), targets) -> scalar``.
+        batch: ``(inputs, targets)``, ``(input_1, ..., input_n, targets)``, a dict of tensors (``model(**batch)``,
+            targets under ``labels``), or a list of them (cycled over ``steps``).
+        loss_fn: ``loss_fn(model output, targets) -> scalar``; None: the loss the model returns, else the
+            task's default (inferred from the targets and the output).
         precision: a recipe name (``fp16-mixed``, ``bf16-mixed``, ``bf16-true``, ...; see mixprec.precision).
         optimizer: None (SGD with ``lr``), an optimizer class, an optimizer instance (class and defaults
             reused over the recipe's tensors, which may be fp32 master copies), or ``params -> optimizer``.
@@ -352,6 +377,8 @@ def diagnose(
         out: also write doctor.json and the PNG plots into this folder.
     """
     block_formats = BlockFormatConfig.coerce(block_formats)  # a bad format name fails before anything is built
+    if out is not None:
+        check_folder(out, "out")  # before the diagnosis, as the CLI's --out
     run = _user_run(model, batch, loss_fn, precision=precision, optimizer=optimizer, lr=lr, device=device,
                     amp_impl=amp_impl, init_scale=init_scale, growth_interval=growth_interval,
                     stochastic_rounding=stochastic_rounding, keep_fp32=tuple(keep_fp32),
@@ -367,31 +394,48 @@ def diagnose(
 # the individual checks
 # ------------------------------------------------------------------------------------------------------
 
-def precision_map(model: nn.Module, batch: Any, loss_fn: Callable, *, precision: str = "fp16-mixed",
+def _first_batch(run: Run) -> Batch:
+    """The run's first training batch, through the data protocol (its loader), on the run's device."""
+    run.train_loader.set_epoch(0)
+    raw = next(iter(run.train_loader), None)
+    if raw is None:
+        raise DoctorError("no batches to diagnose: the batch list is empty")
+    return as_batch(raw).to(run.device)
+
+
+def precision_map(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *, precision: str = "fp16-mixed",
                   amp_impl: str = "auto", device: str | torch.device = "cpu") -> PrecisionMap:
     """The precision map of one training step (forward, backward, optimizer step) of a copy of ``model``."""
     run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
-    x, y = (t.to(run.device) for t in run.data.batches[0])
+    first = _first_batch(run)
     tracker = ModuleTracker(run.model)
     sink = PrecisionMapSink(run.recipe.low_dtype)
     with run.recipe.run_context(), tracker, OpObserver(tracker, [sink]):
         try:
-            train_step(run.ctx, x, y, step=0)
+            train_step(run.ctx, first, step=0)
         except NonFiniteError:
             pass  # the map of what ran so far is still the answer
-    return sink.result()
+    return sink.result(run.model)
 
 
-def range_profile(model: nn.Module, batch: Any, loss_fn: Callable, *,
+def range_profile(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
                   formats: Iterable[str] = DEFAULT_FORMATS) -> RangeProfile:
     """Per-layer fp32 ranges of activations and gradients over the given batch(es); no training."""
+    data = UserBatches(_batches(batch))
+    objective = _objective(model, data, loss_fn)
     profiler = RangeProfiler(model, formats)
-    for x, y in _batches(batch):
-        profiler.observe(loss_fn, x, y)
+    for raw in data.batches:
+        profiler.observe(objective, as_batch(raw))
     return profiler.result()
 
 
-def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable, *, precision: str = "fp16-mixed",
+def _objective(model: nn.Module, data: UserBatches, loss_fn: Callable | None) -> Objective:
+    """How the contract calls ``model`` on ``data`` (the probe of a run, without building one)."""
+    config = TrainConfig.from_flags(model=type(model).__name__, dataset=data.name)
+    return probe(model, data, config, loss_fn)[0]
+
+
+def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *, precision: str = "fp16-mixed",
                          amp_impl: str = "auto", loss_scale: float = 1.0, replay: bool = True,
                          device: str | torch.device = "cpu") -> FaultAnalysis | None:
     """First non-finite op of one forward + ``(loss * loss_scale)`` backward under the recipe, classified.
@@ -399,7 +443,8 @@ def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable, *, pre
     Returns None when the step is finite. Nothing is trained; ``model`` is not modified.
     """
     run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
-    x, y = (t.to(run.device) for t in run.data.batches[0])
+    first = _first_batch(run)
     with run.recipe.run_context():
-        fa = _locate(run, run.model, x, y, _rng_state(x.device), 0, loss_scale, False, bisect=replay, search=replay)
+        fa = _locate(run, run.model, first, _rng_state(run.device), 0, loss_scale, False, bisect=replay,
+                     search=replay)
     return None if fa.event is None else fa

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OutputError
 from ..train.args import add_train_arguments, config_from_args
+from ..train.outputs import check_folder
 from .block_formats import WHAT_IF_FORMATS, BlockFormatConfig
 
 __all__ = ["add_parser", "doctor_main"]
@@ -56,6 +57,7 @@ def doctor_main(args: argparse.Namespace) -> int:
     block_formats = BlockFormatConfig.coerce(args.formats)
     # --out is the doctor's folder here, not the trainer's checkpoint folder
     config = config_from_args(args, out=None, checkpoint_every=None, resume=None, metrics_json=None)
+    check_folder(args.out, "--out")  # before the diagnosis: a file or a read-only place costs nothing
     r = build_run(config)
     print(f"mixprec doctor: observing {args.steps} steps of {config.model.name} on {r.data.name} "
           f"with {r.recipe.name} [{r.recipe.impl}] ...", flush=True)
@@ -64,6 +66,11 @@ def doctor_main(args: argparse.Namespace) -> int:
         title={"model": config.model.name, "data": r.data.name, "batch_size": config.optim.batch_size},
     )
     print(report.render())
-    paths = report.write(args.out, plots=not args.no_plots)
-    print(f"\nwrote {', '.join(paths)}")
+    written: list[str] = []
+    try:
+        report.write(args.out, plots=not args.no_plots, written=written)
+    except OutputError as e:  # a disk that filled up since the check: name the file, keep what was written
+        kept = f"; written before it, intact: {', '.join(written)}" if written else "; nothing was written"
+        raise OutputError(f"{e}{kept}") from None
+    print(f"\nwrote {', '.join(written)}")
     return 0

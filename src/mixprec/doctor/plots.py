@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from typing import Any
 
 import numpy as np
 
+from ..jsonio import write_bytes
 from .attribution import display_path
 from .ranges import BIN_MIN, Log2Histogram
 
@@ -85,12 +87,23 @@ def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int
     fig.colorbar(im, ax=ax, label="share of the layer's non-zero values")
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # leave the bottom 0.45 in for the legend
-    fig.savefig(path)
+    _save(fig, path)
     return path
 
 
-def write_plots(report: Any, out_dir: str) -> list[str]:
-    """Write the PNGs into ``out_dir``; returns their paths (none if matplotlib is missing)."""
+def _save(fig, path: str) -> None:
+    """Render to memory, then write atomically: a full disk is an OutputError naming ``path``, never half a PNG."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    write_bytes(path, buf.getvalue())
+
+
+def write_plots(report: Any, out_dir: str, *, written: list[str] | None = None) -> list[str]:
+    """Write the PNGs into ``out_dir``; returns their paths (none if matplotlib is missing).
+
+    ``written`` (if given) gets each path as soon as its file is complete, so after a failed write
+    (:class:`~mixprec.errors.OutputError`) it says which plots are there."""
+    written = [] if written is None else written
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -100,16 +113,22 @@ def write_plots(report: Any, out_dir: str) -> list[str]:
     t = report.title
     head = f"{t.get('recipe')} on {t.get('model')}"
     k = report.log2_scale
-    paths = [
-        _heatmap(os.path.join(out_dir, "ranges_activations.png"), names, [lr.activations for lr in layers], 0,
-                 f"{head}: activation magnitudes per layer vs format limits"),
-        _heatmap(os.path.join(out_dir, "ranges_gradients.png"), names, [lr.gradients() for lr in layers], k,
-                 f"{head}: gradient magnitudes x loss scale 2^{k} (as stored) vs format limits"),
-        _loss_scale_plot(os.path.join(out_dir, "loss_scale.png"), report, head),
-        _lost_updates_plot(os.path.join(out_dir, "lost_updates.png"), report, head),
-        _block_formats_plot(os.path.join(out_dir, "block_formats.png"), report, head),
+    plots = [
+        lambda: _heatmap(os.path.join(out_dir, "ranges_activations.png"), names, [lr.activations for lr in layers],
+                         0, f"{head}: activation magnitudes per layer vs format limits"),
+        lambda: _heatmap(os.path.join(out_dir, "ranges_gradients.png"), names, [lr.gradients() for lr in layers],
+                         k, f"{head}: gradient magnitudes x loss scale 2^{k} (as stored) vs format limits"),
+        lambda: _loss_scale_plot(os.path.join(out_dir, "loss_scale.png"), report, head),
+        lambda: _lost_updates_plot(os.path.join(out_dir, "lost_updates.png"), report, head),
+        lambda: _block_formats_plot(os.path.join(out_dir, "block_formats.png"), report, head),
     ]
-    return [p for p in paths if p]
+    paths = []
+    for draw in plots:
+        path = draw()
+        if path:
+            paths.append(path)
+            written.append(path)
+    return paths
 
 
 def _loss_scale_plot(path: str, report: Any, head: str) -> str | None:
@@ -135,7 +154,7 @@ def _loss_scale_plot(path: str, report: Any, head: str) -> str | None:
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
     ax.set_title(f"{head}: loss scale and loss", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     return path
 
 
@@ -152,7 +171,7 @@ def _lost_updates_plot(path: str, report: Any, head: str) -> str | None:
     ax.tick_params(axis="y", labelsize=7)
     ax.set_title(f"{head}: lost updates per layer", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     return path
 
 
@@ -191,5 +210,5 @@ def _block_formats_plot(path: str, report: Any, head: str) -> str | None:
     ax.set_title(f"{head}: GEMM operands in each format (red: > {bf.config.flag_db:g} dB below the median)",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     return path

@@ -4,9 +4,12 @@ Built from the dispatcher-level :class:`~mixprec.doctor.observer.OpObserver`, so
 ran, whichever autocast produced it: an ``addmm`` listed as ``bf16`` ran a bf16 kernel; ``_to_copy
 fp32->bf16`` rows are the casts autocast inserted (the weight-cast cache shows up as *fewer* of them); an
 ``fp16 (emulated)`` op computed in fp32 on operands rounded to fp16 (mixprec's emulation on CPUs without
-fast fp16). FLOPs come from PyTorch's own formulas (``torch.utils.flop_counter``: matmuls, convolutions,
-attention, plus the CPU flash-attention kernel it lacks); everything else counts zero FLOPs, which is what
-the summary "share of FLOPs in low precision" needs. "Kept in fp32" lists the forward ops inside the
+fast fp16). FLOPs come from :func:`mixprec.flops.op_flops`, the formulas bench's MFU counts with
+(PyTorch's ``torch.utils.flop_counter`` for matmuls, convolutions and attention, plus mixprec's for the CPU
+attention kernel and fused LSTM/GRU/RNN layers), so both count the same total for the same model and
+batch; elementwise ops count zero FLOPs, which is what the summary "share of FLOPs in low precision" needs.
+A layer with parameters that ran but that no formula knows is listed in ``PrecisionMap.uncounted`` (and
+the report), so a share that leaves it out says so. "Kept in fp32" lists the forward ops inside the
 autocast region that did arithmetic in fp32: the ops the cast policy protects (losses, and softmax and
 norms where the policy says so) and the ones it merely lets through (residual adds meeting an fp32 operand).
 """
@@ -18,8 +21,10 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ..flops import op_flops, unknown_layers
 
 from .attribution import display_path
 from .observer import LOW_DTYPES, OpCall, OpObserver, dtype_name, is_data_movement
@@ -55,6 +60,8 @@ class PrecisionMap:
 
     low_dtype: str
     rows: list[MapRow]
+    uncounted: list[str] = dataclasses.field(default_factory=list)
+    """Layers with parameters that ran but whose FLOPs no formula knows (``"name (Type)"``): not in the totals."""
 
     def _is_low(self, r: MapRow) -> bool:
         return r.compute.split(" ")[0] in {dtype_name(d) for d in LOW_DTYPES}
@@ -107,6 +114,7 @@ class PrecisionMap:
             "cast_bytes": cast_bytes,
             "kept_fp32": self.kept_fp32(),
             "emulated": self.emulated,
+            "uncounted": list(self.uncounted),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,10 +155,10 @@ class PrecisionMapSink:
             return
         ins = ",".join(dtype_name(d) for d in call.in_dtypes) or "-"
         outs = ",".join(dtype_name(d) for d in call.out_dtypes) or "-"
-        compute = "cast" if call.name == "_to_copy" else dtype_name(call.compute_dtype)
+        flops = _flops(call)
+        compute = "cast" if call.name == "_to_copy" else dtype_name(_compute_dtype(call, flops))
         key = (call.phase, call.module, call.name, ins, outs, compute, call.in_autocast)
         row = self._row(key, call)
-        flops = _flops(call)
         row.count += 1
         row.flops += flops
         if call.name == "_to_copy" and call.in_tensors and call.out_tensors:
@@ -195,26 +203,25 @@ class PrecisionMapSink:
         new.count += 1
         new.flops += flops
 
-    def result(self) -> PrecisionMap:
-        return PrecisionMap(low_dtype=dtype_name(self.low_dtype), rows=list(self._rows.values()))
+    def result(self, model: nn.Module | None = None) -> PrecisionMap:
+        """The map; given the observed ``model``, also the layers that ran whose FLOPs are unknown."""
+        rows = list(self._rows.values())
+        uncounted: list[str] = []
+        if model is not None:
+            forward = [r for r in rows if r.phase == "forward" and r.module]
+            uncounted = unknown_layers(model, {r.module for r in forward if r.flops}, {r.module for r in forward})
+        return PrecisionMap(low_dtype=dtype_name(self.low_dtype), rows=rows, uncounted=uncounted)
 
 
-def _cpu_attention_flops(call: OpCall) -> int:
-    # torch.utils.flop_counter has formulas for the CUDA attention kernels but not the CPU flash kernel
-    if call.name == "_scaled_dot_product_flash_attention_for_cpu":
-        q, k, v = (t.shape for t in call.args[:3])
-        return int(sdpa_flop_count(q, k, v))
-    if call.name == "_scaled_dot_product_flash_attention_for_cpu_backward":
-        g, q, k, v = (t.shape for t in call.args[:4])
-        return int(sdpa_backward_flop_count(g, q, k, v))
-    return 0
+def _compute_dtype(call: OpCall, flops: int) -> torch.dtype | None:
+    """The op's compute dtype; a matmul-like op (one with FLOPs) whose floating operands are all one
+    low-precision dtype multiplies in it even where it writes fp32 results (oneDNN's bf16 LSTM backward
+    returns fp32 gradients from bf16 operands), so it is that dtype's work."""
+    ins = set(call.in_dtypes)
+    if flops and call.compute_dtype == torch.float32 and len(ins) == 1 and next(iter(ins)) in LOW_DTYPES:
+        return next(iter(ins))
+    return call.compute_dtype
 
 
 def _flops(call: OpCall) -> int:
-    formula = flop_registry.get(call.func.overloadpacket)
-    if formula is None:
-        return _cpu_attention_flops(call)
-    try:
-        return int(formula(*call.args, **call.kwargs, out_val=call.out))
-    except Exception:  # a formula that does not know this overload: count nothing rather than fail
-        return 0
+    return op_flops(call.func, call.args, call.kwargs, call.out)

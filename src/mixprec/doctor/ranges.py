@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from ..formats import Format, get_format
+from ..train.contract import Batch, Objective, parse_output
 
 __all__ = ["Log2Histogram", "LayerRanges", "RangeProfile", "RangeProfiler", "DEFAULT_FORMATS", "BIN_MIN", "BIN_MAX"]
 
@@ -246,8 +247,9 @@ class RangeProfiler:
                 self._owner[pn] = name
         self.steps = 0
 
-    def observe(self, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One fp32 forward + backward on ``(x, y)``; returns the fp32 parameter gradients by name.
+    def observe(self, objective: Objective, batch: Batch) -> dict[str, torch.Tensor]:
+        """One fp32 forward + backward on ``batch``, the model called and its loss taken by the model
+        contract (``objective``); returns the fp32 parameter gradients by name.
 
         Leaves the model, its gradients, its buffers and the global RNG state exactly as they were.
         """
@@ -269,11 +271,13 @@ class RangeProfiler:
 
         for name, m in self._modules.items():
             handles.append(m.register_forward_hook(hook(name)))
-        devices = [x.device] if x.device.type == "cuda" else []
+        device = next((t.device for t in batch.inputs()), torch.device("cpu"))
+        devices = [device] if device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.autocast(x.device.type, enabled=False):
-                out = functional_call(model, {**params, **buffers}, (x,))
-                loss = loss_fn(out, y)
+            with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False):
+                args, kwargs = objective.call.arguments(batch)
+                out = parse_output(functional_call(model, {**params, **buffers}, args, kwargs))
+                loss = objective.loss(out, batch)
                 wrt = [(n, p) for n, p in params.items() if p.requires_grad]
                 grads = torch.autograd.grad(loss.float(), [p for _, p in wrt], allow_unused=True)
         finally:

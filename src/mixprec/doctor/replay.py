@@ -40,7 +40,28 @@ from .attribution import ModuleTracker, display_path
 from .nonfinite import NonFiniteEvent, NonFiniteWatch
 from .observer import OpObserver
 
-__all__ = ["Fp32Modules", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult"]
+__all__ = ["Fp32Modules", "ModelInputs", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult"]
+
+
+@dataclasses.dataclass
+class ModelInputs:
+    """The arguments of one forward call, for replays of models that take more than one tensor: passed as ``x``,
+    the replay calls ``model(*args, **kwargs)`` instead of ``model(x)`` (``mixprec.watch`` records these)."""
+
+    args: tuple
+    kwargs: dict
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the first tensor argument (CPU if there is none)."""
+        for t in (*self.args, *self.kwargs.values()):
+            if isinstance(t, torch.Tensor):
+                return t.device
+        return torch.device("cpu")
+
+
+def _forward(model: nn.Module, x: Any) -> Any:
+    return model(*x.args, **x.kwargs) if isinstance(x, ModelInputs) else model(x)
 
 
 class Fp32Modules:
@@ -97,6 +118,7 @@ def replay_step(
     """Forward + ``(loss * scale).backward()`` on a copy of ``model``; the first non-finite op, or None.
 
     Args:
+        x: the model's input, or a :class:`ModelInputs` (then the forward is ``model(*x.args, **x.kwargs)``).
         rng: ``(cpu_state, cuda_state_or_None)`` to replay with (the failed step's dropout masks); the
             caller's RNG state is restored afterwards either way.
     """
@@ -113,7 +135,7 @@ def replay_step(
             if rng[1] is not None:
                 torch.cuda.set_rng_state(rng[1], x.device)
         with autocast():
-            loss = loss_fn(replica(x), y)
+            loss = loss_fn(_forward(replica, x), y)
         if watch.first is None:
             (loss * scale).backward()
     if watch.first is not None:

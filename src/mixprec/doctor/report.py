@@ -158,20 +158,26 @@ class DoctorReport:
             "recommendations": self.recommendations(),
         }
 
-    def write(self, out_dir: str, *, plots: bool = True) -> list[str]:
+    def write(self, out_dir: str, *, plots: bool = True, written: list[str] | None = None) -> list[str]:
         """Write doctor.json, report.txt and (with matplotlib) the PNG plots; returns the paths.
 
-        Both text files are written atomically by :mod:`mixprec.jsonio`; doctor.json is strict JSON:
-        non-finite numbers (the loss of a failed step) are written as null.
+        Every file is written atomically by :mod:`mixprec.jsonio`, so a failed write (a full disk) raises
+        :class:`~mixprec.errors.OutputError` naming the file and leaves the files written before it intact;
+        ``written`` (if given) then holds their paths. doctor.json is strict JSON: non-finite numbers (the
+        loss of a failed step) are written as null.
         """
-        paths = [os.path.join(out_dir, "doctor.json"), os.path.join(out_dir, "report.txt")]
-        write_json(paths[0], self.to_dict(), indent=1)
-        write_text(paths[1], self.render() + "\n")
+        written = [] if written is None else written
+        path = os.path.join(out_dir, "doctor.json")
+        write_json(path, self.to_dict(), indent=1)
+        written.append(path)
+        path = os.path.join(out_dir, "report.txt")
+        write_text(path, self.render() + "\n")
+        written.append(path)
         if plots:
             from .plots import write_plots
 
-            paths += write_plots(self, out_dir)
-        return paths
+            write_plots(self, out_dir, written=written)
+        return list(written)
 
     def render(self) -> str:
         t, s = self.title, self.recipe_spec
@@ -202,6 +208,8 @@ class DoctorReport:
         em = " emulated: fp32 arithmetic on operands and results rounded to fp16" if sm["emulated"] else ""
         lines.append(f"  FLOPs in low precision ({low}): {_pct(sm['low_flop_share'])} of "
                      f"{sm['total_flops'] / 1e6:.2f} MFLOP (forward + backward){';' + em if em else ''}")
+        if sm["uncounted"]:
+            lines.append(f"  FLOPs unknown (left out of the share) for: {', '.join(sm['uncounted'])}")
         ops = sm["ops"]
         lines.append(f"  ops: {ops.get('forward', 0)} forward, {ops.get('backward', 0)} backward, "
                      f"{ops.get('step', 0)} optimizer step; {sm['casts']} dtype casts wrote "

@@ -3,7 +3,8 @@
 Everything ``mixprec train`` does, with Python objects where the CLI takes names: a model may be a module
 instance, a factory or a ``module:callable`` string; data a built-in name, a factory, a string, or the
 ``(train, test)`` pair a factory would return (datasets or ``(inputs, labels)`` tensor pairs); the loss a
-callable or a string. Other settings are the CLI's flags as keywords (``epochs=3``, ``init_scale=1024``).
+callable or a string. The model is called as the model contract says (:mod:`mixprec.train.contract`): tuple
+and dict batches, tensor / tuple / ``ModelOutput`` outputs, its own loss when it returns one. Other settings are the CLI's flags as keywords (``epochs=3``, ``init_scale=1024``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ def fit(model: nn.Module | Callable | str = "mlp", data: Any = "fashion-mnist", 
         data: a built-in name (``fashion-mnist``, ``digits``, ``text``...), a factory or ``module:callable``
             returning ``(train, test)``, or that pair itself.
         precision: a recipe name (``fp32``, ``amp``, ``bf16-mixed``, ``fp8-mixed``...).
-        loss: ``loss(outputs, targets) -> scalar``; default cross-entropy.
-        flags: any ``mixprec train`` flag by its Python name (``epochs``, ``batch_size``, ``lr``, ``out``...).
+        loss: ``loss(model output, targets) -> scalar`` (the raw output: a tensor, a tuple, a ``ModelOutput``);
+            default: the loss the model returns, else the task's (cross-entropy, BCE, MSE; see ``task``).
+        flags: any ``mixprec train`` flag by its Python name (``epochs``, ``batch_size``, ``lr``, ``out``,
+            ``task="regression"``...); ``optimizer`` may also be a factory ``(params, [lr, ...]) ->
+            torch.optim.Optimizer`` defined at the top level of a module (it is stored by reference, as
+            ``--optimizer module:callable``).
     """
+    if callable(flags.get("optimizer")):
+        flags["optimizer"] = reference_of(flags["optimizer"], "--optimizer")
     instance = model if isinstance(model, nn.Module) else None
     names = {"model": type(model).__name__ if instance is not None else _name(model, "--model"),
              "dataset": _name(data, "--dataset") if not isinstance(data, (tuple, list)) else "user data"}

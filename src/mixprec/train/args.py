@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..precision import ALIASES, AMP_IMPLS, RECIPES
-from .config import OPTIMIZERS, PROGRESS, STRATEGIES, TrainConfig
+from ..precision import ALIASES, AMP_IMPLS, FP8_IMPL_CHOICES, RECIPES
+from .config import OPTIMIZERS, PROGRESS, SCHEDULES, STRATEGIES, TrainConfig
 
 __all__ = ["add_train_arguments", "add_output_arguments", "config_from_args", "typed_flags"]
 
@@ -36,6 +36,13 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0.9,0.95, got {text!r}") from None
 
 
 def _int_or_none(text: str) -> int | None:
@@ -102,6 +109,18 @@ def _recipe_arguments(add: _Flags, with_precision: bool) -> None:
     add("--keep-fp32", type=_names, metavar="NAMES",
         help="comma-separated module names/types to keep in fp32 (scratch autocast)")
     add("--max-consecutive-skips", type=int, help="stop after this many skipped (inf/nan) steps in a row")
+    add("--fp8-impl", choices=FP8_IMPL_CHOICES,
+        help="whose layers run the FP8/FP4 recipes' GEMMs: mixprec's scratch layers, torchao's (pip install "
+             "'mixprec[fp8]'), or auto (torchao where the GPU has units for the format, else scratch)")
+    add("--wgrad-hp", action="store_true",
+        help="fp8-rowwise, mxfp8, mxfp4, nvfp4: the weight-gradient GEMM in bf16 (fp8-rowwise: torchao's "
+             "rowwise_with_gw_hp)")
+    add("--mx-scale-rule", choices=("rceil", "floor"),
+        help="mxfp8, mxfp4: e8m0 scale rule (default rceil, as NVIDIA hardware; floor: the OCP MX spec)")
+    add("--fp4-hadamard", action="store_true",
+        help="nvfp4: random Hadamard transform of the weight-gradient GEMM's inputs (TransformerEngine's RHT)")
+    add("--fp4-stochastic-rounding", action="store_true",
+        help="nvfp4: round output gradients to FP4 stochastically in backward (as TransformerEngine)")
 
 
 def _model_and_data_arguments(add: _Flags) -> None:
@@ -116,7 +135,10 @@ def _model_and_data_arguments(add: _Flags) -> None:
     add("--n-layers", type=int, help="transformer / gpt blocks")
     add("--patch-size", type=int, help="transformer patch size")
     add("--block-size", type=int, help="gpt / text: context length")
-    add("--loss", metavar="cross-entropy|MODULE:CALLABLE", help="loss(outputs, targets) -> scalar")
+    add("--loss", metavar="auto|cross-entropy|MODULE:CALLABLE",
+        help="auto: the model's own loss, else the task's; or loss(model output, targets) -> scalar")
+    add("--task", choices=("auto", "classify", "binary", "multilabel", "regression", "lm"),
+        help="what the model predicts (auto: inferred from the targets and the model's output)")
     add("--dataset", metavar="NAME|MODULE:CALLABLE",
         help="fashion-mnist, mnist, digits, synthetic, text, or your own: module:factory returning (train, test) "
              "datasets or tensor pairs")
@@ -133,10 +155,21 @@ def _model_and_data_arguments(add: _Flags) -> None:
 def _optim_arguments(add: _Flags) -> None:
     add("--epochs", type=int, help="epochs")
     add("--batch-size", type=int, help="batch size")
-    add("--optimizer", choices=OPTIMIZERS, help="optimizer")
-    add("--lr", type=float, help="learning rate")
+    add("--optimizer", metavar="|".join(OPTIMIZERS) + "|MODULE:CALLABLE",
+        help="optimizer, or your own: a factory(params, [lr, weight_decay, momentum, betas]) returning a "
+             "torch.optim.Optimizer over params (fp32 masters under the *-master recipes)")
+    add("--lr", type=float, help="learning rate (the schedule's peak)")
     add("--momentum", type=float, help="SGD momentum")
     add("--weight-decay", type=float, help="weight decay")
+    add("--betas", type=_floats, metavar="B1,B2", help="AdamW betas (default PyTorch's 0.9,0.999)")
+    add("--lr-schedule", choices=SCHEDULES,
+        help="learning rate per optimizer step: constant, or cosine/linear decay to --min-lr at the run's last "
+             "planned step (skipped steps count)")
+    add("--lr-warmup-steps", type=int, metavar="N", help="linear warmup from 0 over the first N optimizer steps")
+    add("--min-lr", type=float, help="cosine/linear: the rate they decay to")
+    add("--lr-total-steps", type=_int_or_none, metavar="N",
+        help="cosine/linear: reach --min-lr at step N (default: the run's planned optimizer steps, "
+             "min(epochs x steps per epoch, --max-steps), kept by --resume)")
     add("--clip-grad-norm", type=float, metavar="X", help="clip the L2 norm of the true (unscaled) gradients to X")
     add("--max-steps", type=_int_or_none, help="stop after N optimizer steps in total ('none': no limit)")
     add("--grad-accum", type=int, metavar="K",
@@ -147,6 +180,8 @@ def _run_arguments(add: _Flags) -> None:
     add("--seed", type=int, help="seed (weights, data order, rounding)")
     add("--device", help="auto (cuda if available), cpu or cuda")
     add("--log-every", type=int, help="log line every N batches (0: never)")
+    add("--eval-every", type=_int_or_none, metavar="N",
+        help="also evaluate the test split every N optimizer steps, mid-epoch too ('none': only per epoch)")
     add("--progress", choices=PROGRESS, help="progress bar (auto: only on a terminal)")
     add("--strategy", choices=STRATEGIES,
         help="multi-process strategy under torchrun: auto (ddp with several processes), ddp (replicate), fsdp "
@@ -157,6 +192,8 @@ def _run_arguments(add: _Flags) -> None:
     add("--check-consistency", type=_int_or_none, metavar="N",
         help="every N steps, check that all ranks hold the same loss scale, skipped-step count and parameters; "
              "stop on divergence (debug)")
+    add("--watch", type=_int_or_none, metavar="N",
+        help="watch the run with mixprec.watch, sampling every N steps (reports in OUT/watch or mixprec-watch)")
 
 
 def add_output_arguments(p: argparse.ArgumentParser, *, typed_only: bool = False) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,10 @@ __all__ = ["FORMAT", "VERSION", "LAST", "save_checkpoint", "load_checkpoint", "r
 
 FORMAT = "mixprec-checkpoint"
 VERSION = 2
-READABLE_VERSIONS = (1, 2)
-"""Version 1 stored the config as flat flags, version 2 in sections; both resume."""
+READABLE_VERSIONS = (2,)
+"""Version 2 (config in sections, SHA-256 digest) is the only one read. Version 1 (flat flags, written before
+the config redesign) carried no digest, so an edited file could not be told from a good one: it is refused
+with the fix (:func:`_check_version`), as is a version-2 file without a digest."""
 LAST = "last.pt"
 
 
@@ -142,16 +145,45 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
 
 
 def _read(path: str | os.PathLike, p: Path, *, mmap: bool = False) -> Any:
+    kind = _file_kind(path, p)
     try:
-        return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # "Detected pickle protocol 4...": a file we refuse needs no second voice
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except PermissionError:
         raise CheckpointError(f"--resume {path}: permission denied reading {p}") from None
-    except Exception as e:  # noqa: BLE001 -- corrupt zip, truncated or empty file, pickled code refused...
+    except Exception as e:  # noqa: BLE001 -- corrupt zip, truncated file, pickled code refused...
         if "weights_only" in str(e) or "Unsupported global" in str(e):
             why = "it holds pickled Python objects, which mixprec never writes and refuses to load (no code ran)"
         else:
-            why = f"{one_line(e)}; it may be truncated, empty or not a mixprec checkpoint"
-        raise CheckpointError(f"--resume {path}: {p} is not a readable checkpoint: {why}") from None
+            why = f"{one_line(e)}; it may be truncated or not a mixprec checkpoint"
+        raise CheckpointError(f"--resume {path}: {p} is not a readable checkpoint ({kind}): {why}") from None
+
+
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first local header, or an empty zip's end record
+
+
+def _file_kind(path: str | os.PathLike, p: Path) -> str:
+    """What the file is by its first bytes: ``"a zip archive"`` (what ``torch.save`` writes) or ``"a pickle"``
+    (protocol 2+, as torch's legacy format and ``pickle.dump`` write); anything else is refused here, so
+    random bytes are never described as pickled objects."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except PermissionError:
+        raise CheckpointError(f"--resume {path}: permission denied reading {p}") from None
+    except OSError as e:
+        raise CheckpointError(f"--resume {path}: cannot read {p} ({e.strerror or e})") from None
+    if not head:
+        raise CheckpointError(f"--resume {path}: {p} is empty (0 bytes), not a mixprec checkpoint; pass the "
+                              f"{LAST} an earlier run wrote")
+    if head in _ZIP_MAGIC:
+        return "a zip archive"
+    if head[0] == 0x80 and len(head) > 1 and 2 <= head[1] <= 5:
+        return "a pickle"
+    raise CheckpointError(
+        f"--resume {path}: {p} is not a mixprec checkpoint: it is neither a zip archive (what torch.save writes) "
+        f"nor a pickle (it starts with bytes {head.hex(' ')}); pass the {LAST} an earlier run wrote")
 
 
 def _int(v: Any) -> bool:
@@ -174,6 +206,7 @@ _SCHEMA: dict[str, tuple[Any, str]] = {
     "config": (lambda v: isinstance(v, dict), "a dict"),
     "world_size": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
     "history": (lambda v: isinstance(v, list) and all(isinstance(h, dict) for h in v), "a list of dicts"),
+    "evals": (lambda v: isinstance(v, list) and all(isinstance(h, dict) for h in v), "a list of dicts"),
     "counters": (lambda v: isinstance(v, dict) and all(_int(x) for x in v.values()), "a dict of integers"),
     "partial": (lambda v: v is None or isinstance(v, dict), "a dict or None"),
     "mechanism": (lambda v: isinstance(v, dict) and isinstance(v.get("impl"), str), "a dict with an 'impl'"),
@@ -185,11 +218,7 @@ def _validate(path: str | os.PathLike, p: Path, ckpt: Any) -> None:
     """Tags, version, digest and every field's type; the message names the bad field."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"--resume {path}: {p} is not a mixprec checkpoint (no '{FORMAT}' tag)")
-    if ckpt.get("version") not in READABLE_VERSIONS:
-        raise CheckpointError(
-            f"--resume {path}: checkpoint version {ckpt.get('version')!r} is not supported (expected one of "
-            f"{', '.join(map(str, READABLE_VERSIONS))})"
-        )
+    _check_version(path, p, ckpt)
     missing = [k for k in _REQUIRED if k not in ckpt]
     if missing:
         raise CheckpointError(f"--resume {path}: checkpoint {p} lacks {', '.join(missing)}; it is corrupt")
@@ -197,11 +226,30 @@ def _validate(path: str | os.PathLike, p: Path, ckpt: Any) -> None:
         if key in ckpt and not ok(ckpt[key]):
             raise CheckpointError(f"--resume {path}: field {key!r} of {p} is not {what} "
                                   f"(got {type(ckpt[key]).__name__}); the file is corrupt or was edited")
-    if ckpt["version"] >= 2:
-        body = {k: v for k, v in ckpt.items() if k != "digest"}
-        if ckpt.get("digest") != _digest(body):
-            raise CheckpointError(f"--resume {path}: {p} fails its integrity check (the stored digest does not "
-                                  "match its contents): the file was damaged or edited; use an intact copy")
+    body = {k: v for k, v in ckpt.items() if k != "digest"}
+    if ckpt["digest"] != _digest(body):
+        raise CheckpointError(f"--resume {path}: {p} fails its integrity check (the stored digest does not "
+                              "match its contents): the file was damaged or edited; use an intact copy")
+
+
+def _check_version(path: str | os.PathLike, p: Path, ckpt: dict[str, Any]) -> None:
+    """Only digest-carrying version-2 files are read: a version-1 file (or one re-tagged as version 1 to slip
+    past the digest) is refused with the fix, and so is a version-2 file without a digest."""
+    version = ckpt.get("version")
+    fresh = "start a new run (its weights still load with torch.load(path, weights_only=True)['model'])"
+    if version == 1:
+        raise CheckpointError(
+            f"--resume {path}: {p} is a version-1 checkpoint, which carries no integrity digest, so a damaged or "
+            f"edited file could not be told from a good one; this mixprec resumes only digest-checked version-"
+            f"{VERSION} checkpoints: finish that run with the mixprec that wrote it, or {fresh}")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(
+            f"--resume {path}: checkpoint version {version!r} is not supported (expected one of "
+            f"{', '.join(map(str, READABLE_VERSIONS))})")
+    if not isinstance(ckpt.get("digest"), str):
+        raise CheckpointError(
+            f"--resume {path}: {p} carries no integrity digest (written by a mixprec that predates digests, or "
+            f"edited), so it cannot be verified; {fresh}")
 
 
 def load_checkpoint(path: str | os.PathLike, *, world_size: int | None = None) -> dict[str, Any]:
@@ -237,6 +285,7 @@ def read_run(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
     ckpt = _read(path, p, mmap=True)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"--resume {path}: {p} is not a mixprec checkpoint (no '{FORMAT}' tag)")
+    _check_version(path, p, ckpt)
     for key in ("config", "recipe", "mechanism"):
         if key in ckpt and not _SCHEMA[key][0](ckpt[key]):
             raise CheckpointError(f"--resume {path}: field {key!r} of {p} is not {_SCHEMA[key][1]}; the file is "

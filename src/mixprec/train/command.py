@@ -7,6 +7,8 @@ apply to it, and only those a resume may change (:mod:`mixprec.train.resume`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 
 from .args import add_output_arguments, add_train_arguments, typed_flags
@@ -34,9 +36,10 @@ def train_main(args: argparse.Namespace) -> int:
     config = resume_config(typed) if typed.get("resume") is not None else TrainConfig.from_flags(**typed)
     try:
         run = build_run(config)
-        result = train(run)
-        if run.world_size > 1:
-            _finish_together()
+        with _watching(run):
+            result = train(run)
+            if run.world_size > 1:
+                _finish_together()
     finally:
         distributed.teardown()  # leave torchrun's process group (no-op in a one-process run)
     return 1 if result.stopped else 0
@@ -49,3 +52,15 @@ def _finish_together() -> None:
     each rank exits with the run's own code. The launcher still ends a rank that hangs on exit (SIGKILL after
     its grace period)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _watching(run):
+    """``--watch N``: :func:`mixprec.watch` over the built run's model, optimizer and scaler (the same watch a
+    user's own loop gets), or nothing."""
+    every = run.config.run.watch
+    if every is None:
+        return contextlib.nullcontext()
+    from ..watching import watch
+
+    out = os.path.join(run.config.run.out, "watch") if run.config.run.out else "mixprec-watch"
+    return watch(run.model, run.optimizer, scaler=run.recipe.scaler, out=out, every=every)

@@ -23,10 +23,13 @@ from typing import Any
 
 from ..errors import ConfigError, RecipeError
 from ..precision import RecipeConfig, ScalerConfig, resolve_recipe
-from ..validate import F32_MAX, is_int, nonnegative, nonnegative_int, one_of, positive, positive_int
+from ..validate import F32_MAX, is_int, is_real, nonnegative, nonnegative_int, one_of, positive, positive_int
+from .schedule import SCHEDULES
+from .tasks import TASKS
+from .usercode import is_reference
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "OPTIMIZERS", "STRATEGIES",
-           "PROGRESS"]
+           "PROGRESS", "SCHEDULES"]
 
 OPTIMIZERS = ("sgd", "adamw")
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
@@ -54,13 +57,18 @@ class ModelConfig:
     """transformer: image patch size."""
     block_size: int = 64
     """gpt and text data: context length in tokens."""
-    loss: str = "cross-entropy"
-    """cross-entropy (over the last dimension, so (B, C) and (B, T, V) logits both work) or user code
-    ``module:callable`` taking (outputs, targets) and returning a scalar (flag ``--loss``)."""
+    loss: str = "auto"
+    """auto (the loss the model returns, else the task's default: cross-entropy, BCE, MSE), cross-entropy (over
+    the last dimension of the logits, so (B, C) and (B, T, V) both work) or user code ``module:callable``
+    taking (the model's raw output, targets) and returning a scalar (flag ``--loss``)."""
+    task: str = "auto"
+    """classify, binary, multilabel, regression, lm, or auto: inferred from the first batch's targets and the
+    model's output (flag ``--task``; see :mod:`mixprec.train.tasks`)."""
 
     def validate(self) -> None:
         for flag in ("width", "depth", "channels", "d_model", "n_heads", "n_layers", "patch_size", "block_size"):
             positive_int(flag, getattr(self, flag))
+        one_of("task", self.task, ("auto", *TASKS))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,13 +106,30 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     optimizer: str = "sgd"
-    """sgd or adamw."""
+    """sgd, adamw, or user code ``module:callable`` (or ``file.py:callable``): a factory called with the
+    parameters the recipe's optimizer steps (fp32 master copies for the ``*-master`` recipes, DTensor shards
+    under FSDP) and whichever of ``lr``, ``weight_decay``, ``momentum``, ``betas`` it declares, returning a
+    ``torch.optim.Optimizer`` (flag ``--optimizer``)."""
     lr: float = 0.01
-    """Learning rate."""
+    """Learning rate (the schedule's peak)."""
     momentum: float = 0.0
     """SGD momentum."""
     weight_decay: float = 0.0
     """Weight decay (decoupled for AdamW)."""
+    betas: tuple[float, ...] | None = None
+    """AdamW's (beta1, beta2) (default PyTorch's 0.9, 0.999); not for sgd, and for a user optimizer only if its
+    factory takes ``betas``."""
+    lr_schedule: str = "constant"
+    """constant, cosine or linear, applied before every optimizer step (skipped steps count; see
+    :mod:`mixprec.train.schedule`)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr`` (any schedule)."""
+    min_lr: float = 0.0
+    """cosine / linear: the rate they decay to (at ``lr_total_steps``)."""
+    lr_total_steps: int | None = None
+    """cosine / linear: the optimizer step at which the rate reaches ``min_lr``. None: the run's planned
+    optimizer steps, ``min(epochs x ceil(batches per epoch / grad_accum), max_steps)``, fixed when the run is
+    built (the built run's config holds the number; a resume keeps it)."""
     clip_grad_norm: float | None = None
     """Clip the total L2 norm of the true (unscaled) gradients to this value."""
     epochs: int = 5
@@ -129,9 +154,38 @@ class OptimConfig:
                                   f"(max {F32_MAX:.3g}); use a sane value")
         positive("clip_grad_norm", self.clip_grad_norm, allow_none=True)
         positive_int("max_steps", self.max_steps, allow_none=True)
-        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        if not is_reference(self.optimizer):
+            one_of("optimizer", self.optimizer, OPTIMIZERS + ("MODULE:CALLABLE",))
         if self.optimizer == "adamw" and self.momentum:
             raise ConfigError("--momentum applies to sgd only; AdamW has its own betas")
+        self._validate_betas()
+        self._validate_schedule()
+
+    def _validate_betas(self) -> None:
+        if self.betas is None:
+            return
+        if self.optimizer == "sgd":
+            raise ConfigError(f"--betas {','.join(map(str, self.betas))} applies to adamw (and user optimizers that "
+                              "take betas), not sgd; use --momentum for sgd")
+        if len(self.betas) != 2 or not all(is_real(b) and 0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"--betas must be two numbers in [0, 1) like 0.9,0.95, got {self.betas!r}")
+
+    def _validate_schedule(self) -> None:
+        one_of("lr_schedule", self.lr_schedule, SCHEDULES)
+        nonnegative_int("lr_warmup_steps", self.lr_warmup_steps)
+        nonnegative("min_lr", self.min_lr)
+        positive_int("lr_total_steps", self.lr_total_steps, allow_none=True)
+        if self.lr_schedule == "constant":
+            for flag, default in (("min_lr", 0.0), ("lr_total_steps", None)):
+                if getattr(self, flag) != default:
+                    raise ConfigError(f"--{flag.replace('_', '-')} {getattr(self, flag)} applies to --lr-schedule "
+                                      "cosine or linear, not constant")
+        elif self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}; the schedule decays from --lr "
+                              "down to --min-lr")
+        if self.lr_total_steps is not None and self.lr_warmup_steps >= self.lr_total_steps:
+            raise ConfigError(f"--lr-warmup-steps {self.lr_warmup_steps} leaves no steps to decay over with "
+                              f"--lr-total-steps {self.lr_total_steps}; use fewer warmup steps")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,6 +199,10 @@ class RunConfig:
     process only), ddp or fsdp. A built run holds the resolved one."""
     log_every: int = 100
     """Print the tutorial's log line every N batches (0 = never)."""
+    eval_every: int | None = None
+    """Also evaluate on the test split every N optimizer steps, mid-epoch too (language models); the records
+    go to ``TrainResult.evals`` and ``--metrics-json``'s ``evals``. Epochs are evaluated at their end as
+    always (an evaluation that falls on an epoch's last step is not run twice)."""
     progress: str = "auto"
     """Progress bar: auto (only on a terminal), on, off."""
     out: str | None = None
@@ -164,11 +222,14 @@ class RunConfig:
     check_consistency: int | None = None
     """Every N optimizer steps, compare loss scale, skipped steps and a parameter checksum across ranks and
     stop on divergence (debug; one all-gather each time)."""
+    watch: int | None = None
+    """Watch the run with :func:`mixprec.watch`, sampling every N optimizer steps (reports in ``OUT/watch``, or
+    ``mixprec-watch`` without ``--out``); the watch never changes the numerics."""
 
     def validate(self) -> None:
         if not (is_int(self.seed) and 0 <= self.seed < 2**63):
             raise ConfigError(f"--seed must be an integer in [0, 2^63), got {self.seed!r}")
-        for flag in ("checkpoint_every", "check_consistency"):
+        for flag in ("checkpoint_every", "check_consistency", "eval_every", "watch"):
             positive_int(flag, getattr(self, flag), allow_none=True)
         nonnegative_int("log_every", self.log_every)
         if self.checkpoint_every is not None and self.out is None:

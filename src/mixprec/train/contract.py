@@ -41,8 +41,9 @@ from torch import nn
 
 from ..errors import UsageError
 
-__all__ = ["ContractError", "Batch", "Output", "ModelCall", "as_batch", "parse_output", "normalize_inputs",
-           "normalize_targets", "TARGET_KEYS", "describe_output"]
+__all__ = ["ContractError", "Batch", "Output", "ModelCall", "Objective", "as_batch", "parse_output",
+           "compute_loss", "normalize_inputs", "normalize_targets", "normalize_batch", "TARGET_KEYS",
+           "describe_output", "describe_batch"]
 
 TARGET_KEYS = ("labels", "label", "targets", "target")
 """Keys of a dict batch that hold the targets, in the order they are looked for."""
@@ -83,6 +84,37 @@ class Batch:
     def inputs(self) -> list[torch.Tensor]:
         """Every tensor the model is called with (for probes and memory accounting)."""
         return [t for t in (*self.args, *self.kwargs.values()) if isinstance(t, torch.Tensor)]
+
+    def head(self, k: int) -> Batch:
+        """The first ``k`` samples: every tensor whose first dimension is the batch's is sliced."""
+        n = len(self)
+
+        def cut(t: Any) -> Any:
+            return t[:k] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n else t
+
+        return Batch(tuple(cut(a) for a in self.args), {key: cut(v) for key, v in self.kwargs.items()},
+                     cut(self.targets))
+
+    def describe(self) -> str:
+        """``inputs (4, 3) float32, targets (4,) int64`` / ``dict {'input_ids': (4, 8) int64, ...}``."""
+        if self.kwargs:
+            return "a dict {" + ", ".join(f"{k!r}: {_tensor_text(v)}" for k, v in self.kwargs.items()) + "}"
+        inputs = ", ".join(_tensor_text(a) for a in self.args)
+        return f"inputs {inputs}, targets {_tensor_text(self.targets)}"
+
+
+def _tensor_text(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+    return type(t).__name__
+
+
+def describe_batch(raw: Any) -> str:
+    """What a loader's batch holds, for messages (anything that is not a batch is named by its type)."""
+    try:
+        return as_batch(raw).describe()
+    except ContractError:
+        return _kind(raw)
 
 
 def as_batch(raw: Any) -> Batch:
@@ -199,6 +231,10 @@ class ModelCall:
         self.required = [p.name for p in params if p.default is p.empty
                          and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         self.target_param = next((n for n in _TARGET_PARAMS if n in self.names), None)
+        self.pass_targets = True
+        """Whether targets go into the call (``labels`` of a dict batch, ``targets=`` / ``labels=`` of a tuple
+        batch). The probe turns it off for a language model that shifts its labels inside when the data's
+        targets are already the next tokens (they would be shifted twice)."""
         self.dropped: tuple[str, ...] = ()
         """Keys of the last dict batch left out of the call because ``forward`` does not take them."""
 
@@ -208,7 +244,8 @@ class ModelCall:
     def arguments(self, batch: Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The positional and keyword arguments ``model`` is called with for ``batch``."""
         if batch.kwargs:
-            kwargs = {k: v for k, v in batch.kwargs.items() if self.takes(k)}
+            kwargs = {k: v for k, v in batch.kwargs.items()
+                      if self.takes(k) and (self.pass_targets or k not in TARGET_KEYS)}
             self.dropped = tuple(k for k in batch.kwargs if k not in kwargs and k not in TARGET_KEYS)
             missing = [n for n in self.required if n not in kwargs]
             if missing:
@@ -217,7 +254,7 @@ class ModelCall:
                     f"keys {list(batch.kwargs)}; make the data yield {', '.join(repr(m) for m in missing)}")
             return (), kwargs
         kwargs = {}
-        if self.target_param is not None and batch.targets is not None \
+        if self.pass_targets and self.target_param is not None and batch.targets is not None \
                 and len(batch.args) < self.names.index(self.target_param) + 1:
             kwargs[self.target_param] = batch.targets
         return batch.args, kwargs
@@ -225,6 +262,32 @@ class ModelCall:
     def __call__(self, model: nn.Module, batch: Batch) -> Output:
         args, kwargs = self.arguments(batch)
         return parse_output(model(*args, **kwargs))
+
+
+@dataclasses.dataclass(eq=False)
+class Objective:
+    """How a step gets its loss from a model and a batch: the call, the task, and an explicit ``--loss``.
+
+    train, bench and doctor (its fp32 reference pass and its replays on copies of the model) all get their
+    losses here, so the contract's rule is applied once.
+    """
+
+    call: ModelCall
+    """How the model is called (worked out from its ``forward`` once)."""
+    task: Any
+    """The :class:`mixprec.train.tasks.Task`: default loss and metrics."""
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    """The explicit ``--loss`` (given the raw output and the targets), or None."""
+
+    def forward(self, model: nn.Module, batch: Batch) -> Output:
+        return self.call(model, batch)
+
+    def loss(self, output: Output, batch: Batch) -> torch.Tensor:
+        return compute_loss(output, batch, loss_fn=self.loss_fn, default=self.task.default_loss)
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The loss of ``model`` on ``batch``."""
+        return self.loss(self.forward(model, batch), batch)
 
 
 def compute_loss(output: Output, batch: Batch, *, loss_fn: Callable[..., torch.Tensor] | None,
@@ -264,12 +327,24 @@ def normalize_targets(y: Any) -> Any:
     return y.float() if y.dtype == torch.float64 else y
 
 
+def normalize_batch(raw: Any) -> Any:
+    """A loader's batch with :func:`normalize_inputs` applied to its inputs and :func:`normalize_targets` to
+    its targets (a tuple's last item, a dict's target keys); its container kept."""
+    if isinstance(raw, Mapping):
+        return {k: normalize_targets(v) if k in TARGET_KEYS else normalize_inputs(v) for k, v in raw.items()}
+    if isinstance(raw, (tuple, list)) and len(raw) >= 2:
+        return type(raw)([*(normalize_inputs(v) for v in raw[:-1]), normalize_targets(raw[-1])])
+    return raw
+
+
 def is_float64(x: Any) -> bool:
     """Whether any tensor in ``x`` (walked as :func:`normalize_inputs` does) is float64."""
     if isinstance(x, torch.Tensor):
         return x.dtype == torch.float64
     if isinstance(x, Mapping):
         return any(is_float64(v) for v in x.values())
+    if hasattr(x, "dtype") and hasattr(x, "shape"):  # a numpy array, which the DataLoader makes a tensor
+        return str(x.dtype) == "float64"
     if isinstance(x, (tuple, list)):
         return any(is_float64(v) for v in x)
     return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Iterator
 
 import torch
@@ -22,9 +23,11 @@ from . import distributed
 from .build import Run, build_run
 from .checkpointer import Checkpointer, TrainState
 from .config import TrainConfig
-from .meter import EpochMeter
-from .report import Reporter, summary_table
-from .results import RunSummary, TrainResult
+from .contract import as_batch
+from .meter import EpochMeter, test_metrics
+from .report import Reporter, quality, summary_table
+from .results import METRIC_KEYS, EvalRecord, RunSummary, TrainResult
+from .schedule import planned_steps
 from .step import accumulate_step, compile_warmup, evaluate
 from .stops import StopRules
 
@@ -57,7 +60,7 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
                 if stopped:         # the end of this epoch (then go on with the next)
                     break
                 continue
-            rec = meter.record(epoch, epoch_time, *evaluate(run.ctx, run.data))
+            rec = meter.record(epoch, epoch_time, *_epoch_evaluation(run, state))
             state.history.append(rec)
             reporter.epoch_done(rec, run.recipe.name)
             stopped = stopped or checkpointer.after_epoch(state, epoch, meter) or StopRules.after_epoch(rec)
@@ -67,15 +70,18 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
         reporter.stopped(stopped, step=state.global_step, world_size=run.world_size)
     summary = summarize(run, state, stopped, compile_time_s=compile_time)
     reporter.summary(summary_table([summary]))
-    _write_metrics(run, state.history, summary)
+    _write_metrics(run, state, summary)
+    if run.lock is not None:  # the folder is complete: another run may write it now
+        run.lock.release()
     distributed.barrier()  # no rank returns (and exits) before rank 0 has written its checkpoint and metrics
-    return TrainResult(history=state.history, summary=summary, stopped=stopped)
+    return TrainResult(history=state.history, summary=summary, stopped=stopped, evals=state.evals)
 
 
 def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpointer: Checkpointer,
                  reporter: Reporter, bar) -> tuple[EpochMeter, str | None]:
     """The steps of one epoch; returns its meter and why the run must stop (or None)."""
     loader, accum, log_every = run.train_loader, run.config.optim.grad_accum, run.config.run.log_every
+    eval_every = run.config.run.eval_every
     loader.set_epoch(epoch)
     first, state.batch = state.batch, 0  # a resumed epoch starts mid-way, the next ones at 0
     partial, state.partial = state.partial, None
@@ -86,6 +92,8 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
         if state.global_step >= total:
             break
         tracker = meter.tracker_for(batch_idx)
+        if run.schedule is not None:
+            run.schedule.apply(run.optimizer, state.global_step)
         try:
             loss, res = accumulate_step(run.ctx, micro_batches, step=state.global_step, tracker=tracker)
         except NonFiniteError as e:
@@ -98,6 +106,9 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
             reporter.log(f"Epoch: {epoch}, Batch: {batch_idx}, "
                          f"Loss: {distributed.mean_over_ranks(loss).item():.4f}")
         bar.advance()
+        if eval_every and state.global_step % eval_every == 0:
+            with meter.paused():
+                _evaluate_mid_run(run, state, epoch, reporter)
         rule = stops.after_step(state, meter.skipped)
         if rule:  # keep the state when it is the last good one (skipped steps change nothing)
             return meter, ((checkpointer.save(state, epoch, meter.pos, meter) if rule.save else None) or rule.reason)
@@ -107,15 +118,34 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
     return meter, None
 
 
+def _evaluate_mid_run(run: Run, state: TrainState, epoch: int, reporter: Reporter) -> None:
+    """An ``--eval-every`` evaluation: its record goes to ``state.evals`` (and checkpoints, the JSON)."""
+    t0 = time.perf_counter()
+    metrics, loss = state.last_eval = evaluate(run.ctx, run.data)
+    lr = run.optimizer.param_groups[0]["lr"]
+    rec = EvalRecord(step=state.global_step, epoch=epoch, lr=float(lr), **test_metrics(run.task, metrics, loss),
+                     eval_time_s=time.perf_counter() - t0)
+    state.evals.append(rec)
+    reporter.info(f"[{run.recipe.name}] step {rec.step} (epoch {epoch}): {quality(rec)}, lr {rec.lr:.3g}")
+
+
+def _epoch_evaluation(run: Run, state: TrainState) -> tuple[dict[str, float | None], float]:
+    """The end-of-epoch evaluation, unless ``--eval-every`` just evaluated this very step."""
+    last = state.last_eval
+    if state.evals and state.evals[-1].step == state.global_step and last is not None:
+        return last
+    return evaluate(run.ctx, run.data)
+
+
 def _compile(run: Run, reporter: Reporter) -> float:
     """Compile before the clock starts: the first batch's shape, and the epoch's last (smaller) one."""
     loader, batch_size = run.train_loader, run.config.optim.batch_size
     loader.set_epoch(0)
-    xb, yb = next(iter(loader))
-    shapes = [(xb, yb)]
+    first = as_batch(next(iter(loader)))
+    shapes = [first]
     rest = loader.num_samples % batch_size
-    if rest and rest < len(yb):
-        shapes.append((xb[:rest], yb[:rest]))
+    if rest and rest < len(first):
+        shapes.append(first.head(rest))
     with run.recipe.run_context():
         seconds = compile_warmup(run.ctx, shapes)
     reporter.info(f"torch.compile: {seconds:.1f} s to compile {len(shapes)} batch shape(s), not counted in "
@@ -126,9 +156,9 @@ def _compile(run: Run, reporter: Reporter) -> float:
 def _step_batches(loader, accum: int, first: int) -> Iterator[tuple[int, list]]:
     """Yield ``(index of the first batch, [accum consecutive batches])`` per optimizer step, from batch
     ``first`` on (the last group of an epoch may be shorter)."""
-    group: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for batch_idx, (xb, yb) in enumerate(loader.iter_from(first), start=first):
-        group.append((xb, yb))
+    group: list = []
+    for batch_idx, batch in enumerate(loader.iter_from(first), start=first):
+        group.append(batch)
         if len(group) == accum:
             yield batch_idx - accum + 1, group
             group = []
@@ -138,8 +168,7 @@ def _step_batches(loader, accum: int, first: int) -> Iterator[tuple[int, list]]:
 
 def _total_steps(run: Run) -> int:
     cfg = run.config.optim
-    total = math.ceil(len(run.train_loader) / cfg.grad_accum) * cfg.epochs
-    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+    return planned_steps(cfg.epochs, len(run.train_loader), cfg.grad_accum, cfg.max_steps)
 
 
 def _complete(run: Run, step: int) -> str:
@@ -158,6 +187,10 @@ def _announce(run: Run, reporter: Reporter) -> None:
         f"[{run.data.n_train:,} train / {run.data.n_test:,} test from {run.data.source}], "
         f"device {device} ({hardware.device_name(device)}), {torch.get_num_threads()} threads"
     )
+    for note in run.notes:
+        reporter.info(note)
+    if run.schedule is not None:
+        reporter.info(run.schedule.describe())
     if run.world_size > 1 or cfg.optim.grad_accum > 1:
         per_step = cfg.optim.batch_size * cfg.optim.grad_accum * run.world_size
         reporter.info(
@@ -182,15 +215,16 @@ def summarize(run: Run, state: TrainState, stopped: str | None, *, compile_time_
         state.history, stopped=stopped, skipped_steps=state.skipped_total, recipe=run.recipe.name,
         impl=run.recipe.impl, model=cfg.model.name, dataset=run.data.name, device=str(run.device),
         world_size=run.world_size, strategy=cfg.run.strategy, grad_accum=cfg.optim.grad_accum,
-        compile_time_s=compile_time_s)
+        compile_time_s=compile_time_s, task=run.task.name, metric=METRIC_KEYS[run.task.main])
 
 
-def _write_metrics(run: Run, history: list, summary: RunSummary) -> None:
+def _write_metrics(run: Run, state: TrainState, summary: RunSummary) -> None:
     path = run.config.run.metrics_json
     if not path or run.rank != 0:
         return
     write_json(path, {"config": run.config.to_dict(), "environment": hardware.environment(run.device),
-                      "recipe": run.recipe.describe(), "epochs": history, "summary": summary})
+                      "recipe": run.recipe.describe(), "epochs": state.history, "evals": state.evals,
+                      "summary": summary})
 
 
 if __name__ == "__main__":  # pragma: no cover

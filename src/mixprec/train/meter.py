@@ -7,7 +7,9 @@ epoch record reads them once at the end. Step times are wall-clock differences b
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,8 +18,7 @@ from .. import hardware
 from ..memory import MemoryReport, SavedTensorTracker, static_memory
 from ..precision import StepResult
 from . import distributed
-from .data.text import bits_per_char, perplexity
-from .results import EpochRecord
+from .results import METRIC_KEYS, EpochRecord
 
 if TYPE_CHECKING:
     from .build import Run
@@ -25,13 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["EpochMeter", "test_metrics"]
 
 
-def test_metrics(task: str, accuracy: float, loss: float) -> dict[str, Any]:
-    """The :class:`EpochRecord` fields of an evaluation. Classification: accuracy. Language models:
-    perplexity and bits per character (token accuracy kept apart, under its own name)."""
-    if task != "language-model":
-        return {"test_accuracy": accuracy}
-    return {"test_accuracy": None, "test_token_accuracy": accuracy, "test_perplexity": perplexity(loss),
-            "bits_per_char": bits_per_char(loss)}
+def test_metrics(task: Any, metrics: dict[str, float | None], loss: float) -> dict[str, Any]:
+    """The :class:`EpochRecord` fields of an evaluation: the task's name and main metric (as a record key),
+    ``test_loss``, ``test_accuracy`` (None for tasks without one) and the task's other metrics by their
+    record keys (``test_f1``, ``test_r2``, ``bits_per_char``...)."""
+    fields = {"task": task.name, "metric": METRIC_KEYS[task.main], "test_loss": loss, "test_accuracy": None}
+    for name, value in metrics.items():
+        if name != "loss":
+            fields[METRIC_KEYS[name]] = value
+    return fields
 
 
 class EpochMeter:
@@ -110,11 +113,24 @@ class EpochMeter:
     def _memory_sample(self, tracker: SavedTensorTracker) -> MemoryReport:
         run = self.run
         rep = static_memory(run.model, run.optimizer, run.recipe.master)
-        rep.activations = tracker.nbytes
+        rep.add_saved(tracker)  # activations, autocast weight copies, FP8 buffers
         if run.device.type == "cuda":
             rep.cuda_peak_allocated = torch.cuda.max_memory_allocated(run.device)
             rep.cuda_peak_reserved = torch.cuda.max_memory_reserved(run.device)
         return rep
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave what runs inside (a mid-epoch evaluation) out of the epoch's time and the next step's time."""
+        hardware.synchronize(self.run.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            hardware.synchronize(self.run.device)
+            pause = time.perf_counter() - t0
+            self.t_start += pause
+            self.t_prev += pause
 
     def elapsed(self) -> float:
         """Wall time of the epoch's steps (synchronized; the slowest rank's under torchrun)."""
@@ -122,8 +138,8 @@ class EpochMeter:
         return distributed.max_over_ranks(self.elapsed_before + time.perf_counter() - self.t_start,
                                           self.run.device)
 
-    def record(self, epoch: int, epoch_time: float, test_accuracy: float, test_loss: float) -> EpochRecord:
-        """The epoch's record (reads the losses on the host, once)."""
+    def record(self, epoch: int, epoch_time: float, metrics: dict[str, float | None], test_loss: float) -> EpochRecord:
+        """The epoch's record from the evaluation's metrics and loss (reads the losses on the host, once)."""
         run, cfg = self.run, self.run.config.optim
         samples_per_step = cfg.batch_size * cfg.grad_accum * run.world_size
         curve = distributed.mean_over_ranks(torch.stack(self.losses).float()).cpu().tolist()
@@ -131,8 +147,7 @@ class EpochMeter:
             epoch=epoch,
             steps=self.n_steps,
             train_loss=distributed.mean_over_ranks(self.loss_sum).item() / self.n_steps,
-            test_loss=test_loss,
-            **test_metrics(run.data.task, test_accuracy, test_loss),
+            **test_metrics(run.task, metrics, test_loss),
             epoch_time_s=epoch_time,
             samples_per_s=self.n_steps * samples_per_step / epoch_time,
             step_times_s=list(self.step_times),

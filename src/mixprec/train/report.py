@@ -107,35 +107,68 @@ class Reporter:
 
 
 def quality(rec: EpochRecord) -> str:
-    """How good the model is, in the task's terms: accuracy, or a language model's loss and bits per char."""
-    if rec.bits_per_char is not None:
-        return (f"test loss {rec.test_loss:.4f}, perplexity {rec.test_perplexity:.2f}, "
-                f"{rec.bits_per_char:.3f} bits/char")
-    acc = rec.test_accuracy
-    return f"test accuracy {100 * acc:.2f}%" if _finite(acc) else "test accuracy —"
+    """How good the model is, in the task's terms: accuracy; accuracy and F1; R², MSE and MAE; a language
+    model's loss, perplexity and bits per char (or token)."""
+    if rec.task == "lm":
+        unit, bits = ("char", rec.bits_per_char) if rec.bits_per_char is not None else ("token", rec.bits_per_token)
+        return (f"test loss {rec.test_loss:.4f}, perplexity {_num(rec.test_perplexity, '.2f')}, "
+                f"{_num(bits, '.3f')} bits/{unit}")
+    if rec.task == "regression":
+        return (f"test R² {_num(rec.test_r2, '.4f')}, MSE {_num(rec.test_mse, '.4g')}, "
+                f"MAE {_num(rec.test_mae, '.4g')}")
+    if rec.task == "multilabel":
+        return f"test F1 {_num(rec.test_f1, '.4f')}, per-label accuracy {_pct(rec.test_accuracy)}"
+    if rec.task == "binary":
+        return f"test accuracy {_pct(rec.test_accuracy)}, F1 {_num(rec.test_f1, '.4f')}"
+    if rec.task == "loss":
+        return f"test loss {rec.test_loss:.4f}"
+    return f"test accuracy {_pct(rec.test_accuracy)}"
+
+
+_HEADS = {"test_accuracy": "test accuracy", "test_f1": "test F1", "test_r2": "test R²",
+          "test_loss": "test loss"}
+
+
+def _main_cell(r: RunSummary) -> str:
+    if r.task == "lm":
+        bits = r.bits_per_char if r.bits_per_char is not None else r.bits_per_token
+        return f"{r.test_loss:.4f} / {bits:.3f}" if _finite(bits) else "—"
+    if r.metric == "test_accuracy":
+        return _pct(r.test_accuracy)
+    return _num(r.main, ".4f")
 
 
 def summary_table(rows: list[RunSummary]) -> str:
-    """The tutorial's comparison table: recipe | peak memory | avg epoch time | test accuracy (language models:
-    test loss / bits per char) | skipped | scale."""
-    lm = any(r.bits_per_char is not None for r in rows)
-    head = ["recipe", "peak memory", "avg epoch time", "test loss / bits per char" if lm else "test accuracy",
-            "skipped steps", "final loss scale"]
+    """The tutorial's comparison table: recipe | peak memory | avg epoch time | the task's main metric (test
+    accuracy; language models: test loss / bits per char or token; regression: R²; multilabel: F1) |
+    skipped | scale."""
+    first = rows[0] if rows else None
+    if first is not None and first.task == "lm":
+        quality_head = f"test loss / bits per {'char' if first.bits_per_char is not None else 'token'}"
+    else:
+        quality_head = _HEADS.get(first.metric if first else "test_accuracy", "test accuracy")
+    head = ["recipe", "peak memory", "avg epoch time", quality_head, "skipped steps", "final loss scale"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         cuda = r.cuda_peak_allocated_bytes
         mem = format_bytes(r.peak_memory_bytes) + (f" (CUDA peak {format_bytes(cuda)})" if cuda else "")
-        acc = r.test_accuracy
         lines.append("| " + " | ".join([
             r.recipe,
             mem,
             f"{r.avg_epoch_time_s:.2f} s" if _finite(r.avg_epoch_time_s) else "—",
-            (f"{r.test_loss:.4f} / {r.bits_per_char:.3f}" if _finite(r.bits_per_char) else "—") if lm
-            else f"{100 * acc:.2f}%" if _finite(acc) else "—",
+            _main_cell(r),
             str(r.skipped_steps),
             f"{r.final_loss_scale:g}",
         ]) + " |")
     return "\n".join(lines)
+
+
+def _pct(x: Any) -> str:
+    return f"{100 * x:.2f}%" if _finite(x) else "—"
+
+
+def _num(x: Any, spec: str) -> str:
+    return format(x, spec) if _finite(x) else "—"
 
 
 def _finite(x: Any) -> bool:

@@ -1,8 +1,11 @@
 """What a training run reports: one :class:`EpochRecord` per epoch, one :class:`RunSummary`, a :class:`TrainResult`.
 
 Each number has one name, the same as an attribute, a JSON key of ``--metrics-json`` and a checkpoint's
-``history`` (``rec.epoch_time_s`` is ``rec.to_dict()["epoch_time_s"]``). The language-model fields
-(``test_token_accuracy``, ``test_perplexity``, ``bits_per_char``) appear in ``to_dict()`` only when set, so a
+``history`` (``rec.epoch_time_s`` is ``rec.to_dict()["epoch_time_s"]``). Every record names its ``task``
+(:mod:`mixprec.train.tasks`) and its main ``metric``, the key of the record that holds it: ``test_accuracy``
+(classify, binary), ``test_f1`` (multilabel), ``test_r2`` (regression), ``test_loss`` (lm). The fields of
+other tasks (``test_f1``, ``test_r2``, ``test_mse``, ``test_mae``, ``test_token_accuracy``,
+``test_perplexity``, ``bits_per_char``, ``bits_per_token``) appear in ``to_dict()`` only when set, so a
 classifier's JSON has no null columns for them.
 
 The records are read-only mappings too (``rec["epoch_time_s"]``, ``rec.get("bits_per_char")``): code written
@@ -16,7 +19,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-__all__ = ["EpochRecord", "RunSummary", "TrainResult"]
+__all__ = ["EpochRecord", "EvalRecord", "RunSummary", "TrainResult"]
 
 
 class _Record(Mapping):
@@ -57,14 +60,28 @@ def _copy(v: Any) -> Any:
     return v
 
 
-_LM_FIELDS = ("test_token_accuracy", "test_perplexity", "bits_per_char")
+_TASK_FIELDS = ("test_f1", "test_r2", "test_mse", "test_mae", "test_token_accuracy", "test_perplexity",
+                "bits_per_char", "bits_per_token")
+
+METRIC_KEYS = {"accuracy": "test_accuracy", "f1": "test_f1", "r2": "test_r2", "mse": "test_mse", "mae": "test_mae",
+               "loss": "test_loss", "token_accuracy": "test_token_accuracy", "perplexity": "test_perplexity",
+               "bits_per_char": "bits_per_char", "bits_per_token": "bits_per_token"}
+"""A task's metric name (:meth:`mixprec.train.tasks.Task.finish`) -> the record key that holds it."""
+
+
+def _task_of_old(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``task`` and ``metric`` of a record written before records named them (classify or a char-level lm)."""
+    if "task" in d:
+        return {}
+    lm = d.get("bits_per_char") is not None
+    return {"task": "lm" if lm else "classify", "metric": "test_loss" if lm else "test_accuracy"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EpochRecord(_Record):
     """One epoch of training and its evaluation."""
 
-    _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = _LM_FIELDS
+    _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = _TASK_FIELDS
 
     epoch: int
     """0-based epoch index."""
@@ -72,16 +89,31 @@ class EpochRecord(_Record):
     """Optimizer steps taken in the epoch (all of them, also when a resume split it)."""
     train_loss: float
     """Mean training loss over the epoch's steps (averaged over ranks)."""
+    task: str
+    """The task (classify, binary, multilabel, regression, lm; loss: only an explicit ``--loss``'s value)."""
+    metric: str
+    """The key of this record that holds the task's main metric (``test_accuracy``, ``test_r2``...)."""
     test_loss: float
     """Mean loss over the test split, under the recipe's autocast."""
     test_accuracy: float | None
-    """Fraction of test samples classified right; None for language models."""
+    """Fraction of test samples classified right (binary: at logit 0; multilabel: per label); None for
+    regression and language models."""
+    test_f1: float | None = None
+    """binary, multilabel: F1 of the positive class (micro-averaged over labels)."""
+    test_r2: float | None = None
+    """regression: R² (averaged over outputs)."""
+    test_mse: float | None = None
+    """regression: mean squared error."""
+    test_mae: float | None = None
+    """regression: mean absolute error."""
     test_token_accuracy: float | None = None
-    """Language models: fraction of next tokens predicted right."""
+    """Language models: fraction of next tokens predicted right (None when the model shifts its labels inside)."""
     test_perplexity: float | None = None
     """Language models: ``exp(test_loss)``."""
     bits_per_char: float | None = None
     """Language models on characters: ``test_loss / ln 2``."""
+    bits_per_token: float | None = None
+    """Language models on tokens: ``test_loss / ln 2``."""
     epoch_time_s: float
     """Wall time of the epoch's steps (evaluation excluded; the slowest rank's)."""
     samples_per_s: float
@@ -97,12 +129,67 @@ class EpochRecord(_Record):
     memory: dict[str, Any] | None
     """The memory sample of one step (:meth:`mixprec.memory.MemoryReport.to_dict`), or None."""
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EpochRecord:
+        return cls(**{**_task_of_old(d), **d})
+
+    @property
+    def main(self) -> float | None:
+        """The value of the task's main metric."""
+        return getattr(self, self.metric)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalRecord(_Record):
+    """One ``--eval-every`` evaluation of the test split, mid-epoch or not; its metrics as in
+    :class:`EpochRecord`."""
+
+    _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = _TASK_FIELDS
+
+    step: int
+    """Optimizer steps taken when it was evaluated."""
+    epoch: int
+    """The epoch the step belongs to (0-based)."""
+    lr: float
+    """The learning rate of the last step before it (of the first parameter group)."""
+    task: str
+    """The task (see :class:`EpochRecord`)."""
+    metric: str
+    """The key of this record that holds the task's main metric."""
+    test_loss: float
+    """Mean loss over the test split, under the recipe's autocast."""
+    test_accuracy: float | None
+    """Fraction of test samples classified right; None for regression and language models."""
+    test_f1: float | None = None
+    test_r2: float | None = None
+    test_mse: float | None = None
+    test_mae: float | None = None
+    test_token_accuracy: float | None = None
+    """Language models: fraction of next tokens predicted right."""
+    test_perplexity: float | None = None
+    """Language models: ``exp(test_loss)``."""
+    bits_per_char: float | None = None
+    """Language models on characters: ``test_loss / ln 2``."""
+    bits_per_token: float | None = None
+    """Language models on tokens: ``test_loss / ln 2``."""
+    eval_time_s: float
+    """Wall time of the evaluation (left out of the epoch's time and step times)."""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EvalRecord:
+        return cls(**{**_task_of_old(d), **d})
+
+    @property
+    def main(self) -> float | None:
+        """The value of the task's main metric."""
+        return getattr(self, self.metric)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSummary(_Record):
     """The run in one row: the summary table, ``--metrics-json``'s ``summary`` and bench's rows read it."""
 
-    _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = ("test_perplexity", "bits_per_char")
+    _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = _TASK_FIELDS
 
     recipe: str
     """Canonical recipe name."""
@@ -124,12 +211,23 @@ class RunSummary(_Record):
     cuda_peak_allocated_bytes: int | None
     """CUDA's allocator peak during the sampled step; None off CUDA."""
     avg_epoch_time_s: float
+    task: str
+    """The task (see :class:`EpochRecord`)."""
+    metric: str
+    """The key of this summary that holds the task's main metric (bench's table, parity and plots use it)."""
     test_accuracy: float | None
     test_loss: float
+    test_f1: float | None = None
+    test_r2: float | None = None
+    test_mse: float | None = None
+    test_mae: float | None = None
+    test_token_accuracy: float | None = None
     test_perplexity: float | None = None
     """Language models: of the last epoch."""
     bits_per_char: float | None = None
-    """Language models: of the last epoch."""
+    """Language models on characters: of the last epoch."""
+    bits_per_token: float | None = None
+    """Language models on tokens: of the last epoch."""
     final_train_loss: float
     skipped_steps: int
     """Skipped steps over the whole run."""
@@ -140,10 +238,20 @@ class RunSummary(_Record):
     """Seconds ``--compile`` spent compiling before the first timed step; None without it."""
 
     @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
+        return cls(**{**_task_of_old(d), **d})
+
+    @property
+    def main(self) -> float | None:
+        """The value of the task's main metric."""
+        return getattr(self, self.metric)
+
+    @classmethod
     def from_history(cls, history: list[EpochRecord], *, stopped: str | None, skipped_steps: int,
-                     **run: Any) -> RunSummary:
-        """The summary of ``history``; ``run`` holds the fields that describe the run itself (recipe, impl,
-        model, dataset, device, world_size, strategy, grad_accum, compile_time_s)."""
+                     task: str, metric: str, **run: Any) -> RunSummary:
+        """The summary of ``history``; ``task`` and ``metric`` name the run's task and main metric (a run
+        with no epoch yet still has them); ``run`` holds the fields that describe the run itself (recipe,
+        impl, model, dataset, device, world_size, strategy, grad_accum, compile_time_s)."""
         mems = [h.memory for h in history if h.memory]
         peak = max(mems, key=lambda m: m["total"]) if mems else None
         cuda_peak = max((m.get("cuda_peak_allocated") or 0 for m in mems), default=0)
@@ -156,10 +264,11 @@ class RunSummary(_Record):
             memory=peak,
             cuda_peak_allocated_bytes=cuda_peak or None,
             avg_epoch_time_s=sum(times) / len(times) if times else math.nan,
+            task=task,
+            metric=metric,
             test_accuracy=last.test_accuracy if last else math.nan,
             test_loss=last.test_loss if last else math.nan,
-            test_perplexity=last.test_perplexity if last and last.bits_per_char is not None else None,
-            bits_per_char=last.bits_per_char if last else None,
+            **{k: getattr(last, k) if last else None for k in _TASK_FIELDS},
             final_train_loss=last.train_loss if last else math.nan,
             skipped_steps=skipped_steps,
             final_loss_scale=last.loss_scale if last else math.nan,
@@ -176,3 +285,5 @@ class TrainResult:
     summary: RunSummary
     stopped: str | None = None
     """Why the run stopped early (non-finite loss, too many skipped steps), or None."""
+    evals: list[EvalRecord] = dataclasses.field(default_factory=list)
+    """The ``--eval-every`` evaluations, a resumed run's earlier ones included."""

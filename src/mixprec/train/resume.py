@@ -28,16 +28,18 @@ from . import distributed
 from .checkpoint import mechanism, read_run
 from .config import TrainConfig
 
-__all__ = ["RESUME_MAY_CHANGE", "resume_config", "check_resume"]
+__all__ = ["RESUME_MAY_CHANGE", "resume_config", "check_resume", "stored_config"]
 
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "out", "checkpoint_every", "resume", "overwrite", "metrics_json",
-                     "log_every", "progress", "data_dir", "data_path", "num_workers", "limit_test",
-                     "check_consistency", "max_consecutive_skips")
-"""Flags a resumed run may change: how long to train, where outputs go, what is shown, where the data lies and
-how many processes load it, how often ranks are compared, when skipped steps stop the run. ``--device`` and
-``--amp-impl`` may change only to values that resolve to the checkpoint's mechanism. Every other flag (recipe,
-loss scaler, optimizer and its hyperparameters, model, data, seed, processes, compile) must equal the
-checkpoint's, or the resumed run would not be the run that was saved."""
+                     "log_every", "eval_every", "progress", "data_dir", "data_path", "num_workers", "limit_test",
+                     "check_consistency", "max_consecutive_skips", "watch")
+"""Flags a resumed run may change: how long to train, where outputs go, what is shown and how often the test
+split is evaluated, where the data lies and how many processes load it, how often ranks are compared, when
+skipped steps stop the run. ``--device`` and ``--amp-impl`` may change only to values that resolve to the
+checkpoint's mechanism. Every other flag (recipe, loss scaler, optimizer and its hyperparameters, the
+learning-rate schedule, model, data, seed, processes, compile) must equal the checkpoint's, or the resumed run
+would not be the run that was saved. (A config that leaves ``lr_total_steps`` unset takes the checkpoint's,
+which :func:`mixprec.train.build.build_schedule` fixed when the run was first built.)"""
 
 _MECHANISM_FLAGS = ("device", "amp_impl")
 """Compared through what they resolve to, not as typed."""
@@ -66,6 +68,11 @@ def check_resume(config: TrainConfig) -> None:
         _check(path, stored, mech, config)
 
 
+def stored_config(path: str | os.PathLike) -> TrainConfig:
+    """The config of the run saved at ``path`` (read without its tensors)."""
+    return _stored(path)[0]
+
+
 def _stored(path: str | os.PathLike) -> tuple[TrainConfig, dict[str, Any]]:
     config, mech = read_run(path)
     try:
@@ -76,6 +83,8 @@ def _stored(path: str | os.PathLike) -> tuple[TrainConfig, dict[str, Any]]:
 
 def _check(path: str | os.PathLike, stored: TrainConfig, stored_mech: dict[str, Any], config: TrainConfig) -> None:
     theirs, ours = _comparable(stored), _comparable(config)
+    if ours["lr_total_steps"] is None:  # unset: the run's planned steps, i.e. the checkpoint's (build_schedule)
+        ours["lr_total_steps"] = theirs["lr_total_steps"]
     diffs = [_diff(k, theirs[k], v) for k, v in ours.items()
              if k not in RESUME_MAY_CHANGE and k not in _MECHANISM_FLAGS and v != theirs[k]]
     if dataclasses.replace(stored.recipe, amp_impl=config.recipe.amp_impl) == config.recipe:

@@ -1,8 +1,10 @@
 """One optimizer step and one evaluation: the only code that runs a model forward and backward.
 
 The step never asks which precision it runs; it calls the recipe's hooks (see :mod:`mixprec.precision`)
-on a small :class:`StepContext` — model, recipe, optimizer, loss, device, clip — so ``train``, ``bench``
-(through the trainer) and ``doctor`` share it without knowing about each other's runs.
+on a small :class:`StepContext` — model, recipe, optimizer, objective, device, clip — so ``train``, ``bench``
+(through the trainer) and ``doctor`` share it without knowing about each other's runs. The model is called
+and its loss taken by the model contract (:class:`~mixprec.train.contract.Objective`): any batch shape,
+any output shape, the model's own loss or the task's.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +20,9 @@ from torch import nn
 from ..memory import SavedTensorTracker
 from ..precision import Recipe, StepResult
 from . import distributed
+from .contract import Objective, as_batch
 from .data.protocol import DataSource
+from .tasks import Task
 
 __all__ = ["StepContext", "train_step", "accumulate_step", "evaluate", "compile_warmup"]
 
@@ -30,29 +34,35 @@ class StepContext:
     model: nn.Module
     recipe: Recipe
     optimizer: torch.optim.Optimizer
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    objective: Objective
+    """How the model is called and its loss taken (the model contract)."""
     device: torch.device
     clip_grad_norm: float | None = None
+
+    @property
+    def task(self) -> Task:
+        return self.objective.task
 
 
 def train_step(
     ctx: StepContext,
-    xb: torch.Tensor,
-    yb: torch.Tensor,
-    *,
+    *batch: Any,
     step: int | None = None,
     tracker: SavedTensorTracker | None = None,
 ) -> tuple[torch.Tensor, StepResult]:
     """One optimizer step on one batch: forward under the recipe's autocast, scaled backward, unscale/clip/step.
 
-    Returns the (unscaled, detached) loss tensor — not read on the host here — and the StepResult.
+    ``train_step(ctx, xb, yb)``, ``train_step(ctx, x1, x2, yb)`` or ``train_step(ctx, batch)`` (a dict, a tuple or
+    a :class:`~mixprec.train.contract.Batch`). Returns the (unscaled, detached) loss tensor — not read on the
+    host here — and the StepResult.
     """
-    return accumulate_step(ctx, [(xb, yb)], step=step, tracker=tracker)
+    raw = batch[0] if len(batch) == 1 else batch
+    return accumulate_step(ctx, [raw], step=step, tracker=tracker)
 
 
 def accumulate_step(
     ctx: StepContext,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: list[Any],
     *,
     step: int | None = None,
     tracker: SavedTensorTracker | None = None,
@@ -67,18 +77,18 @@ def accumulate_step(
     Returns the step's mean loss (detached, not read on the host) and the StepResult.
     """
     model, recipe = ctx.model, ctx.recipe
-    n_samples = sum(len(yb) for _, yb in micro_batches)
+    batches = [as_batch(b) for b in micro_batches]
+    n_samples = sum(len(b) for b in batches)
     ctx.optimizer.zero_grad(set_to_none=True)
     step_loss = None
-    for i, (xb, yb) in enumerate(micro_batches):
-        xb = xb.to(ctx.device, non_blocking=True)
-        yb = yb.to(ctx.device, non_blocking=True)
-        last = i == len(micro_batches) - 1
+    for i, batch in enumerate(batches):
+        batch = batch.to(ctx.device, non_blocking=True)
+        last = i == len(batches) - 1
         with distributed.no_sync(model, enabled=not last):
             with tracker if (tracker is not None and i == 0) else contextlib.nullcontext(), recipe.autocast():
-                loss = ctx.loss_fn(model(xb), yb)
-            if len(micro_batches) > 1:
-                loss = loss * (len(yb) / n_samples)
+                loss = ctx.objective(model, batch)
+            if len(batches) > 1:
+                loss = loss * (len(batch) / n_samples)
             recipe.backward(loss, step=step)  # under torchrun a bad loss on one rank stops all ranks
         step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
     result = recipe.step(ctx.optimizer, ctx.clip_grad_norm)
@@ -86,37 +96,45 @@ def accumulate_step(
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, data: DataSource, *, batch_size: int = 1000) -> tuple[float, float]:
-    """Accuracy (fraction; per token for language models) and mean loss over ``data``'s test split, under
-    the recipe's autocast.
+def evaluate(ctx: StepContext, data: DataSource, *, batch_size: int = 1000) -> tuple[dict[str, float | None], float]:
+    """The task's metrics (:meth:`~mixprec.train.tasks.Task.finish`, by name without the ``test_`` prefix) and
+    the mean loss over ``data``'s test split, under the recipe's autocast.
 
-    Under torchrun each rank evaluates a strided shard (padded so all ranks run the same batches; the
-    padding is not counted) and the sums are all-reduced, so every rank returns the whole set's numbers.
+    Under torchrun each rank evaluates a strided shard, padded so all ranks run the same number of forwards
+    (FSDP gathers parameters in each); the padding is not counted: a batch that is part padding is cut to its
+    real samples before the forward, one that is all padding runs and is ignored. The sums are all-reduced,
+    so every rank returns the whole set's numbers.
     """
-    model = ctx.model
+    model, task = ctx.model, ctx.task
     was_training = model.training
     model.eval()
     idx, n_real = distributed.eval_shard(data.n_test)
-    sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # correct, loss sum
+    sums = torch.zeros(1 + task.n_sums, dtype=torch.float64, device=ctx.device)  # loss sum, the task's sums
     seen = 0
-    for xb, yb in data.eval_batches(idx, batch_size):
-        xb, yb = xb.to(ctx.device), yb.to(ctx.device)
-        k = min(max(n_real - seen, 0), len(yb))  # real samples in this batch; the rest is padding
-        seen += len(yb)
+    for raw in data.eval_batches(idx, batch_size):
+        batch = as_batch(raw).to(ctx.device)
+        n = len(batch)
+        k = min(max(n_real - seen, 0), n)  # real samples in this batch; the rest is padding
+        seen += n
+        if 0 < k < n:
+            batch = batch.head(k)
         with ctx.recipe.autocast():
-            out = model(xb)[:k]
-            loss = ctx.loss_fn(out, yb[:k]) if k else None
+            out = ctx.objective.forward(model, batch)
+            if k:
+                loss = ctx.objective.loss(out, batch)
         if k:
-            hit = (out.argmax(dim=-1) == yb[:k]).double()
-            sums[0] += hit.reshape(k, -1).mean(dim=1).sum()
-            sums[1] += loss.double() * k
+            sums[0] += loss.detach().double() * k
+            if task.n_sums and out.logits is not None and batch.targets is not None:
+                sums[1:] += task.sums(out.logits.detach(), batch.targets)
     distributed.all_reduce_sum(sums)
     model.train(was_training)
-    n = max(data.n_test, 1)
-    return sums[0].item() / n, sums[1].item() / n
+    n_test = max(data.n_test, 1)
+    values = sums.tolist()
+    loss = values[0] / n_test
+    return task.finish(values[1:], data.n_test, loss), loss
 
 
-def compile_warmup(ctx: StepContext, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def compile_warmup(ctx: StepContext, batches: list[Any]) -> float:
     """Trigger ``torch.compile``'s compilation of forward and backward for each batch shape, and leave no trace.
 
     Runs forward and backward under the recipe's autocast, then restores what they touched — gradients
@@ -131,9 +149,9 @@ def compile_warmup(ctx: StepContext, batches: list[tuple[torch.Tensor, torch.Ten
     cuda_rng = torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None
     hardware.synchronize(ctx.device)
     t0 = time.perf_counter()
-    for xb, yb in batches:
+    for raw in batches:
         with ctx.recipe.autocast():
-            loss = ctx.loss_fn(model(xb.to(ctx.device)), yb.to(ctx.device))
+            loss = ctx.objective(model, as_batch(raw).to(ctx.device))
         loss.backward()
     hardware.synchronize(ctx.device)
     elapsed = time.perf_counter() - t0

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .contract import ContractError
 
-__all__ = ["TASKS", "Task", "Classify", "Binary", "MultiLabel", "Regression", "LanguageModel", "infer_task",
+__all__ = ["TASKS", "Task", "Classify", "Binary", "MultiLabel", "Regression", "LanguageModel", "LossOnly", "infer_task",
            "make_task", "check_fit", "cross_entropy", "IGNORE_INDEX"]
 
 TASKS = ("classify", "binary", "multilabel", "regression", "lm")
@@ -190,6 +190,21 @@ class LanguageModel(Task):
 
     def to_dict(self):
         return {**super().to_dict(), "unit": self.unit, "aligned": self.aligned}
+
+
+class LossOnly(Task):
+    """Targets that fit none of the tasks, trained by an explicit ``--loss``: only the test loss is reported."""
+
+    name, main, higher_is_better, n_sums = "loss", "loss", False, 0
+
+    def default_loss(self, logits, targets):
+        raise ContractError("these targets fit no task, so there is no default loss; pass --loss or --task")
+
+    def sums(self, logits, targets):
+        return torch.zeros(0, dtype=torch.float64, device=logits.device)
+
+    def finish(self, sums, n, loss):
+        return {"loss": loss}
 
 
 def _per_sample(t: torch.Tensor) -> int:

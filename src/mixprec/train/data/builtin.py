@@ -140,6 +140,7 @@ def _load_idx_dataset(name: str, data_dir: str | None, limit_train: int | None,
         return x.div_(255.0).sub_(0.5).div_(0.5)  # ToTensor() then Normalize((0.5,), (0.5,))
 
     return TensorData(
+        task="classify",
         name=name,
         x_train=images(x_train, limit_train),
         y_train=y_train[:limit_train].to(torch.int64),
@@ -178,6 +179,7 @@ def _load_digits(limit_train: int | None, limit_test: int | None) -> TensorData:
     train_idx = torch.cat(train_idx).sort().values[:limit_train]
     test_idx = torch.cat(test_idx).sort().values[:limit_test]
     return TensorData(
+        task="classify",
         name="digits",
         x_train=x[train_idx],
         y_train=y[train_idx],
@@ -216,6 +218,7 @@ def _load_synthetic(seed: int, n_train: int, n_test: int, shape: tuple[int, ...]
     x_train, y_train = sample(n_train, 1)  # separate streams: the test set does not depend on n_train
     x_test, y_test = sample(n_test, 2)
     return TensorData(
+        task="classify",
         name="synthetic",
         x_train=x_train,
         y_train=y_train,

@@ -27,16 +27,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 from torch.utils.data import Dataset as TorchDataset
 
 from ...validate import positive_int
+from ..contract import as_batch, normalize_batch
 from .protocol import Batch, DataError
 
-__all__ = ["BatchLoader", "FixedBatches", "MapLoader", "TextWindowLoader", "select_batches"]
+__all__ = ["BatchLoader", "FixedBatches", "MapLoader", "TextWindowLoader", "select_batches", "assemble", "collate",
+           "length"]
 
 
 def _check_rank(owner: str, rank: int, world_size: int) -> None:
@@ -45,6 +48,43 @@ def _check_rank(owner: str, rank: int, world_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ in memory
+# In-memory inputs are a tensor, a tuple of tensors (several inputs) or a dict of tensors (targets inside it,
+# y None); every tensor's first dimension is the sample.
+
+
+def length(x: Any) -> int:
+    """Samples in in-memory inputs (a tensor, a tuple or a dict of tensors)."""
+    if isinstance(x, torch.Tensor):
+        return x.shape[0]
+    return length(next(iter(x.values() if isinstance(x, dict) else x)))
+
+
+def _device(x: Any) -> torch.device:
+    return x.device if isinstance(x, torch.Tensor) else _device(next(iter(x.values() if isinstance(x, dict) else x)))
+
+
+def _take(x: Any, idx: torch.Tensor) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.index_select(0, idx.to(x.device))
+    if isinstance(x, dict):
+        return {k: _take(v, idx) for k, v in x.items()}
+    return tuple(_take(v, idx) for v in x)
+
+
+def _rows(x: Any, a: int, b: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x[a:b]
+    if isinstance(x, dict):
+        return {k: v[a:b] for k, v in x.items()}
+    return tuple(v[a:b] for v in x)
+
+
+def assemble(xb: Any, yb: torch.Tensor | None) -> Batch:
+    """One batch in the contract's shape: ``(x, y)``, ``(x_1, ..., x_n, y)``, or the dict itself."""
+    if yb is None:
+        return xb
+    return (*xb, yb) if isinstance(xb, tuple) else (xb, yb)
+
 
 
 class BatchLoader:
@@ -62,8 +102,8 @@ class BatchLoader:
 
     def __init__(
         self,
-        x: torch.Tensor,
-        y: torch.Tensor,
+        x: Any,
+        y: torch.Tensor | None,
         batch_size: int,
         *,
         shuffle: bool,
@@ -72,8 +112,8 @@ class BatchLoader:
         rank: int = 0,
         world_size: int = 1,
     ):
-        if x.shape[0] != y.shape[0]:
-            raise DataError(f"BatchLoader: x has {x.shape[0]} samples but y has {y.shape[0]}")
+        if y is not None and length(x) != y.shape[0]:
+            raise DataError(f"BatchLoader: x has {length(x)} samples but y has {y.shape[0]}")
         positive_int("batch_size", batch_size, error=DataError)
         _check_rank("BatchLoader", rank, world_size)
         self.x, self.y = x, y
@@ -84,7 +124,7 @@ class BatchLoader:
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
-        self.num_samples = math.ceil(x.shape[0] / world_size)  # per rank, padding included
+        self.num_samples = math.ceil(length(x) / world_size)  # per rank, padding included
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation for ``epoch``; the same ``(seed, epoch)`` gives the same order."""
@@ -92,7 +132,7 @@ class BatchLoader:
 
     def _indices(self) -> torch.Tensor | None:
         """This rank's sample indices for the current epoch, or None for 'all, in order'."""
-        n = self.x.shape[0]
+        n = length(self.x)
         if not self.shuffle and self.world_size == 1:
             return None
         if self.shuffle:
@@ -103,22 +143,23 @@ class BatchLoader:
         total = self.num_samples * self.world_size
         if total > n:  # wrap around (repeatedly if world_size > n) so every rank gets num_samples
             order = order.repeat(math.ceil(total / n))[:total]
-        return order[self.rank : total : self.world_size].to(self.x.device)
+        return order[self.rank : total : self.world_size].to(_device(self.x))
 
     def __iter__(self) -> Iterator[Batch]:
         return self._batches(0)
 
     def _batches(self, first: int) -> Iterator[Batch]:
-        if self.x.shape[0] == 0:
+        if length(self.x) == 0:
             return
         indices = self._indices()
         b = self.batch_size
+        y = self.y
         for i in range(first, len(self)):
             if indices is None:
-                yield self.x[i * b : (i + 1) * b], self.y[i * b : (i + 1) * b]
+                yield assemble(_rows(self.x, i * b, (i + 1) * b), None if y is None else y[i * b : (i + 1) * b])
             else:
                 idx = indices[i * b : (i + 1) * b]
-                yield self.x.index_select(0, idx), self.y.index_select(0, idx.to(self.y.device))
+                yield assemble(_take(self.x, idx), None if y is None else y.index_select(0, idx.to(y.device)))
 
     def iter_from(self, first: int) -> Iterator[Batch]:
         """The epoch's batches from batch ``first`` on (a resumed epoch; the skipped ones are not built)."""
@@ -130,12 +171,12 @@ class BatchLoader:
         return math.ceil(self.num_samples / self.batch_size)
 
 
-def select_batches(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor,
+def select_batches(x: Any, y: torch.Tensor | None, indices: torch.Tensor,
                    batch_size: int) -> Iterator[Batch]:
     """``(x[idx], y[idx])`` for consecutive ``batch_size`` slices of ``indices``: in-memory evaluation batches."""
     for i in range(0, len(indices), batch_size):
         idx = indices[i:i + batch_size]
-        yield x.index_select(0, idx.to(x.device)), y.index_select(0, idx.to(y.device))
+        yield assemble(_take(x, idx), None if y is None else y.index_select(0, idx.to(y.device)))
 
 
 class FixedBatches(list):
@@ -149,7 +190,7 @@ class FixedBatches(list):
 
     @property
     def num_samples(self) -> int:
-        return sum(len(y) for _, y in self)
+        return sum(len(as_batch(b)) for b in self)
 
 
 # ------------------------------------------------------------------------------------ map-style datasets
@@ -167,6 +208,12 @@ class _FromSample(DistributedSampler):
         return super().__len__() - self.start
 
 
+def collate(samples: list[Any]) -> Batch:
+    """``default_collate``, then the contract's dtypes (:func:`~mixprec.train.contract.normalize_batch`): the
+    same rule as for tensors. Module level, so DataLoader workers can pickle it."""
+    return normalize_batch(default_collate(samples))
+
+
 class MapLoader:
     """Training batches of a map-style dataset: DataLoader + seeded, rank-strided sampler (see module doc)."""
 
@@ -175,7 +222,7 @@ class MapLoader:
         self.batch_size = batch_size
         self.sampler = _FromSample(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
-                                 pin_memory=pin_memory, persistent_workers=num_workers > 0)
+                                 pin_memory=pin_memory, persistent_workers=num_workers > 0, collate_fn=collate)
         self._n = math.ceil(self.sampler.num_samples / batch_size)
         self.num_samples = self.sampler.num_samples
         """Samples per epoch on this rank (padding included)."""

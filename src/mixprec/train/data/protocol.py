@@ -14,13 +14,15 @@ implements them (tests/test_data.py checks each with ``isinstance``):
   would have seen next.
 
 Both are ``runtime_checkable``: ``isinstance(obj, DataSource)`` checks that every member is present (not its
-signature). A batch is an ``(inputs, targets)`` pair of tensors.
+signature). A batch is what the model contract takes (:mod:`mixprec.train.contract`): ``(inputs, targets)``,
+``(input_1, ..., input_n, targets)`` or a dict of tensors, with the contract's dtypes (float64 inputs as
+float32, integer targets as int64) whatever the user's data held.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -28,11 +30,12 @@ from ...errors import UsageError
 
 __all__ = ["Batch", "DataError", "DataSource", "Loader", "TASKS"]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""``(inputs, targets)``: one batch of training or evaluation samples."""
+Batch = Any
+"""One batch of training or evaluation samples: ``(inputs, targets)``, ``(input_1, ..., input_n, targets)`` or a
+dict of tensors (see :mod:`mixprec.train.contract`)."""
 
-TASKS = ("classify", "language-model")
-"""``classify``: logits (B, C), accuracy. ``language-model``: logits (B, T, V), perplexity, bits per character."""
+TASKS = ("classify", "binary", "multilabel", "regression", "lm")
+"""The tasks a data source may name (:mod:`mixprec.train.tasks`); None lets the first batch decide."""
 
 
 class DataError(UsageError):
@@ -74,8 +77,15 @@ class DataSource(Protocol):
         """Where the data came from: a folder, a file, a factory, a package."""
 
     @property
-    def task(self) -> str:
-        """One of :data:`TASKS`: what the model predicts and which test metrics the run reports."""
+    def task(self) -> str | None:
+        """One of :data:`TASKS` when the source knows what the model predicts (the built-in datasets classify,
+        the text corpus is a language model), or None: the task is inferred from the first batch and the
+        model's output (:func:`mixprec.train.tasks.infer_task`), or taken from ``--task``."""
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the source changed in the user's data (float64 inputs trained as float32), said once at the
+        start of the run."""
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -83,7 +93,8 @@ class DataSource(Protocol):
 
     @property
     def num_classes(self) -> int:
-        """The model's output width: classes (``classify``) or the vocabulary size (``language-model``)."""
+        """The model's output width the targets imply: classes (``classify``), the vocabulary size (``lm``), the
+        number of target values per sample (float or multi-label targets); 0 when unknown."""
 
     @property
     def n_train(self) -> int:

@@ -4,11 +4,13 @@ Each implements :class:`~mixprec.train.data.protocol.DataSource`; text lives in 
 datasets (which load into :class:`TensorData`) in :mod:`.builtin`.
 
 - :class:`TensorData`: a dataset held in memory as tensors, the fast path: the built-in datasets, and a user
-  callable returning ``((x_train, y_train), (x_test, y_test))``. Batches are one ``index_select``
-  (:class:`~mixprec.train.data.loaders.BatchLoader`).
+  callable returning ``((x_train, y_train), (x_test, y_test))`` (or ``(x_1, ..., x_n, y)`` tuples for models
+  with several inputs, or dicts of tensors with the targets under ``labels``). Batches are one
+  ``index_select`` (:class:`~mixprec.train.data.loaders.BatchLoader`).
 - :class:`UserBatches`: the batches a caller of :func:`mixprec.doctor.diagnose` passed, trained on in the given
   order; no test split.
-- :class:`MapData`: a user's map-style datasets (``torch.utils.data.Dataset`` with ``__getitem__``/``__len__``),
+- :class:`MapData`: a user's map-style datasets (``torch.utils.data.Dataset`` with ``__getitem__``/``__len__``;
+  a sample is ``(input, target)``, ``(input_1, ..., input_n, target)`` or a dict),
   through a ``DataLoader`` (:class:`~mixprec.train.data.loaders.MapLoader`) whose seeded, rank-strided sampler
   gives exactly :class:`~mixprec.train.data.loaders.BatchLoader`'s order: the same samples as a dataset or as
   tensors give the same batches, the same loss curve, and a resumed epoch starts at the right sample without
@@ -17,47 +19,60 @@ datasets (which load into :class:`TensorData`) in :mod:`.builtin`.
 :func:`user_data` calls a ``--dataset module:callable`` factory; :func:`data_from_splits` turns the
 ``(train, test)`` pair it returns (or that the Python API was given) into a :class:`TensorData` or a
 :class:`MapData`.
+
+**Dtypes** follow the model contract (:func:`mixprec.train.contract.normalize_batch`), identically for tensors
+and datasets: float64 inputs become float32 (said once, in :attr:`notes`), integer targets of any width
+int64, float targets stay float (float64 ones float32). A user source names no task: the first batch and
+the model's output decide it (or ``--task``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
+from ..contract import TARGET_KEYS, as_batch, describe_batch, is_float64, normalize_batch
 from ..usercode import UserCodeError, call_declared, load_callable
-from .loaders import BatchLoader, FixedBatches, MapLoader, select_batches
+from .loaders import BatchLoader, FixedBatches, MapLoader, collate, length, select_batches
 from .protocol import Batch, DataError
 
-__all__ = ["TensorData", "UserBatches", "MapData", "user_data", "data_from_splits", "infer_num_classes"]
+__all__ = ["TensorData", "UserBatches", "MapData", "user_data", "data_from_splits", "infer_num_classes",
+           "output_width"]
+
+IGNORE_INDEX = -100  # tasks.IGNORE_INDEX (not imported: tasks imports torch.nn.functional only for the losses)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TensorData:
-    """A classification dataset held in memory as tensors. ``eq=False``: compared by identity, not by tensors."""
+    """A dataset held in memory as tensors. ``eq=False``: compared by identity, not by tensors.
+
+    The inputs are a tensor (N, *input_shape), a tuple of them (several inputs) or a dict of them (then the
+    targets are inside it and ``y_*`` is None)."""
 
     name: str
-    x_train: torch.Tensor = dataclasses.field(repr=False)  # float32, (N, *input_shape)
-    y_train: torch.Tensor = dataclasses.field(repr=False)  # int64, (N,)
-    x_test: torch.Tensor = dataclasses.field(repr=False)
-    y_test: torch.Tensor = dataclasses.field(repr=False)
+    x_train: Any = dataclasses.field(repr=False)
+    y_train: torch.Tensor | None = dataclasses.field(repr=False)
+    x_test: Any = dataclasses.field(repr=False)
+    y_test: torch.Tensor | None = dataclasses.field(repr=False)
     num_classes: int
     input_shape: tuple[int, ...]
     source: str
-
-    task = "classify"
+    task: str | None = None
+    """classify for the built-in datasets; None (inferred) for a user's tensors."""
+    notes: tuple[str, ...] = ()
 
     @property
     def n_train(self) -> int:
-        return len(self.x_train)
+        return length(self.x_train)
 
     @property
     def n_test(self) -> int:
-        return len(self.x_test)
+        return length(self.x_test)
 
     def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                device: torch.device | None = None) -> BatchLoader:
@@ -74,30 +89,38 @@ class TensorData:
 class UserBatches:
     """Batches a user handed over (``mixprec.doctor.diagnose``): trained on in the given order, no test split.
 
-    The batch size of the config does not apply (each batch is as given). The targets need not be class labels
-    (the caller brings the model and the loss), so nothing is shaped from :attr:`num_classes`.
+    The batch size of the config does not apply (each batch is as given). Batches take the contract's dtypes
+    (:func:`~mixprec.train.contract.normalize_batch`); the task is inferred from the first one.
     """
 
     batches: list[Batch] = dataclasses.field(repr=False)
     name: str = "user batch"
     source: str = "the caller's tensors"
 
-    task = "classify"
+    task = None
     n_test = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batches", [normalize_batch(b) for b in self.batches])
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return ()
 
     @property
     def n_train(self) -> int:
-        return sum(len(y) for _, y in self.batches)
+        return sum(len(as_batch(b)) for b in self.batches)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        """The first batch's inputs without the batch dimension."""
-        return tuple(self.batches[0][0].shape[1:])
+        """The first batch's first input without the batch dimension."""
+        inputs = as_batch(self.batches[0]).inputs()
+        return tuple(inputs[0].shape[1:]) if inputs else ()
 
     @property
     def num_classes(self) -> int:
         """``max label + 1`` when the targets are non-negative integers, else 0 (they are not class labels)."""
-        ys = [y for _, y in self.batches]
+        ys = [as_batch(b).targets for b in self.batches]
         if not all(isinstance(y, torch.Tensor) and not (y.is_floating_point() or y.is_complex()
                                                         or y.dtype == torch.bool) for y in ys):
             return 0
@@ -126,7 +149,8 @@ class MapData:
     source: str
     input_shape: tuple[int, ...]
     num_classes: int
-    task: str = "classify"
+    task: str | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def n_train(self) -> int:
@@ -143,40 +167,80 @@ class MapData:
 
     def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
         subset = torch.utils.data.Subset(self.test, indices.tolist())
-        yield from DataLoader(subset, batch_size=batch_size, shuffle=False)
+        yield from DataLoader(subset, batch_size=batch_size, shuffle=False, collate_fn=collate)
 
 
 def _is_map_dataset(obj: Any) -> bool:
     return isinstance(obj, TorchDataset) and hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
 
 
-def _is_tensor_pair(obj: Any) -> bool:
-    return (isinstance(obj, (tuple, list)) and len(obj) == 2
-            and all(isinstance(t, torch.Tensor) for t in obj) and len(obj[0]) == len(obj[1]))
+def _tensor_split(obj: Any) -> tuple[Any, torch.Tensor | None] | None:
+    """``(inputs, targets)`` of a split given as tensors: ``(x, y)``, ``(x_1, ..., x_n, y)`` or a dict of
+    equal-length tensors with the targets under a target key (returned inside the dict, targets None)."""
+    if isinstance(obj, Mapping):
+        values = list(obj.values())
+        if values and all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in values) \
+                and len({len(t) for t in values}) == 1 and any(k in obj for k in TARGET_KEYS):
+            return dict(obj), None
+        return None
+    if isinstance(obj, (tuple, list)) and len(obj) >= 2 and all(isinstance(t, torch.Tensor) and t.dim() > 0
+                                                                for t in obj) \
+            and len({len(t) for t in obj}) == 1:
+        return (obj[0] if len(obj) == 2 else tuple(obj[:-1])), obj[-1]
+    return None
 
 
-def infer_num_classes(labels: torch.Tensor | Sequence[int], what: str) -> int:
-    """``max label + 1`` of integer class labels (negative or non-integer labels are refused)."""
+def infer_num_classes(labels: Any, what: str) -> int:
+    """``max label + 1`` of integer class labels (``-100``, the ignore index, left out); integer labels
+    below 0 are refused, naming the targets. 0 for anything that is not a class label."""
     y = torch.as_tensor(labels)
-    if y.is_floating_point() or y.dtype == torch.bool:
-        raise DataError(f"{what}: labels must be integer class indices, got {y.dtype}")
-    if len(y) and int(y.min()) < 0:
-        raise DataError(f"{what}: labels must be >= 0, found {int(y.min())}")
-    return int(y.max()) + 1 if len(y) else 0
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool or y.dim() != 1:
+        return 0
+    kept = y[y != IGNORE_INDEX]
+    if len(kept) and int(kept.min()) < 0:
+        raise DataError(f"{what}: the targets are integer class indices and must be >= 0, found {int(kept.min())} "
+                        "(float targets train a regression: give them as float)")
+    return int(kept.max()) + 1 if len(kept) else 0
 
 
-def _labels(ds: TorchDataset) -> torch.Tensor:
+def output_width(targets: torch.Tensor, what: str) -> int:
+    """The output width the targets imply (offered to a model factory as ``num_classes``): classes for integer
+    class labels (the vocabulary for token ids), else the number of target values per sample (1 for a binary
+    or scalar regression target, L for 0/1 multi-label targets)."""
+    per_sample = targets[0].numel() if targets.dim() > 0 and len(targets) else 1
+    if targets.is_floating_point() or targets.is_complex() or targets.dim() == 0:
+        return per_sample
+    if targets.dim() == 1:
+        return infer_num_classes(targets, what)
+    kept = targets[targets != IGNORE_INDEX]
+    return int(kept.max()) + 1 if len(kept) and int(kept.max()) > 1 else per_sample
+
+
+def _targets_of(batch: Batch) -> torch.Tensor | None:
+    return as_batch(batch).targets
+
+
+def _labels(ds: TorchDataset) -> torch.Tensor | None:
+    """Every target of a dataset (its ``targets`` attribute, else one pass over its samples), with the contract's
+    dtypes; None when a sample has none. Float targets stay float (nothing is truncated)."""
     targets = getattr(ds, "targets", None)
-    if targets is not None:
-        return torch.as_tensor(targets)
-    return torch.as_tensor([int(ds[i][1]) for i in range(len(ds))])  # one pass over the labels
+    if targets is None:
+        targets = []
+        for i in range(len(ds)):
+            t = _targets_of(ds[i])
+            if t is None:
+                return None
+            targets.append(torch.as_tensor(t))
+        targets = torch.stack(targets) if targets else torch.zeros(0, dtype=torch.int64)
+    return _targets_of(normalize_batch((torch.zeros(0), torch.as_tensor(targets))))
 
 
 def user_data(ref: str, *, seed: int) -> TensorData | MapData:
     """Call the ``--dataset module:callable`` factory and turn what it returns into a data source.
 
     The factory returns ``(train, test)``: two map-style ``torch.utils.data.Dataset`` s yielding
-    ``(input, label)``, or two ``(inputs, labels)`` tensor pairs. It may take ``seed``.
+    ``(input, target)`` (or ``(input_1, ..., input_n, target)``, or a dict), or two tensor splits (``(inputs,
+    targets)``, ``(x_1, ..., x_n, targets)`` or a dict with ``labels``). It may take ``seed``.
     """
     flag = "--dataset"
     out = call_declared(load_callable(ref, flag), {"seed": seed}, ref=ref, flag=flag)
@@ -187,14 +251,15 @@ def user_data(ref: str, *, seed: int) -> TensorData | MapData:
 
 
 def data_from_splits(splits: Any, ref: str) -> TensorData | MapData:
-    """The data source of a ``(train, test)`` pair of datasets or of ``(inputs, labels)`` tensor pairs."""
+    """The data source of a ``(train, test)`` pair of datasets or of tensor splits."""
     train, test = splits
-    if _is_tensor_pair(train) and _is_tensor_pair(test):
-        return _tensor_data(ref, train, test)
+    if _tensor_split(train) is not None and _tensor_split(test) is not None:
+        return _tensor_data(ref, _tensor_split(train), _tensor_split(test))
     if _is_map_dataset(train) and _is_map_dataset(test):
         return _map_data(ref, train, test)
     raise UserCodeError(f"--dataset {ref!r} gave ({type(train).__name__}, {type(test).__name__}); each split must "
-                        "be a map-style torch.utils.data.Dataset or an (inputs, labels) pair of equal-length tensors")
+                        "be a map-style torch.utils.data.Dataset, an (inputs, targets) pair of equal-length tensors "
+                        "(or (x_1, ..., x_n, targets)), or a dict of equal-length tensors with 'labels'")
 
 
 def _check_sizes(ref: str, n_train: int, n_test: int) -> None:
@@ -202,26 +267,56 @@ def _check_sizes(ref: str, n_train: int, n_test: int) -> None:
         raise DataError(f"--dataset {ref!r}: the {'training' if n_train == 0 else 'test'} split is empty")
 
 
-def _tensor_data(ref: str, train, test) -> TensorData:
-    (x, y), (xt, yt) = train, test
-    _check_sizes(ref, len(x), len(xt))
-    if x.shape[1:] != xt.shape[1:]:
-        raise DataError(f"--dataset {ref!r}: train inputs have shape {tuple(x.shape[1:])} but test inputs "
-                        f"{tuple(xt.shape[1:])}")
-    n = max(infer_num_classes(y, f"--dataset {ref!r} (train)"), infer_num_classes(yt, f"--dataset {ref!r} (test)"))
-    return TensorData(name=ref, x_train=x, y_train=y.long(), x_test=xt, y_test=yt.long(), num_classes=n,
-                   input_shape=tuple(x.shape[1:]), source=f"{ref} (tensors)")
+def _float64_note(ref: str, x: Any) -> tuple[str, ...]:
+    return ((f"--dataset {ref}: float64 inputs are trained as float32 (the model's parameters are float32; "
+             "give float32 inputs to skip the conversion)",) if is_float64(x) else ())
+
+
+def _first_input(x: Any) -> Any:
+    """The first input of a sample or a split: the tensor itself, a tuple's first, a dict's first non-target."""
+    if isinstance(x, Mapping):
+        return next((v for k, v in x.items() if k not in TARGET_KEYS), next(iter(x.values())))
+    if isinstance(x, (tuple, list)):
+        return x[0]
+    return x
+
+
+def _tensor_data(ref: str, train: tuple[Any, Any], test: tuple[Any, Any]) -> TensorData:
+    notes = _float64_note(ref, train[0])
+    (x, y), (xt, yt) = (_normalized(*train), _normalized(*test))
+    _check_sizes(ref, length(x), length(xt))
+    x0, xt0 = _first_input(x), _first_input(xt)
+    if x0.shape[1:] != xt0.shape[1:]:
+        raise DataError(f"--dataset {ref!r}: train inputs have shape {tuple(x0.shape[1:])} but test inputs "
+                        f"{tuple(xt0.shape[1:])}")
+    y_all, yt_all = (y if y is not None else _targets_of(x)), (yt if yt is not None else _targets_of(xt))
+    n = max(output_width(y_all, f"--dataset {ref!r} (train targets)"),
+            output_width(yt_all, f"--dataset {ref!r} (test targets)"))
+    return TensorData(name=ref, x_train=x, y_train=y, x_test=xt, y_test=yt, num_classes=n,
+                      input_shape=tuple(x0.shape[1:]), source=f"{ref} (tensors)", notes=notes)
+
+
+def _normalized(x: Any, y: torch.Tensor | None) -> tuple[Any, torch.Tensor | None]:
+    if y is None:
+        return normalize_batch(x), None
+    if isinstance(x, tuple):
+        *xs, y = normalize_batch((*x, y))
+        return tuple(xs), y
+    return tuple(normalize_batch((x, y)))
 
 
 def _map_data(ref: str, train: TorchDataset, test: TorchDataset) -> MapData:
     _check_sizes(ref, len(train), len(test))
     sample = train[0]
-    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
-        raise DataError(f"--dataset {ref!r}: a training sample must be an (input, label) pair, got "
-                        f"{type(sample).__name__}")
-    x0 = torch.as_tensor(sample[0])
-    n = getattr(train, "num_classes", None) or len(getattr(train, "classes", ()) or ()) or max(
-        infer_num_classes(_labels(train), f"--dataset {ref!r} (train)"),
-        infer_num_classes(_labels(test), f"--dataset {ref!r} (test)"))
+    if not (isinstance(sample, Mapping) or (isinstance(sample, (tuple, list)) and len(sample) >= 2)):
+        raise DataError(f"--dataset {ref!r}: a training sample must be an (input, target) pair, an (input_1, ..., "
+                        f"input_n, target) tuple or a dict, got {describe_batch(sample)}")
+    inputs = sample if isinstance(sample, Mapping) else sample[:-1]
+    x0 = torch.as_tensor(_first_input(inputs))
+    n = getattr(train, "num_classes", None) or len(getattr(train, "classes", ()) or ())
+    if not n:
+        widths = [output_width(t, f"--dataset {ref!r} ({what} targets)")
+                  for t, what in ((_labels(train), "train"), (_labels(test), "test")) if t is not None]
+        n = max(widths, default=0)
     return MapData(train=train, test=test, name=ref, source=f"{ref} ({type(train).__name__})",
-                   input_shape=tuple(x0.shape), num_classes=int(n))
+                   input_shape=tuple(x0.shape), num_classes=int(n), notes=_float64_note(ref, inputs))

@@ -98,7 +98,8 @@ class TextCorpus:
         return (self.block_size,)
 
     # -- the data-source protocol (mixprec.train.data.protocol.DataSource) --------------------------------
-    task = "language-model"
+    task = "lm"
+    notes: tuple[str, ...] = ()
 
     @property
     def n_train(self) -> int:

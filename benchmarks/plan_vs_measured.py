@@ -1,0 +1,175 @@
+"""Predicted (``mixprec plan --target cpu``) vs measured on this CPU: the proof table of issue 20.
+
+    PYTHONPATH=src python benchmarks/plan_vs_measured.py                  # memory only (any machine)
+    PYTHONPATH=src python benchmarks/plan_vs_measured.py --timing         # + step times (a quiet machine)
+    PYTHONPATH=src python benchmarks/plan_vs_measured.py --calibrate      # fit the CPU efficiency factors
+
+For the built-in models (mlp, cnn, transformer) and two user models (tests/userpkg/factories.py: a CNN and an
+``nn.TransformerEncoder``) at batch 64 and 256, fp32 and bf16-mixed, on digits with AdamW:
+
+- parameters, gradients, optimizer state, masters: the plan vs bench's exact accounting of a real
+  steady-state step (:mod:`mixprec.memory`) -- must be equal;
+- activations (+ autocast weight copies + FP8 buffers): within 10%;
+- the step's peak above the resident state: the plan's ``peak - (parameters + buffers + optimizer state +
+  masters)`` vs bench's measured probe (:func:`mixprec.bench.measure.probe_step_memory`: VmHWM after
+  clear_refs, glibc in mmap mode) -- within 25%;
+- ``--timing``: the bf16-mixed / fp32 step-time ratio, predicted vs measured (median of timed steps), within
+  25%. Timing needs a quiet machine; a loaded one gives meaningless times.
+
+``--calibrate`` measures real step times of *other* models (the MLP at widths 256/1024/2048, depth 2-4; the CNN
+at 16 and 32 channels; batch 128; fp32 and bf16-mixed), traces the same steps, and fits the cpu target's
+efficiency factors (GEMM efficiency per dtype, bandwidth efficiency) by non-negative least squares on
+``measured = sum over ops of roofline terms / factor``; paste them into
+``mixprec.planning.roofline.CPU_EFFICIENCY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+CHECKED = ["mlp", "cnn", "transformer", "tests.userpkg.factories:cnn", "tests.userpkg.factories:transformer"]
+FLAGS = dict(dataset="digits", optimizer="adamw", lr=1e-3)
+
+
+def _measure(model: str, precision: str, batch: int, *, timing: bool, steps: int = 20, **flags):
+    from mixprec.bench.measure import probe_step_memory
+    from mixprec.memory import SavedTensorTracker, static_memory
+    from mixprec.train.build import build_run
+    from mixprec.train.config import TrainConfig
+    from mixprec.train.step import train_step
+
+    run = build_run(TrainConfig.from_flags(model=model, precision=precision, batch_size=batch, device="cpu",
+                                           **{**FLAGS, **flags}))
+    xb, yb = next(iter(run.train_loader))
+    train_step(run.ctx, xb, yb)
+    tracker = SavedTensorTracker(exclude=run.model.parameters())
+    train_step(run.ctx, xb, yb, tracker=tracker)
+    exact = static_memory(run.model, run.optimizer, run.recipe.master).add_saved(tracker)
+    step_s = None
+    if timing:
+        with run.recipe.run_context():
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                train_step(run.ctx, xb, yb)
+                times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times[3:])
+    probe = probe_step_memory(run, xb, yb)
+    return exact, probe.step_peak_bytes, step_s
+
+
+def _plan(model, precisions, batch, target, **flags):
+    from mixprec.planning import plan
+
+    return plan(precisions=precisions, target=target, model=model, batch_size=batch, **{**FLAGS, **flags})
+
+
+def compare(timing: bool, batches=(64, 256)) -> list[dict]:
+    from mixprec.planning import get_target
+
+    target = get_target("cpu")
+    rows = []
+    for model in CHECKED:
+        for b in batches:
+            p = _plan(model, "fp32,bf16-mixed", b, target)
+            times = {}
+            for r in p.recipes:
+                exact, step_peak, step_s = _measure(model, r.recipe, b, timing=timing)
+                resident = sum(r.memory[c] for c in ("parameters", "buffers", "optimizer_state", "master_weights"))
+                saved_p = sum(r.memory[c] for c in ("activations", "autocast_weight_copies", "fp8_buffers"))
+                saved_m = exact.activations + exact.autocast_weight_copies + exact.fp8_buffers
+                times[r.recipe] = (r.step_time_s, step_s)
+                rows.append(dict(
+                    model=model, batch=b, recipe=r.recipe,
+                    static_exact=all(r.memory[c] == getattr(exact, c) for c in
+                                     ("parameters", "gradients", "optimizer_state", "master_weights")),
+                    saved_pred=saved_p, saved_meas=saved_m, peak_pred=r.peak_bytes - resident, peak_meas=step_peak,
+                    time_pred=r.step_time_s, time_meas=step_s))
+            if timing:
+                (pf, mf), (pb, mb) = times["fp32"], times["bf16-mixed"]
+                rows[-1]["ratio_pred"], rows[-1]["ratio_meas"] = pb / pf, mb / mf
+    return rows
+
+
+def _pct(a, b):
+    return "n/a" if not a or not b else f"{(a - b) / b:+.1%}"
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | batch | recipe | params/grads/optim/masters | saved pred / meas (MiB) | Δ | step peak pred / "
+           "meas (MiB) | Δ | bf16/fp32 time ratio pred / meas |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = (f"{r['ratio_pred']:.2f} / {r['ratio_meas']:.2f}" if "ratio_pred" in r else "")
+        peak_meas = f"{r['peak_meas'] / 2**20:.2f}" if r["peak_meas"] else "n/a"
+        out.append(f"| {r['model']} | {r['batch']} | {r['recipe']} | {'exact' if r['static_exact'] else 'DIFFER'} | "
+                   f"{r['saved_pred'] / 2**20:.2f} / {r['saved_meas'] / 2**20:.2f} | {_pct(r['saved_pred'], r['saved_meas'])} | "
+                   f"{r['peak_pred'] / 2**20:.2f} / {peak_meas} | {_pct(r['peak_pred'], r['peak_meas'])} | {ratio} |")
+    return "\n".join(out)
+
+
+def calibrate() -> dict:
+    """Fit CPU_EFFICIENCY on calibration models (not the checked ones): measured = sum_d G_d/e_d + M/e_m."""
+    import numpy as np
+
+    import mixprec.planning.api as api
+    from mixprec.planning import get_target
+    from mixprec.planning.roofline import Efficiency, step_time
+
+    target = get_target("cpu")
+    unit = Efficiency(gemm={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, memory=1.0, default=1.0)
+    configs = [("mlp", dict(width=w, depth=d)) for w, d in ((256, 2), (1024, 3), (2048, 4))]
+    configs += [("cnn", dict(channels=c)) for c in (16, 32)]
+    rows, ys = [], []
+    captured = {}
+    real = api.trace_step
+
+    def spy(**kw):
+        out = real(**kw)
+        captured[out.recipe] = out
+        return out
+
+    api.trace_step = spy
+    try:
+        for model, flags in configs:
+            captured.clear()
+            _plan(model, "fp32,bf16-mixed", 128, target, **flags)
+            for name, tr in captured.items():
+                _, _, measured = _measure(model, name, 128, timing=True, **flags)
+                gemm = {d: 0.0 for d in ("fp32", "bf16")}
+                for op in tr.ops:
+                    if op.flops:
+                        d = "bf16" if op.dtype in ("bf16", "fp16", "fp8") else "fp32"
+                        gemm[d] += op.flops / target.peak(d)
+                rest = step_time([o for o in tr.ops if not o.flops], target, unit).total_s
+                rows.append([gemm["fp32"], gemm["bf16"], rest])
+                ys.append(measured)
+    finally:
+        api.trace_step = real
+    from scipy.optimize import nnls
+
+    inv, _ = nnls(np.array(rows), np.array(ys))
+    fit = {"fp32": 1 / inv[0] if inv[0] else None, "bf16": 1 / inv[1] if inv[1] else None,
+           "memory": 1 / inv[2] if inv[2] else None}
+    print("fitted efficiency factors:", fit)
+    return fit
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--timing", action="store_true", help="also time steps (needs a quiet machine)")
+    ap.add_argument("--calibrate", action="store_true", help="fit the CPU efficiency factors")
+    ap.add_argument("--batches", default="64,256")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    if args.calibrate:
+        calibrate()
+        return
+    print(table(compare(args.timing, tuple(int(b) for b in args.batches.split(",")))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Whose code runs a low-precision linear recipe: mixprec's own layers, or torchao's (``--fp8-impl``).
+
+The recipe (:mod:`mixprec.gemm_recipes`) says which operand is quantised in which format; an
+:class:`Fp8Impl` turns a model's eligible linear layers into layers that do it, on one device:
+
+- :class:`ScratchFp8` (``scratch``): :mod:`mixprec.fp8` (per tensor) and :mod:`mixprec.blocklinear`
+  (rowwise, MX, NVFP4). Every recipe on every device, emulated exactly where the device has no kernels
+  (real per-tensor FP8 on CUDA 8.9+, real rowwise FP8 on 9.0+).
+- :class:`TorchaoFp8` (``torchao``): torchao's training layers -- ``Float8Linear`` for ``tensorwise``
+  (power-of-two scales, as mixprec's recipe defines it), ``rowwise`` and ``rowwise_with_gw_hp``;
+  ``MXFP8Linear`` for ``mxfp8`` -- with ``emulate=True`` / ``KernelPreference.EMULATED`` where the GPU has
+  no units for the format (so it also trains on a CPU, slowly). torchao 0.18 has no NVFP4 or MXFP4
+  training layer (its NVFP4 training is Triton-only and not a module), so those recipes are refused. It
+  needs ``torch.autocast`` (``--amp-impl native``): its layers cast under the native autocast only.
+  torchao is optional (``pip install mixprec[fp8]``) and imported lazily, with its import-time warnings
+  (extensions it cannot load, pytree deprecations) kept out of mixprec's output.
+
+``--fp8-impl auto`` (:func:`auto_fp8_impl`) picks torchao where the GPU has units for the recipe's formats
+(:func:`mixprec.hardware.has_lowp_units`: H100/H200 have FP8 but no MX/NVFP4 units, B200 has both), torchao
+is installed and has the recipe; scratch otherwise (every CPU). Real kernels are untested here: the
+sessions that wrote this had no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import warnings
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from . import hardware
+from .errors import RecipeError
+from .gemm_recipes import LinearRecipe
+
+__all__ = ["Fp8Impl", "ScratchFp8", "TorchaoFp8", "FP8_IMPLS", "FP8_IMPL_CHOICES", "auto_fp8_impl",
+           "torchao_available", "quiet_torchao_import"]
+
+
+def torchao_available() -> bool:
+    """Whether torchao is installed (without importing it)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+@contextlib.contextmanager
+def quiet_torchao_import():
+    """Import torchao modules inside this: its load-time warnings (compiled extensions it cannot load, pytree
+    enum deprecations) are logged at WARNING by its own and torch's loggers; they are raised to ERROR here."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+class Fp8Impl:
+    """Makes a model's linear layers run ``recipe`` on ``device``.
+
+    Args:
+        recipe: the low-precision linear recipe (formats per GEMM).
+        device: where the run trains.
+        seed: seeds stochastic rounding (NVFP4 option).
+    """
+
+    name: ClassVar[str]
+    """What ``--fp8-impl`` calls it."""
+    words: ClassVar[str]
+    """How :meth:`Recipe.describe` names it."""
+
+    def __init__(self, recipe: LinearRecipe, device: torch.device, *, seed: int = 0) -> None:
+        self.recipe = recipe
+        self.device = device
+        self.seed = seed
+
+    def refuse(self, amp_impl: str, precision: str) -> None:
+        """Raise RecipeError for what this implementation cannot run (called once, at build)."""
+
+    def real(self) -> bool:
+        """Whether every GEMM of the recipe runs on real low-precision units here (else some are emulated)."""
+        raise NotImplementedError
+
+    def plan(self, model: nn.Module):
+        """The :class:`~mixprec.fp8.Fp8Conversion` :meth:`convert` will carry out."""
+        from .fp8 import plan_fp8_conversion
+
+        return plan_fp8_conversion(model, recipe=self.recipe)
+
+    def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        """Swap the eligible linear layers; returns the model and the conversion's record."""
+        raise NotImplementedError
+
+
+class ScratchFp8(Fp8Impl):
+    """mixprec's layers: :class:`~mixprec.fp8.Fp8Linear` (per tensor), :class:`~mixprec.blocklinear.BlockLinear`."""
+
+    name = "scratch"
+    words = "mixprec's scratch layers"
+
+    def real(self) -> bool:
+        r = self.recipe
+        if r.name == "tensorwise":
+            return hardware.has_fp8_matmul(self.device)
+        return r.name == "rowwise" and not r.wgrad_hp and hardware.has_lowp_units("rowwise", self.device)
+
+    def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        from .fp8 import convert_to_fp8
+
+        plan = self.plan(model)
+        return convert_to_fp8(model, recipe=self.recipe, seed=self.seed), plan
+
+
+_TORCHAO_RECIPES = ("tensorwise", "rowwise", "mxfp8")
+"""Recipes torchao 0.18 has a training layer for (``rowwise`` also as ``rowwise_with_gw_hp``; ``mxfp8`` also
+with ``wgrad_with_hp``)."""
+
+
+class TorchaoFp8(Fp8Impl):
+    """torchao's ``Float8Linear`` / ``MXFP8Linear``, emulated where the GPU lacks the units (module docstring)."""
+
+    name = "torchao"
+    words = "torchao's training layers"
+
+    def refuse(self, amp_impl: str, precision: str) -> None:
+        if self.recipe.name not in _TORCHAO_RECIPES:
+            raise RecipeError(
+                f"--fp8-impl torchao with {precision}: torchao has no training layer for {self.recipe.name} "
+                "(its NVFP4 training is Triton-only, it has no MXFP4 training); use --fp8-impl scratch or auto")
+        if self.recipe.scale_rule == "floor":
+            raise RecipeError(f"--fp8-impl torchao with {precision} --mx-scale-rule floor: torchao's MXFP8 training "
+                              "uses RCEIL scales; drop --mx-scale-rule or use --fp8-impl scratch")
+        if not torchao_available():
+            raise RecipeError(f"--fp8-impl torchao with {precision}: torchao is not installed; "
+                              "pip install 'mixprec[fp8]' (or use --fp8-impl scratch)")
+        if amp_impl == "scratch":
+            raise RecipeError(f"--fp8-impl torchao with {precision} --amp-impl scratch: torchao's layers cast under "
+                              "torch.autocast only; use --amp-impl native (or auto), or --fp8-impl scratch")
+
+    def real(self) -> bool:
+        return hardware.has_lowp_units(self.recipe.name, self.device)
+
+    def plan(self, model: nn.Module):
+        from .fp8 import Fp8Conversion
+
+        plan = super().plan(model)  # torchao swaps nn.Linear only: adapted classes (HF Conv1D) stay as they are
+        keep = tuple(n for n in plan.converted if type(model.get_submodule(n)) is nn.Linear)
+        left = tuple((n, "torchao converts nn.Linear only") for n in plan.converted if n not in keep)
+        return Fp8Conversion(keep, plan.skipped + left)
+
+    def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        plan = self.plan(model)
+        with quiet_torchao_import():
+            make = self._mxfp8_layer() if self.recipe.name == "mxfp8" else self._float8_layer()
+        for fqn in plan.converted:
+            if not fqn:
+                return make(model), plan
+            parent, _, child = fqn.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, child, make(getattr(owner, child)))
+        return model, plan
+
+    def _float8_layer(self):
+        from torchao.float8.config import Float8LinearConfig
+        from torchao.float8.float8_linear import Float8Linear
+
+        r = self.recipe
+        name = {"tensorwise": "tensorwise", "rowwise": "rowwise_with_gw_hp" if r.wgrad_hp else "rowwise"}[r.name]
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(name), emulate=not self.real(),
+                                     round_scales_to_power_of_2=True)
+        return lambda linear: Float8Linear.from_float(linear, config=config)
+
+    def _mxfp8_layer(self):
+        from .torchao_layers import padded_mxfp8_linear
+
+        real, wgrad_hp = self.real(), self.recipe.wgrad_hp
+        return lambda linear: padded_mxfp8_linear(linear, real=real, wgrad_hp=wgrad_hp)
+
+
+FP8_IMPLS: dict[str, type[Fp8Impl]] = {m.name: m for m in (ScratchFp8, TorchaoFp8)}
+"""Every low-precision linear implementation by its ``--fp8-impl`` name."""
+
+FP8_IMPL_CHOICES: tuple[str, ...] = ("auto", *FP8_IMPLS)
+"""What ``--fp8-impl`` accepts."""
+
+
+def auto_fp8_impl(recipe: LinearRecipe, device: torch.device) -> str:
+    """``--fp8-impl auto``: torchao where the GPU has units for the recipe's formats, torchao is installed and
+    has the recipe; scratch otherwise."""
+    if (recipe.name in _TORCHAO_RECIPES and recipe.scale_rule != "floor" and hardware.has_lowp_units(recipe.name, device)
+            and torchao_available()):
+        return TorchaoFp8.name
+    return ScratchFp8.name

@@ -1,0 +1,264 @@
+"""``mixprec.plan(...)``: memory and step time of each recipe on a target, before running anything.
+
+For each recipe: trace one steady-state step (:mod:`.trace`), price its ops on the target (:mod:`.roofline`),
+and find the largest batch that fits. The data, the batch and the model builder are made once and shared
+by every recipe; each recipe gets its own fresh fake model (conversion changes the model) and its own trace.
+
+**Largest batch.** Every phase of the step (forward, backward, optimizer) has its own peak; the bytes alive
+at a phase's peak that grow with the batch (activations; temporaries outside the optimizer step) scale
+linearly with it, the rest (parameters, gradients, optimizer state, masters, autocast weight copies, FP8
+weights and scales, the optimizer's temporaries) does not. The largest batch is the largest ``B`` with every
+phase's ``fixed + B / traced_batch * growing`` within the target's memory. Linear scaling is exact for
+per-sample activations; a model whose activations grow faster (attention without a fused kernel grows with
+the sequence, not the batch, so it stays linear in the batch) is checked by the tests at twice the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UsageError
+from .roofline import StepTime, efficiency_for, step_time
+from .targets import Target, get_target
+from .trace import FakeModelSource, StepTrace, TraceError, trace_step
+
+__all__ = ["RecipePlan", "Plan", "plan", "PlanError"]
+
+
+class PlanError(UsageError):
+    """A plan that cannot be made as asked (no recipe, a bad batch); the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipePlan:
+    """One recipe's predicted memory and time on the target."""
+
+    recipe: str
+    label: str
+    memory: dict[str, int]
+    """Exact bytes per category over the step, plus ``temporary`` (alive at the peak, in no category)."""
+    at_peak: dict[str, int]
+    """Bytes alive at the peak per category (they add up to ``peak_bytes``)."""
+    peak_bytes: int
+    batch_size: int
+    max_batch_size: int
+    """The largest batch whose predicted peak fits the target's memory (0: not even one sample)."""
+    fits: bool
+    flops: dict[str, int]
+    """FLOPs of the step by the dtype its GEMMs run in."""
+    step_time_s: float
+    time: StepTime
+    notes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "label": self.label, "memory": self.memory, "at_peak": self.at_peak,
+                "peak_bytes": self.peak_bytes, "batch_size": self.batch_size,
+                "max_batch_size": self.max_batch_size, "fits": self.fits, "flops": self.flops,
+                "step_time_s": self.step_time_s, "time": self.time.to_dict(), "notes": list(self.notes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A plan: the target and one :class:`RecipePlan` per recipe, with a verdict."""
+
+    target: Target
+    recipes: tuple[RecipePlan, ...]
+    model: str
+    batch_size: int
+    traced: str
+    """``fake`` or ``real`` (``--fallback-real``, on a small batch)."""
+    efficiency_source: str
+
+    def by_name(self, name: str) -> RecipePlan:
+        return next(r for r in self.recipes if r.recipe == name)
+
+    def verdict(self) -> str:
+        from .report import verdict
+
+        return verdict(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "mixprec.plan/1", "target": self.target.to_dict(), "model": self.model,
+                "batch_size": self.batch_size, "traced": self.traced, "efficiency": self.efficiency_source,
+                "recipes": [r.to_dict() for r in self.recipes], "verdict": self.verdict()}
+
+
+def _max_batch(trace: StepTrace, memory_bytes: int) -> int:
+    best = None
+    for phase, peak in trace.phase_peak.items():
+        grow = trace.batch_bytes.get(phase, 0)
+        fixed = peak - grow
+        if fixed > memory_bytes:
+            return 0
+        if grow > 0:
+            b = int((memory_bytes - fixed) / (grow / trace.batch_size))
+            best = b if best is None else min(best, b)
+    return best if best is not None else 10**9
+
+
+def _scaled(trace: StepTrace, batch_size: int) -> StepTrace:
+    """A trace measured at a small batch (``--fallback-real``), with what grows scaled to ``batch_size``."""
+    k = batch_size / trace.batch_size
+    phase_peak = {p: int(v + (k - 1) * trace.batch_bytes.get(p, 0)) for p, v in trace.phase_peak.items()}
+    at_peak = dict(trace.at_peak)
+    for c in ("activations", "temporary"):
+        at_peak[c] = int(at_peak[c] * k)
+    totals = dict(trace.totals)
+    totals["activations"] = int(totals["activations"] * k)
+    peak = max(phase_peak.values())
+    return dataclasses.replace(trace, batch_size=batch_size, phase_peak=phase_peak, at_peak=at_peak,
+                               totals=totals, peak_bytes=peak,
+                               batch_bytes={p: int(v * k) for p, v in trace.batch_bytes.items()})
+
+
+def _recipe_plan(trace: StepTrace, target: Target, *, tf32: bool, notes: list[str], scaled_ops: float) -> RecipePlan:
+    dtype_map = {"fp32": "tf32"} if tf32 and "tf32" in target.peak_flops else {}
+    ops = trace.ops
+    t = step_time(ops, target, dtype_map=dtype_map)
+    if scaled_ops != 1.0:  # fallback: the small batch's time scaled by the work (GEMMs and bytes grow with it)
+        t = dataclasses.replace(t, total_s=t.total_s * scaled_ops, gemm_s=t.gemm_s * scaled_ops,
+                                memory_s=t.memory_s * scaled_ops,
+                                flops_by_dtype={k: int(v * scaled_ops) for k, v in t.flops_by_dtype.items()})
+    memory = dict(trace.totals)
+    memory["temporary"] = trace.at_peak["temporary"]
+    max_b = _max_batch(trace, target.memory_bytes)
+    return RecipePlan(recipe=trace.recipe, label=trace.label, memory=memory, at_peak=trace.at_peak,
+                      peak_bytes=trace.peak_bytes, batch_size=trace.batch_size, max_batch_size=max_b,
+                      fits=trace.peak_bytes <= target.memory_bytes, flops=t.flops_by_dtype,
+                      step_time_s=t.total_s, time=t, notes=tuple(notes + trace.notes))
+
+
+def plan(
+    *,
+    precisions: Iterable[str] | str = ("fp32", "bf16-mixed"),
+    target: str | Target = "cpu",
+    config=None,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    batch: Any = None,
+    loss_fn: Callable | None = None,
+    make_optimizer: Callable | None = None,
+    fallback_real: bool = False,
+    fallback_batch_size: int = 2,
+    **flags: Any,
+) -> Plan:
+    """Predict memory by category, peak, largest batch, FLOPs by dtype and step time of each recipe.
+
+    Args:
+        precisions: recipe names or aliases (or one comma-separated string); target: ``cpu`` (this machine,
+            measured) or a GPU of :data:`mixprec.planning.targets.TARGETS`.
+        config: a :class:`~mixprec.train.config.TrainConfig`; else one is made from ``flags`` (train's flag
+            names: ``model="mlp"``, ``dataset="digits"``, ``batch_size=64``, ``optimizer="adamw"``...).
+        model: instead of the config's model: a module (copied, never changed) or a zero-argument factory
+            (called under fake tensors: a Hugging Face ``LlamaForCausalLM(config)`` allocates nothing).
+        batch: instead of a batch from the config's data: ``(inputs, targets)``, ``(in_1, ..., targets)`` or a
+            dict (the model contract, :mod:`mixprec.train.contract`).
+        loss_fn, make_optimizer: an explicit loss ``(raw output, targets)`` and ``params -> optimizer``
+            (default: the config's loss -- else the model's own, else cross-entropy -- and optimizer).
+        fallback_real: when the model cannot be traced under fake tensors, run the same step for real on the
+            CPU on ``fallback_batch_size`` samples and scale what grows with the batch (instead of failing).
+    """
+    from ..train.build import loss_from_config, optimizer_factory
+    from ..train.config import TrainConfig
+
+    precisions = [p.strip() for p in (precisions.split(",") if isinstance(precisions, str) else precisions)
+                  if p.strip()]
+    if not precisions:
+        raise PlanError("plan(precisions=[]): name at least one recipe, e.g. --precisions fp32,bf16-mixed")
+    if isinstance(model, str):  # a model name or module:factory, as --model takes it
+        flags["model"], model = model, None
+    (config := config or TrainConfig.from_flags(**flags)).validate()
+    tgt = get_target(target)
+    build, model_name, batch = _inputs(config, model, batch)
+    if loss_fn is None and config.model.loss != "cross-entropy":
+        loss_fn = loss_from_config(config.model)
+    make_optimizer = make_optimizer or optimizer_factory(config.optim)
+    names = [_canonical(p) for p in precisions]
+    kw = dict(config=config, target=tgt, build=build, make_optimizer=make_optimizer, loss_fn=loss_fn)
+    traced, scale = "fake", 1.0
+    try:
+        results = _trace_all(names, batch, fake=True, **kw)
+    except TraceError as e:
+        if not fallback_real:
+            raise
+        small = _slice_batch(batch, fallback_batch_size)
+        results = [(_scaled(tr, len(batch)), notes + [f"traced for real on {len(small)} samples ({e}); what "
+                                                      "grows with the batch scaled to the asked batch"], tf)
+                   for tr, notes, tf in _trace_all(names, small, fake=False, **kw)]
+        traced, scale = "real", len(batch) / len(small)
+    plans = tuple(_recipe_plan(tr, tgt, tf32=tf, notes=notes, scaled_ops=scale) for tr, notes, tf in results)
+    return Plan(target=tgt, recipes=plans, model=model_name, batch_size=len(batch), traced=traced,
+                efficiency_source=efficiency_for(tgt).source)
+
+
+def _trace_all(names, batch, *, fake: bool, config, target, build, make_optimizer, loss_fn
+               ) -> list[tuple[StepTrace, list[str], bool]]:
+    """One trace per recipe, all from one model builder (fake, or real for ``--fallback-real``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..train.build import cross_entropy
+
+    fake_mode = FakeTensorMode() if fake else None
+    models = FakeModelSource(build, fake_mode)
+    out = []
+    for name in names:
+        recipe_config, notes = config.recipe.for_recipe(name)
+        tr = trace_step(recipe_config=recipe_config, target=target, models=models, fake_mode=fake_mode,
+                        batch=batch, make_optimizer=make_optimizer, loss_fn=loss_fn, default_loss=cross_entropy,
+                        clip_grad_norm=config.optim.clip_grad_norm)
+        out.append((tr, notes, _tf32(name)))
+    return out
+
+
+def _inputs(config, model, batch) -> tuple[Callable[[], nn.Module], str, Any]:
+    """The model builder (shared by every recipe), the model's name and the batch (the contract's Batch)."""
+    from ..train.build import load_data, model_from_config
+    from ..train.contract import as_batch
+
+    seed = config.run.seed
+    data = None
+    if batch is None or model is None:
+        data = load_data(config.data, seed=seed, block_size=config.model.block_size)
+    if batch is None:
+        loader = data.loader(config.optim.batch_size, seed=seed, rank=0, world_size=1, num_workers=0,
+                             device=torch.device("cpu"))
+        batch = next(iter(loader))
+    if isinstance(model, nn.Module):
+        import copy
+
+        module = model
+        return (lambda: copy.deepcopy(module)), type(module).__name__, as_batch(batch)
+    if callable(model):
+        return model, getattr(model, "__name__", type(model).__name__), as_batch(batch)
+
+    def build() -> nn.Module:
+        torch.manual_seed(seed)
+        return model_from_config(config.model, data)
+
+    return build, config.model.name, as_batch(batch)
+
+
+def _canonical(name: str) -> str:
+    from ..precision import resolve_recipe
+
+    return resolve_recipe(name).name
+
+
+def _tf32(name: str) -> bool:
+    from ..precision import resolve_recipe
+
+    return resolve_recipe(name).tf32
+
+
+def _slice_batch(batch, n: int):
+    from ..train.contract import Batch
+
+    def s(t):
+        return t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+
+    return Batch(tuple(s(a) for a in batch.args), {k: s(v) for k, v in batch.kwargs.items()}, s(batch.targets))
+

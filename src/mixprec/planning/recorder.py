@@ -1,0 +1,171 @@
+"""What one traced training step allocates and computes: a ``TorchDispatchMode`` over fake tensors.
+
+Every aten op of the step passes through :class:`StepRecorder` (it sits above ``FakeTensorMode``, so the
+ops compute nothing and allocate nothing). For each op it records:
+
+- **memory**: each output storage it has not seen is an allocation, alive until Python drops the storage
+  (a weak reference's callback marks the free). The live total after every op gives the peak and the
+  moment of the peak; storages that exist before the step (parameters, buffers, optimizer state, fp32
+  masters, the batch) are registered as resident. This is the bookkeeping of PyTorch's
+  ``torch.distributed._tools.mem_tracker.MemTracker`` (storages held by weak reference, the peak after
+  each op), and a test checks that both find the same peak. It is ours because MemTracker's categories are
+  wrong for mixed precision -- autocast's weight copies and FP8 buffers count as activations, the
+  optimizer's foreach temporaries as optimizer state, fp32 masters as "other" -- and because it walks every
+  tracked module after every op, which makes a Llama-8B step several times slower. Here the category of
+  each storage is decided after the step, from what it turned out to be (see :mod:`.trace`).
+- **work**: the op's FLOPs by :func:`mixprec.flops.op_flops` (PyTorch's formulas and mixprec's for CPU
+  attention and fused RNNs), the dtype of its first floating input (``fp8`` for ``_scaled_mm``), and the
+  bytes it moves (inputs read plus outputs written; view ops move nothing). The roofline
+  (:mod:`.roofline`) turns these into time on a target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..flops import op_flops
+
+__all__ = ["Alloc", "OpRecord", "StepRecorder", "dtype_bucket"]
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8"}
+
+
+@dataclasses.dataclass
+class Alloc:
+    """One storage: its size, when it appeared and disappeared (op counters), and what it turned out to be."""
+
+    nbytes: int
+    born: int
+    died: int | None = None
+    category: str | None = None
+    op: str = ""
+    """The op that made it (empty for resident storages)."""
+    phase: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One aten op of the step."""
+
+    name: str
+    flops: int
+    dtype: str
+    """``fp32``, ``bf16``, ``fp16``, ``fp8``... of the first floating input (``other`` when none)."""
+    nbytes: int
+    """Bytes read and written (0 for views)."""
+    phase: str
+
+
+def dtype_bucket(func: Any, args: tuple) -> str:
+    """The dtype an op computes in, for the roofline: FP8 for ``_scaled_mm``, else the first floating input's."""
+    name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
+    if name.startswith("_scaled_mm"):
+        return "fp8"
+    for a in tree_leaves(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return _DTYPE_NAMES.get(a.dtype, str(a.dtype).replace("torch.", ""))
+    return "other"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class StepRecorder(TorchDispatchMode):
+    """Records allocations, frees, the peak and every op's work while active (see the module docstring).
+
+    Set :attr:`phase` (``forward``, ``backward``, ``optimizer``) as the step moves on; the peak of each phase
+    is kept apart (:attr:`phase_peak`) because they scale differently with the batch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.seq = 0
+        self.live = 0
+        self.peak = 0
+        self.peak_seq = -1
+        self.phase_peak: dict[str, int] = {}
+        self.phase_peak_seq: dict[str, int] = {}
+        self.allocs: list[Alloc] = []
+        self.ops: list[OpRecord] = []
+        self._by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref] = {}
+        self._op_name = ""
+
+    # -- storages --------------------------------------------------------------------------------------
+    def _storage_alloc(self, t: torch.Tensor, category: str | None = None) -> Alloc | None:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+            return None
+        known = self._by_storage.get(st)
+        if known is not None:
+            return known
+        a = Alloc(nbytes=st.nbytes(), born=self.seq, category=category, op=self._op_name, phase=self.phase)
+        self.allocs.append(a)
+        self._by_storage[st] = a
+        self.live += a.nbytes
+        ref = weakref.ref(st, lambda r, a=a: self._freed(r, a))
+        self._refs[id(ref)] = ref
+        return a
+
+    def _freed(self, ref: weakref.ref, a: Alloc) -> None:
+        self._refs.pop(id(ref), None)
+        self.seq += 1  # every event gets its own number, so a free right after the peak is not before it
+        a.died = self.seq
+        self.live -= a.nbytes
+
+    def register(self, tensors, category: str) -> None:
+        """Mark tensors that exist before the step (resident: parameters, optimizer state, masters...)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                a = self._storage_alloc(t, category)
+                if a is not None and a.category is None:
+                    a.category = category
+        self._note_peak()
+
+    def alloc_of(self, t: torch.Tensor) -> Alloc | None:
+        """The record of ``t``'s storage, if the recorder has seen it."""
+        try:
+            return self._by_storage.get(t.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def _note_peak(self) -> None:
+        if self.live > self.peak:
+            self.peak, self.peak_seq = self.live, self.seq
+        if self.live > self.phase_peak.get(self.phase, -1):
+            self.phase_peak[self.phase] = self.live
+            self.phase_peak_seq[self.phase] = self.seq
+
+    def live_at(self, seq: int) -> list[Alloc]:
+        """Storages alive at event ``seq`` (the counter moves on at every op and every free)."""
+        return [a for a in self.allocs if a.born <= seq and (a.died is None or a.died > seq)]
+
+    # -- ops -------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.seq += 1
+        self._op_name = func.overloadpacket.__name__
+        inputs = {id(a): a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        moves = not func.is_view and (outputs or func._schema.is_mutable)  # queries (prim::device) move nothing
+        nbytes = sum(_nbytes(t) for t in inputs.values()) if moves else 0
+        for t in outputs:
+            self._storage_alloc(t)
+            if moves:
+                nbytes += _nbytes(t)
+        self._note_peak()
+        self.ops.append(OpRecord(name=func.overloadpacket.__name__, flops=op_flops(func, args, kwargs, out),
+                                 dtype=dtype_bucket(func, args), nbytes=nbytes, phase=self.phase))
+        return out

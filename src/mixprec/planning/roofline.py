@@ -1,0 +1,95 @@
+"""Step time on a target from the traced ops: a roofline with efficiency factors.
+
+Each op of the traced step takes ``max(compute, memory, launch)``: ``compute = FLOPs / (peak[dtype] *
+gemm_efficiency[dtype])`` for the ops with FLOPs (matmuls, convolutions, attention: the GEMMs), at the peak
+of the dtype they run in (:class:`~.targets.Target`); ``memory = bytes moved / (bandwidth *
+memory_efficiency)`` for every op (elementwise ops, norms, casts, the optimizer's update are bandwidth-bound);
+``launch`` is the target's least time per op (kernel launch on a GPU, eager dispatch on a CPU). View ops
+cost nothing. The step time is the sum: eager PyTorch runs one op after another.
+
+The efficiency factors say how close real kernels come to the datasheet. **GPU targets** use fixed factors
+(:data:`GPU_EFFICIENCY`): large cuBLAS GEMMs reach about 70% of the dense tensor-core peak in bf16/fp16 and
+somewhat less in FP8, and streaming kernels about 80% of the bandwidth -- figures that vary with shapes and
+are not calibrated here (no GPU). **The cpu target** uses :data:`CPU_EFFICIENCY`, to be fitted by
+``benchmarks/plan_vs_measured.py --calibrate``: it measures real step times of calibration models (the MLP
+at several widths and depths, the CNN at two widths, fp32 and bf16-mixed), traces the same steps, and solves
+for the factors by non-negative least squares. The models it checks the plan on are others. Until it has
+been run on a quiet machine the values below are a starting guess, and the cpu target's step times are
+rough.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .recorder import OpRecord
+from .targets import Target
+
+__all__ = ["Efficiency", "GPU_EFFICIENCY", "CPU_EFFICIENCY", "StepTime", "step_time", "efficiency_for"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """How close real kernels come to the target's peaks."""
+
+    gemm: dict[str, float]
+    """Fraction of the dtype's peak FLOP/s a GEMM reaches (dtypes not listed: ``default``)."""
+    memory: float
+    """Fraction of the bandwidth a bandwidth-bound op reaches."""
+    default: float = 0.5
+    source: str = ""
+
+    def for_dtype(self, dtype: str) -> float:
+        return self.gemm.get(dtype, self.default)
+
+
+GPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.85, "tf32": 0.7, "bf16": 0.7, "fp16": 0.7, "fp8": 0.6}, memory=0.8,
+                            source="assumed for GPUs (typical of large cuBLAS GEMMs and streaming kernels; "
+                                   "not calibrated here)")
+CPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.6, "bf16": 0.35, "fp16": 0.35}, memory=0.5,
+                            source="starting guess for the cpu target, to be replaced by benchmarks/"
+                                   "plan_vs_measured.py --calibrate on a quiet machine")
+
+
+def efficiency_for(target: Target) -> Efficiency:
+    return CPU_EFFICIENCY if target.kind == "cpu" else GPU_EFFICIENCY
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Predicted time of one step and where it goes."""
+
+    total_s: float
+    gemm_s: float
+    """Ops with FLOPs (at their compute, memory or launch bound, whichever is larger)."""
+    memory_s: float
+    """Ops without FLOPs (bandwidth or launch)."""
+    ops: int
+    flops_by_dtype: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def step_time(ops: list[OpRecord], target: Target, efficiency: Efficiency | None = None, *,
+              dtype_map: dict[str, str] | None = None) -> StepTime:
+    """The roofline time of ``ops`` on ``target`` (see the module docstring). ``dtype_map`` renames a
+    dtype's peak (the tf32 recipe's fp32 GEMMs run at the ``tf32`` peak where the target has TF32)."""
+    eff = efficiency or efficiency_for(target)
+    dtype_map = dtype_map or {}
+    bw = target.bandwidth * eff.memory
+    gemm = mem = 0.0
+    flops: dict[str, int] = {}
+    n = 0
+    for op in ops:
+        if op.nbytes == 0 and op.flops == 0:
+            continue  # views: no kernel
+        n += 1
+        t_mem = op.nbytes / bw
+        if op.flops:
+            dt = dtype_map.get(op.dtype, op.dtype)
+            flops[dt] = flops.get(dt, 0) + op.flops
+            gemm += max(op.flops / (target.peak(dt) * eff.for_dtype(dt)), t_mem, target.launch_s)
+        else:
+            mem += max(t_mem, target.launch_s)
+    return StepTime(total_s=gemm + mem, gemm_s=gemm, memory_s=mem, ops=n, flops_by_dtype=flops)

@@ -1,0 +1,171 @@
+"""Where a planned run would happen: memory, peak FLOP/s per dtype and memory bandwidth of each target.
+
+GPU figures are the vendors' published *dense* peaks (never the "with sparsity" figures, which are twice as
+large), for the SXM/PCIe board named, from the document in each entry's ``source``. Tensor-core FP16/BF16/FP8
+peaks are those with **FP32 accumulation** (what PyTorch's GEMMs use; GeForce cards run FP16 accumulation
+at twice that rate, which PyTorch does not use). ``fp32`` is the non-tensor-core FP32 rate (the ``fp32``
+recipe turns TF32 off); ``tf32`` the TF32 tensor-core rate. Memory is the datasheet's capacity in decimal
+gigabytes (``80 GB`` = 80e9 bytes): the card has a little more (80 GiB), and the difference stands in for
+the CUDA context, cuBLAS workspaces and allocator fragmentation, which the plan does not model.
+
+``cpu`` is *this* machine, measured when asked for: the matmul peaks of bench
+(:func:`mixprec.bench.measure.measure_matmul_peak`: square GEMMs, best of a few), the bandwidth of a large
+copy, and ``MemTotal`` from ``/proc/meminfo``. fp16 counts as fast only where the CPU has AVX512-FP16 or
+AMX-FP16 (:mod:`mixprec.hardware`), and FP8 is emulated on every CPU (bf16 GEMMs: :mod:`mixprec.fp8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import torch
+
+from .. import hardware
+from ..errors import UsageError
+
+__all__ = ["Target", "TARGETS", "TargetError", "get_target", "measure_cpu", "measure_bandwidth"]
+
+T = 1e12
+
+
+class TargetError(UsageError):
+    """An unknown ``--target``; the message lists the known ones."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target:
+    """One device a run could happen on."""
+
+    name: str
+    """What ``--target`` calls it."""
+    description: str
+    """The product, as its vendor names it."""
+    kind: str
+    """``cuda`` (a GPU: CUDA's autocast lists, real FP8 where ``peak_flops`` has fp8) or ``cpu``."""
+    memory_bytes: int
+    """Device memory a run can use."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s per GEMM dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``)."""
+    bandwidth: float
+    """Memory bandwidth, bytes/s."""
+    source: str
+    """Where the figures come from."""
+    launch_s: float = 4e-6
+    """Least time one op takes (kernel launch and eager-mode dispatch), the roofline's floor per op."""
+
+    @property
+    def fp8_matmul(self) -> bool:
+        """Whether FP8 GEMMs run natively (``torch._scaled_mm``): the ``fp8-mixed`` recipe's real path."""
+        return "fp8" in self.peak_flops
+
+    @property
+    def fast_fp16(self) -> bool:
+        return "fp16" in self.peak_flops
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s of a GEMM in ``dtype``; a dtype without its own figure runs at fp32's (emulated fp16 on
+        a CPU, say), FP8 without FP8 hardware at bf16's (the emulated path's GEMM)."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if dtype == "fp8":
+            return self.peak_flops.get("bf16", self.peak_flops["fp32"])
+        return self.peak_flops["fp32"]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _gpu(name, description, memory_gb, bandwidth_gbs, source, **tflops) -> Target:
+    return Target(name=name, description=description, kind="cuda", memory_bytes=int(memory_gb * 1e9),
+                  peak_flops={k: v * T for k, v in tflops.items()}, bandwidth=bandwidth_gbs * 1e9, source=source)
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in [
+    _gpu("a100-80gb", "NVIDIA A100 80GB SXM", 80, 2039,
+         "NVIDIA A100 Tensor Core GPU datasheet (dense: TF32 156, BF16/FP16 312 TFLOPS; 2,039 GB/s HBM2e)",
+         fp32=19.5, tf32=156, bf16=312, fp16=312),
+    _gpu("h100-sxm", "NVIDIA H100 SXM5 80GB", 80, 3350,
+         "NVIDIA H100 Tensor Core GPU datasheet, SXM column (dense = half the sparsity figures: TF32 494.7, "
+         "BF16/FP16 989.4, FP8 1,978.9 TFLOPS; 3.35 TB/s HBM3)",
+         fp32=67, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9),
+    _gpu("h200", "NVIDIA H200 SXM 141GB", 141, 4800,
+         "NVIDIA H200 Tensor Core GPU datasheet, SXM column (dense: TF32 494.7, BF16/FP16 989.4, FP8 1,978.9 "
+         "TFLOPS; 4.8 TB/s HBM3e)",
+         fp32=67, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9),
+    _gpu("b200", "NVIDIA B200 (HGX B200, per GPU)", 180, 8000,
+         "NVIDIA HGX B200 datasheet, 8-GPU totals divided by 8 and halved for dense (FP32 75, TF32 1,100, "
+         "BF16/FP16 2,250, FP8 4,500 TFLOPS; 1,440 GB and 64 TB/s HBM3e over 8 GPUs)",
+         fp32=75, tf32=1100, bf16=2250, fp16=2250, fp8=4500),
+    _gpu("rtx3090", "NVIDIA GeForce RTX 3090", 24, 936,
+         "NVIDIA Ampere GA102 GPU Architecture whitepaper, RTX 3090 column (FP32 35.6; dense tensor TF32 35.6, "
+         "FP16/BF16 with FP32 accumulate 71 TFLOPS; 936 GB/s GDDR6X); no FP8",
+         fp32=35.6, tf32=35.6, bf16=71, fp16=71),
+    _gpu("rtx4090", "NVIDIA GeForce RTX 4090", 24, 1008,
+         "NVIDIA Ada Lovelace GPU Architecture whitepaper, RTX 4090 column (FP32 82.6; dense tensor TF32 82.6, "
+         "FP16/BF16 with FP32 accumulate 165.2, FP8 with FP32 accumulate 330.3 TFLOPS; 1,008 GB/s GDDR6X)",
+         fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2, fp8=330.3),
+    _gpu("l4", "NVIDIA L4", 24, 300,
+         "NVIDIA L4 Tensor Core GPU datasheet (dense = half the sparsity figures: TF32 60, BF16/FP16 121, FP8 "
+         "242.5 TFLOPS; FP32 30.3 TFLOPS; 300 GB/s GDDR6)",
+         fp32=30.3, tf32=60, bf16=121, fp16=121, fp8=242.5),
+]}
+"""The GPUs ``--target`` knows (``cpu`` is measured: :func:`measure_cpu`)."""
+
+
+def known_targets() -> list[str]:
+    return ["cpu", *TARGETS]
+
+
+def get_target(name: str | Target) -> Target:
+    """The target called ``name`` (``cpu`` is measured on first use); unknown names list the known ones."""
+    if isinstance(name, Target):
+        return name
+    key = name.strip().lower()
+    if key == "cpu":
+        return measure_cpu()
+    if key not in TARGETS:
+        raise TargetError(f"unknown --target {name!r}; choose one of: {', '.join(known_targets())}")
+    return TARGETS[key]
+
+
+def measure_bandwidth(*, mib: int = 256, repeats: int = 3) -> float:
+    """Bytes/s of the best of ``repeats`` copies of a ``mib`` MiB buffer (each copy reads and writes it)."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best
+
+
+def _mem_total() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@functools.lru_cache(maxsize=1)
+def measure_cpu(budget_s: float = 0.5) -> Target:
+    """This machine as a target: measured matmul peaks and bandwidth, MemTotal (once per process)."""
+    from ..bench.measure import measure_matmul_peak
+
+    cpu = torch.device("cpu")
+    peaks = {"fp32": measure_matmul_peak(torch.float32, cpu, budget_s=budget_s)["flops_per_s"]}
+    if hardware.has_fast_bf16(cpu):
+        peaks["bf16"] = measure_matmul_peak(torch.bfloat16, cpu, budget_s=budget_s)["flops_per_s"]
+    if hardware.has_fast_fp16(cpu):
+        peaks["fp16"] = measure_matmul_peak(torch.float16, cpu, budget_s=budget_s)["flops_per_s"]
+    return Target(name="cpu", description=hardware.describe_device(cpu), kind="cpu", memory_bytes=_mem_total(),
+                  peak_flops=peaks, bandwidth=measure_bandwidth(), launch_s=8e-6,
+                  source=f"measured now on this machine ({torch.get_num_threads()} threads): square-matmul peaks "
+                         "(bench's measure_matmul_peak), a 256 MiB copy, /proc/meminfo MemTotal")

@@ -1,0 +1,369 @@
+"""One training step of one recipe, traced under ``FakeTensorMode`` through the real build path.
+
+What runs is what ``mixprec train`` runs, on fake CPU tensors (shapes, dtypes and storages, no data): the
+recipe from :func:`mixprec.precision.build_recipe`, ``recipe.convert_module`` (dtype casts, FP8 layers),
+``recipe.build_optimizer`` (fp32 masters), the optimizer the config names, the model called by the model
+contract (:mod:`mixprec.train.contract`: tuple or dict batches, tensors or ``ModelOutput``), the recipe's
+scaler, masters and the optimizer step. The traced step is the *steady-state* one: before it, the optimizer's
+state is created by one step on zero gradients, outside the trace, as after the first real step.
+
+**The recipe as it would run on the target.** A GPU target is traced with what its device would pick:
+``--amp-impl auto`` is native (GPUs have fast fp16, so no emulation), the autocast applies CUDA's op lists
+(``mixprec.policy.default_policy("cuda")``) -- through mixprec's scratch autocast, which matches
+``torch.autocast`` op by op and can apply CUDA's lists to CPU tensors -- and FP8 layers take the real
+``torch._scaled_mm`` path where the target has FP8 GEMMs (:func:`mixprec.fp8.planned_gemm_path`), the
+emulated bf16 one elsewhere. The recipe object itself is built for this CPU: a recipe built for a device the
+plan does not have is never run. The ``cpu`` target is traced with the recipe exactly as built here.
+
+**Host reads are modelled, not executed.** Fake tensors have no values, so the places where a step reads a
+value on the host take the branch a healthy step takes:
+
+1. ``Recipe.backward``: the finite-loss check (``loss.item()``) of recipes without a loss scaler -- the loss
+   is taken as finite, and backward runs ``recipe.scaler.scale(loss).backward()``;
+2. ``Recipe.step``: the skip decision of loss-scaled recipes (``found_inf.item()``, in GradScaler.step and
+   DynamicLossScaler.step) -- the gradients are taken as finite: ``unscale_`` runs (its inf check and
+   unscale are real ops), then ``optimizer.step()`` and ``scaler.update()``;
+3. ``Recipe.step`` with ``--clip-grad-norm``: the finite-norm check (``bool(isfinite(norm))``) -- finite;
+4. :func:`mixprec.fp8.fp8_scale` on CPU tensors reads ``amax`` on the host; fake tensors take its device
+   path (the same value, computed with tensor ops).
+
+**Memory categories** (one definition with bench's exact accounting, :mod:`mixprec.memory`): parameters,
+gradients, optimizer state and fp32 masters by :func:`mixprec.memory.static_memory`; what autograd saves by
+:class:`mixprec.memory.SavedTensorTracker` (activations, autocast weight copies, FP8 buffers); buffers; and
+**temporary**: everything else alive at the step's peak (activation gradients, kernel outputs not yet freed,
+the optimizer's foreach intermediates, FP8 transposes in backward), from :class:`.recorder.StepRecorder`.
+
+**Building the model under fake tensors.** The model is built with its parameters fake when its
+initialisation allows (Hugging Face models do); initialisation that reads values (``nn.init.trunc_normal_``
+checks ``mask.any()``) cannot run on fake tensors, so such a model is built for real on the CPU, once, and
+each recipe gets a fake copy of it. ``Module.to()`` swaps fake parameters with ``torch.utils.swap_tensors``,
+which refuses tensors that have weak references -- and FakeTensorMode's converter keeps one to each tensor it
+makes -- so around ``convert_module`` and ``build_optimizer`` that memo is emptied and holds plain references
+until the conversion ends (:func:`_swappable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import UsageError, one_line
+from ..memory import CATEGORIES, SavedTensorTracker, static_memory
+from ..precision import Recipe, build_recipe
+from .recorder import OpRecord, StepRecorder
+from .targets import Target
+
+__all__ = ["TraceError", "StepTrace", "FakeModelSource", "trace_step", "recipe_for_target", "AT_PEAK_CATEGORIES"]
+
+AT_PEAK_CATEGORIES = (*CATEGORIES, "buffers", "temporary")
+"""Every category of the memory alive at the peak; they add up to the peak."""
+
+
+class TraceError(UsageError):
+    """The model cannot be traced under fake tensors; the message names the op and the way out."""
+
+
+@dataclasses.dataclass
+class StepTrace:
+    """What one traced step of one recipe holds and does (bytes, ops), before any target's roofline."""
+
+    recipe: str
+    label: str
+    batch_size: int
+    totals: dict[str, int]
+    """Exact bytes per category over the step (:data:`mixprec.memory.CATEGORIES` and ``buffers``)."""
+    at_peak: dict[str, int]
+    """Bytes alive at the step's peak per :data:`AT_PEAK_CATEGORIES`; they add up to ``peak_bytes``."""
+    peak_bytes: int
+    phase_peak: dict[str, int]
+    """The peak of each phase (``forward``, ``backward``, ``optimizer``)."""
+    batch_bytes: dict[str, int]
+    """Bytes alive at each phase's peak that grow with the batch (activations, and temporaries outside the
+    optimizer step)."""
+    ops: list[OpRecord]
+    notes: list[str]
+    path: str
+    """``fake`` (the model built under fake tensors) or ``real-then-fake``."""
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+@contextlib.contextmanager
+def _swappable(fake_mode: FakeTensorMode | None) -> Iterator[None]:
+    """Let ``Module._apply`` swap fake parameters (see the module docstring): the converter's weak memo is
+    emptied and replaced by a plain dict for the duration, then restored empty."""
+    if fake_mode is None:
+        yield
+        return
+    conv = fake_mode.fake_tensor_converter.meta_converter
+    old = conv.tensor_memo
+    old.clear()
+    conv.tensor_memo = _PlainMemo()
+    try:
+        yield
+    finally:
+        conv.tensor_memo.clear()
+        conv.tensor_memo = old
+
+
+class _PlainMemo(dict):
+    """The converter's memo while modules are converted: plain references, and never deep-copied (copying a
+    fake module copies its tensors' fake mode, whose memo would change size while being copied)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
+    """A copy of real ``model`` whose parameters and buffers are fake (tied parameters stay tied)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in memo:
+            f = fake_mode.from_tensor(t.detach())
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if param else f
+        return memo[id(t)]
+
+    return _clone_structure(model, fake)
+
+
+def _clone_structure(model: nn.Module, convert: Callable[[torch.Tensor, bool], torch.Tensor]) -> nn.Module:
+    """A deep copy of ``model``'s modules with every parameter and buffer replaced by ``convert(t, is_param)``."""
+    replaced = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                replaced[id(p)] = (p, True)
+        for name, b in m._buffers.items():
+            if b is not None:
+                replaced[id(b)] = (b, False)
+    memo = {k: convert(t, is_param) for k, (t, is_param) in replaced.items()}
+    return copy.deepcopy(model, memo)
+
+
+class FakeModelSource:
+    """Makes a fresh fake model per recipe, from a builder of real or fake models (shared by all recipes).
+
+    ``build`` is tried under the fake mode first (nothing is allocated); if its initialisation reads values,
+    it is built for real once and each call returns a fake copy.
+    """
+
+    def __init__(self, build: Callable[[], nn.Module], fake_mode: FakeTensorMode | None) -> None:
+        self._build = build
+        self._fake_mode = fake_mode
+        self._real: nn.Module | None = None
+        self.path = "fake" if fake_mode is not None else "real"
+        self.fake_error: str | None = None
+
+    def make(self) -> nn.Module:
+        if self._fake_mode is None:  # --fallback-real: a fresh real model per recipe
+            return self._build()
+        if self._real is None and self.path == "fake":
+            try:
+                with self._fake_mode, _swappable(self._fake_mode), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+                    model = self._build()  # (a model may call .to() or deepcopy layers as it is built)
+                if all(getattr(t, "fake_mode", None) is self._fake_mode for t in model.parameters()):
+                    return model
+                # deepcopy of a fake layer (nn.TransformerEncoder copies its layer) copies the fake mode too
+                self.fake_error = "its layers were deep-copied with a fake mode of their own"
+                self.path = "real-then-fake"
+            except Exception as e:  # noqa: BLE001 -- any init that needs values: build for real instead
+                if not _data_dependent(e):
+                    raise
+                self.fake_error = one_line(e)
+                self.path = "real-then-fake"
+        if self._real is None:
+            self._real = self._build()
+        return _to_fake(self._real, self._fake_mode)
+
+
+def _data_dependent(e: BaseException) -> bool:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    while e is not None:
+        if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+            return True
+        text = str(e)
+        if "data-dependent" in text or "_local_scalar_dense" in text or "Cannot copy out of meta" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+# ---------------------------------------------------------------------------------------- the recipe
+
+def recipe_for_target(recipe_config, target: Target) -> tuple[Recipe, Callable[[nn.Module], Any], str | None]:
+    """The recipe built for this CPU, the autocast the target would apply, and the FP8 GEMM path it would take.
+
+    Returns ``(recipe, autocast_for(model), fp8_path)``; ``fp8_path`` is None for the ``cpu`` target (the
+    device decides, as in a real run).
+    """
+    import dataclasses as dc
+
+    if target.kind == "cpu":
+        recipe = build_recipe(recipe_config, device="cpu")
+        return recipe, lambda model: _recipe_autocast(recipe), None
+    impl = recipe_config.amp_impl
+    if impl == "auto":
+        impl = "native"  # every GPU target has fast fp16, so auto is native there (precision.build_recipe)
+    recipe = build_recipe(dc.replace(recipe_config, amp_impl=impl), device="cpu")
+
+    def autocast_for(model: nn.Module):
+        if not recipe.spec.autocast:
+            return contextlib.nullcontext()
+        from ..autocast import autocast
+        from ..policy import default_policy
+
+        policy = dc.replace(default_policy("cuda", recipe.spec.compute_dtype), device_type="cpu")
+        return autocast(recipe.spec.compute_dtype, policy=policy, emulate=False, keep_fp32=recipe.keep_fp32,
+                        model=model)
+
+    return recipe, autocast_for, ("real" if target.fp8_matmul else "emulated")
+
+
+def _recipe_autocast(recipe: Recipe):
+    ac = recipe.autocast
+    return ac() if callable(ac) and hasattr(ac, "__self__") else ac  # a method today, a property elsewhere
+
+
+# ------------------------------------------------------------------------------------------ the step
+
+def _fake_batch(batch, fake_mode: FakeTensorMode | None):
+    from ..train.contract import Batch
+
+    if fake_mode is None:
+        return batch
+
+    def f(t):
+        return fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+
+    return Batch(tuple(f(a) for a in batch.args), {k: f(v) for k, v in batch.kwargs.items()}, f(batch.targets))
+
+
+def _warm_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state with one step on zero gradients (the steady-state step has it)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def trace_step(
+    *, recipe_config, target: Target, models: FakeModelSource, fake_mode: FakeTensorMode | None, batch,
+    make_optimizer: Callable, loss_fn: Callable | None, default_loss: Callable, clip_grad_norm: float | None,
+) -> StepTrace:
+    """Trace one steady-state training step of one recipe (see the module docstring). Without a
+    ``fake_mode`` the same step runs for real on the CPU (``--fallback-real``, on a small batch)."""
+    from ..fp8 import planned_gemm_path
+
+    recipe, autocast_for, fp8_path = recipe_for_target(recipe_config, target)
+    model = models.make()
+    with fake_mode or contextlib.nullcontext(), recipe.run_context(), planned_gemm_path(fp8_path):
+        with _swappable(fake_mode):
+            model = recipe.convert_module(model)
+            optimizer = recipe.build_optimizer(model, make_optimizer)
+        _warm_optimizer(optimizer)
+        fbatch = _fake_batch(batch, fake_mode)
+        optimizer_state = static_memory(model, optimizer, recipe.master).optimizer_state
+        rec = _recorder_with_residents(model, optimizer, recipe, fbatch)
+        params = list(model.parameters())
+        tracker = SavedTensorTracker(exclude=params)
+        saved: list[tuple[Any, str]] = []
+        tracker.on_save = lambda t, c: saved.append((rec.alloc_of(t), c))
+        try:
+            with rec:
+                _step(model, recipe, optimizer, fbatch, rec, tracker, autocast_for(model),
+                      loss_fn=loss_fn, default_loss=default_loss, clip_grad_norm=clip_grad_norm)
+        except TraceError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- the model does something fake tensors cannot
+            raise _trace_error(e, recipe.name) from None
+        final = static_memory(model, optimizer, recipe.master).add_saved(tracker)
+        grads = [p.grad for p in params if p.grad is not None]
+        if recipe.master is not None:
+            grads += [m.grad for m in recipe.master.master_params if m.grad is not None]
+        for a, category in saved + [(rec.alloc_of(g), "gradients") for g in grads]:
+            if a is not None and a.category is None:
+                a.category = category
+    totals = {c: getattr(final, c) for c in CATEGORIES}
+    totals["optimizer_state"] = optimizer_state  # the steady state's (the warm-up made it)
+    totals["buffers"] = sum(b.numel() * b.element_size() for b in model.buffers())
+    notes = [] if models.path != "real-then-fake" else [
+        f"the model could not be built under fake tensors ({models.fake_error}), so it was built for real once "
+        "and traced as a fake copy"]
+    return StepTrace(recipe=recipe.name, label=recipe.label, batch_size=len(batch), totals=totals,
+                     at_peak=_at_peak(rec), peak_bytes=rec.peak, phase_peak=dict(rec.phase_peak),
+                     batch_bytes=_batch_bytes(rec), ops=rec.ops, notes=notes, path=models.path)
+
+
+def _recorder_with_residents(model, optimizer, recipe, fbatch) -> StepRecorder:
+    rec = StepRecorder()
+    rec.register(model.parameters(), "parameters")
+    rec.register(model.buffers(), "buffers")
+    rec.register((v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+                 "optimizer_state")
+    if recipe.master is not None:
+        rec.register(recipe.master.master_params, "master_weights")
+    rec.register(fbatch.inputs() + ([fbatch.targets] if fbatch.targets is not None else []), None)
+    return rec
+
+
+def _step(model, recipe, optimizer, fbatch, rec: StepRecorder, tracker, autocast_ctx, *, loss_fn, default_loss,
+          clip_grad_norm) -> None:
+    """What ``Recipe.backward`` and ``Recipe.step`` do, with their host reads modelled (module docstring)."""
+    from ..train.contract import ModelCall, compute_loss
+
+    optimizer.zero_grad(set_to_none=True)
+    rec.phase = "forward"
+    with tracker, autocast_ctx:
+        out = ModelCall(model)(model, fbatch)
+        loss = compute_loss(out, fbatch, loss_fn=loss_fn, default=default_loss)
+    del out
+    rec.phase = "backward"
+    recipe.scaler.scale(loss).backward()  # host read 1: the loss is finite
+    del loss
+    rec.phase = "optimizer"
+    if recipe.master is not None:
+        recipe.master.copy_grads_to_master()
+    recipe.scaler.unscale_(optimizer)
+    if clip_grad_norm is not None:  # host read 3: the norm is finite
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
+                                       clip_grad_norm, error_if_nonfinite=False)
+    optimizer.step()  # host read 2: the gradients are finite, the step is taken
+    recipe.scaler.update()
+    if recipe.master is not None:
+        recipe.master.write_back()
+
+
+def _at_peak(rec: StepRecorder) -> dict[str, int]:
+    out = dict.fromkeys(AT_PEAK_CATEGORIES, 0)
+    for a in rec.live_at(rec.peak_seq):
+        out[a.category or "temporary"] += a.nbytes
+    return out
+
+
+def _batch_bytes(rec: StepRecorder) -> dict[str, int]:
+    """Per phase, the bytes alive at its peak that grow with the batch: activations, and temporaries outside
+    the optimizer step (whose temporaries are parameter-sized)."""
+    out = {}
+    for phase, seq in rec.phase_peak_seq.items():
+        out[phase] = sum(a.nbytes for a in rec.live_at(seq) if (a.category or "temporary") == "activations"
+                         or (a.category is None and phase != "optimizer"))
+    return out
+
+
+def _trace_error(e: BaseException, recipe: str) -> TraceError:
+    op = getattr(e, "func", None)
+    where = f" at {op}" if op is not None else ""
+    return TraceError(f"the model cannot be traced under fake tensors with {recipe}{where}: {one_line(e)}; "
+                      "plan with --fallback-real to measure a few real steps on a small batch instead")

@@ -1,0 +1,432 @@
+"""The watch: the doctor's checks inside the user's own training loop, through hooks only.
+
+What it hooks
+-------------
+* the model's forward (a pre and a post hook on the root module): a training forward (grad enabled, train
+  mode) starts a step or adds a micro-batch to it; the flight recorder keeps its batch, RNG state, autocast
+  state and the gradient backward sends into the output (:mod:`.recorder`);
+* the optimizer's step (``register_step_pre_hook`` / ``register_step_post_hook``): the gradients are final
+  and not applied yet (the check), and the update was applied;
+* the scaler object, read (never called) through :class:`mixprec.scaler_view.ScalerView`
+  (:func:`.scaler_state.read_scaler`).
+Framework callbacks (:mod:`mixprec.integrations`) drive the same events where a hook cannot see them.
+
+A step ends when the optimizer applied it (the post hook), or, with a loss scaler, when the scaler finished
+the iteration without calling ``optimizer.step()`` (a skipped step; seen at the next forward or at close).
+
+Host reads (syncs) it adds
+--------------------------
+Every step's numbers (loss scale, loss, the largest gradient magnitude) stay on the device, appended to a
+list that is read in one go at the next sampled step. On an *unsampled* step the watch itself reads at most
+one small tensor:
+
+* no loss scaler (bf16, fp32): the finite flag of the step's gradients and loss, in the optimizer's step
+  pre-hook -- one ``_foreach_norm(grads, inf)`` on the device and one read of one bool. It is what lets the
+  watch stop a fault before the optimizer step mutates anything;
+* GradScaler, ShardedGradScaler or DynamicLossScaler: none. The scaler has read its own ``found_inf`` already
+  and calls ``optimizer.step()`` only when it is finite, so the watch knows a skip without reading anything;
+  only a fused optimizer (``_step_supports_amp_scaling``, which GradScaler steps even when skipping) costs one
+  read of ``found_inf``;
+* a skipped step (rare) reads the new loss scale once, for the collapse trigger.
+
+Sampled steps (every ``every`` steps) read much more (histograms per layer, gradient norms, the lost-update
+shadow step, the pending per-step numbers) and write the reports. Triggers replay the step (:mod:`.recorder`).
+``Watch.host_reads`` counts the reads, and ``tests/test_watch.py`` counts them independently.
+
+Numerics
+--------
+Hooks only read: no tensor of the run is written, no RNG is drawn (replays restore the step's RNG state
+inside ``fork_rng``), replays run with the autocast cache off, and the shadow optimizer steps copies. A
+deep copy of the model (the user's or a replay's) gets inert copies of the watch's hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..doctor.api import FaultAnalysis
+from ..doctor.replay import ModelInputs
+from ..errors import NonFiniteError
+from .config import WatchConfig
+from .recorder import AutocastState, MicroBatch, localize, save_capture
+from .sample import InertHook, Sampler
+from .scaler_state import ScalerState, iteration_changed, read_scaler
+
+__all__ = ["Watch"]
+
+_FLUSH_AT = 512
+"""Pending per-step device values read in one go at the latest after this many steps."""
+
+
+@dataclasses.dataclass
+class _Step:
+    """The step being watched."""
+
+    index: int
+    sampled: bool
+    scaler: ScalerState
+    """The scaler at the step's first forward."""
+    scale: torch.Tensor | float
+    """The loss scale this step's backward uses (a device copy)."""
+    batches: list[MicroBatch] = dataclasses.field(default_factory=list)
+    model_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    logged_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    grad_norm: Any = None
+    checked: bool = False
+    applied: bool = False
+    closure: bool = False
+    nonfinite: bool | None = None
+    gmax: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class StepValues:
+    """One closed step; tensors until the next flush reads them."""
+
+    step: int
+    scale: Any
+    loss: Any
+    grad_absmax: Any
+    grad_norm: Any
+    skipped: bool
+    nonfinite: bool | None
+    sampled: bool
+    cause: str | None = None
+    next_scale: Any = None
+
+
+class Watch:
+    """Created by :func:`mixprec.watch`; use as a context manager or call :meth:`close`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any, config: WatchConfig,
+                 driver: str = "hooks", source: str = "user loop") -> None:
+        self.model, self.optimizer, self.scaler, self.config = model, optimizer, scaler, config
+        self.source = source
+        self._auto = driver == "hooks"
+        self.device = next(model.parameters()).device
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.step = 0
+        self.host_reads: Counter[str] = Counter()
+        self.unsampled_reads = 0
+        self.last: StepValues | None = None
+        """The last closed step (its record waits for the next step's scale, see :meth:`flush`)."""
+        self._pending: list[StepValues] = []
+        self.faults: list[FaultAnalysis] = []
+        self.triggers: list[dict[str, Any]] = []
+        self.captures: list[dict[str, Any]] = []
+        self.skipped = self.nonfinite_steps = self.consecutive_skips = 0
+        self._fired: set[str] = set()
+        self._first_nonfinite: int | None = None
+        self._open: _Step | None = None
+        self._compute_dtype: torch.dtype | None = None
+        self._mb: MicroBatch | None = None
+        self._closing = self.closed = False
+        self.sampler = Sampler(model, optimizer, tuple(config.formats), config.lost_updates)
+        from .output import Output
+
+        self.output = Output(self)
+        self._handles = [
+            model.register_forward_pre_hook(InertHook(self._on_forward), with_kwargs=True),
+            model.register_forward_hook(InertHook(self._on_forward_end), with_kwargs=True),
+            optimizer.register_step_pre_hook(self._on_pre_step),
+            optimizer.register_step_post_hook(self._on_post_step),
+        ]
+
+    # -- context ------------------------------------------------------------------------------------
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the watch: account for the last step, write the final reports, remove every hook."""
+        if self.closed:
+            return
+        self._closing = True
+        try:
+            if self._open is not None and (self._scaler_finished(self._open) or self._open.applied):
+                self.close_step()
+            self._open = None
+            self.flush(final=True)
+            self.output.write(final=True, collective=True)
+        finally:
+            for h in self._handles:
+                h.remove()
+            self.sampler.remove()
+            self.output.close()
+            self.closed = True
+
+    def log(self, *, loss: Any = None, grad_norm: Any = None) -> None:
+        """Attach the loop's loss and (unscaled) global gradient norm to the current step (or the last one).
+
+        Tensors are kept as they are (no sync); a loss given before the optimizer step joins the finite check.
+        """
+        st = self._open
+        if st is not None:
+            if loss is not None:
+                st.logged_losses.append(_scalar(loss, self.device))
+            if grad_norm is not None:
+                st.grad_norm = grad_norm.detach() if isinstance(grad_norm, torch.Tensor) else grad_norm
+            return
+        rec = self.last
+        if rec is not None:  # still pending: it waits for the next step's scale
+            rec.loss = rec.loss if loss is None else _scalar(loss, self.device)
+            rec.grad_norm = rec.grad_norm if grad_norm is None else grad_norm
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The low dtype the forward runs in: the autocast around the model, else what its layers returned."""
+        return self._compute_dtype or self.sampler.low_dtype
+
+    # -- reads --------------------------------------------------------------------------------------
+    def _read(self, t: torch.Tensor, why: str) -> Any:
+        """Every host read of the watch's own goes through here, counted by ``why``: ``check`` (the finite flag),
+        ``skipped-step`` (the new scale), ``sample``, ``flush`` (the pending per-step values), ``trigger``."""
+        self.host_reads[why] += 1
+        if why in ("check", "skipped-step") and (self._open is None or not self._open.sampled):
+            self.unsampled_reads += 1
+        return t.tolist()
+
+    def _scaler(self) -> ScalerState:
+        return read_scaler(self.scaler, self.optimizer)
+
+    # -- events -------------------------------------------------------------------------------------
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (torch.is_grad_enabled() and module.training):
+            return
+        if self._auto and self._open is not None and self._scaler_finished(self._open):
+            self.close_step()
+        st = self._open or self.open_step()
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        self._mb = MicroBatch(ModelInputs(tuple(args), dict(kwargs)), rng, AutocastState.now(self.device.type))
+        st.batches.append(self._mb)
+        if self._compute_dtype is None:
+            self._compute_dtype = self._mb.autocast.low
+
+    def _on_forward_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        mb, self._mb = self._mb, None
+        if mb is None or self._open is None:
+            return
+        loss = mb.attach_seed(output)
+        if loss is not None:
+            self._open.model_losses.append(loss.detach())
+
+    def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        st = self._open or self.open_step()
+        if kwargs.get("closure") is not None or (args and callable(args[0])):
+            st.closure = True  # the closure computes the gradients inside step(): see before_step()
+            return
+        self.before_step(in_step=True)
+        sc = self._scaler()
+        if st.sampled and not self.sampler.pre_done and not st.nonfinite and (sc.unscaled or not sc.enabled):
+            self.sampler.pre_update(optimizer)  # a fused optimizer's gradients are still scaled: not measured
+
+    def _on_post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        st = self._open or self.open_step()
+        if st.closure and not st.checked:
+            self.before_step(in_step=True)  # too late to stop it: the closure ran inside step()
+        st.applied = True
+        if st.sampled:
+            self.sampler.post_update(optimizer)
+        if self._auto:
+            self.close_step()
+
+    # -- the step -----------------------------------------------------------------------------------
+    def open_step(self) -> _Step:
+        sc = self._scaler()
+        sampled = self.step % self.config.every == 0
+        scale: torch.Tensor | float = sc.scale.detach().clone() if sc.scale is not None else sc.init_scale
+        st = self._open = _Step(self.step, sampled, sc, scale)
+        if sampled:
+            value = self._read(scale, "sample") if isinstance(scale, torch.Tensor) else scale
+            self.sampler.arm(round(math.log2(value)) if value > 0 else 0)
+        return st
+
+    def before_step(self, *, in_step: bool = False) -> None:
+        """The step's gradients are final and not applied yet: check them (the one read of a bf16/fp32 loop).
+
+        ``in_step``: called from inside ``optimizer.step()`` (its pre-hook), where a loss scaler has already
+        decided the step is finite; a framework callback calls it before the scaler's step.
+        """
+        st = self._open or self.open_step()
+        if st.checked:
+            return
+        st.checked = True
+        sc = self._scaler()
+        if sc.enabled:
+            fused = sc.kind == "torch" and getattr(self.optimizer, "_step_supports_amp_scaling", False)
+            if in_step and fused:
+                found = getattr(self.optimizer, "found_inf", None)
+                found = found if found is not None else sc.found_inf
+                st.nonfinite = found is not None and self._read(found, "check") > 0
+            elif in_step:
+                st.nonfinite = False
+        else:
+            self._check_finite(st)
+        if st.sampled:
+            self.sampler.before_step(0 if not sc.enabled or sc.unscaled else self._log2(st.scale))
+            if not sc.enabled and not st.nonfinite and not self.sampler.pre_done:
+                self.sampler.pre_update(self.optimizer)
+
+    def _check_finite(self, st: _Step) -> None:
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        vals = [n.float().to(self.device) for n in torch._foreach_norm(grads, ord=math.inf)] if grads else []
+        if vals:
+            st.gmax = torch.stack(vals).max()
+        losses = [t.float().reshape(()) for t in st.model_losses + st.logged_losses]
+        if st.gmax is None and not losses:
+            return
+        bad = ~torch.isfinite(torch.stack(([st.gmax] if st.gmax is not None else []) + losses)).all()
+        if self.world_size > 1 and any(hasattr(p, "to_local") for p in self.model.parameters()):
+            bad = bad.float()
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # sharded gradients: every rank must agree
+        st.nonfinite = bool(self._read(bad, "check"))
+        if st.nonfinite:
+            self._on_nonfinite(st, scaled=False)
+
+    def _scaler_finished(self, st: _Step) -> bool:
+        """The scaler ended the step's iteration without an applied optimizer step (a skip)."""
+        sc = self._scaler()
+        if st.applied or not sc.enabled:
+            return False
+        return iteration_changed(st.scaler.iteration, sc.iteration)
+
+    def step_finished(self) -> bool:
+        """A step is open and reached its optimizer step (checked, applied or skipped by the scaler)."""
+        st = self._open
+        return st is not None and (st.checked or st.applied or self._scaler_finished(st))
+
+    def close_step(self) -> None:
+        """The step is over (applied, or skipped by the scaler): account for it, sample, trigger."""
+        st, self._open = self._open, None
+        if st is None:
+            return
+        sc = self._scaler()
+        skipped = bool(st.nonfinite) if (st.applied and sc.enabled) else not st.applied
+        losses = st.logged_losses or st.model_losses
+        rec = StepValues(st.index, st.scale, torch.stack(losses).mean() if losses else None, st.gmax, st.grad_norm,
+                         skipped, skipped if sc.enabled else st.nonfinite, st.sampled)
+        if not st.applied and not sc.enabled:
+            rec.cause = "no optimizer step"
+        if self.last is not None:
+            self.last.next_scale = st.scale  # the scale this step used is the one the last step left
+        self.last = rec
+        self._pending.append(rec)
+        self.step += 1
+        self.skipped += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self._open = st  # the triggers and the sample still belong to this step
+        try:
+            if skipped and sc.enabled:
+                self._on_skipped(st, rec, sc)
+            elif st.nonfinite and self.faults and self.faults[-1].step == st.index:
+                rec.cause = self.faults[-1].describe(short=True)
+            if st.sampled:
+                self.sampler.finish(st.index, self._scale_value(st))
+                self.flush()
+                self.output.write(final=False, collective=True)
+            elif len(self._pending) >= _FLUSH_AT:
+                self.flush()
+        finally:
+            self._open = None
+            st.batches = []
+
+    # -- triggers -----------------------------------------------------------------------------------
+    def _on_skipped(self, st: _Step, rec: StepValues, sc: ScalerState) -> None:
+        self._on_nonfinite(st, scaled=True)
+        if self.faults and self.faults[-1].step == st.index:
+            rec.cause = self.faults[-1].describe(short=True)
+        new_scale = self._read(sc.scale, "skipped-step") if sc.scale is not None else sc.init_scale
+        if new_scale < self.config.collapse_below and "collapse" not in self._fired:
+            self._trigger("collapse", st, f"the loss scale fell to {new_scale:g}, below "
+                                          f"{self.config.collapse_below:g}", raising=True)
+        if self.consecutive_skips >= self.config.skip_run and "skip-run" not in self._fired:
+            self._trigger("skip-run", st, f"{self.consecutive_skips} skipped steps in a row", raising=True)
+
+    def _on_nonfinite(self, st: _Step, *, scaled: bool) -> None:
+        self.nonfinite_steps += 1
+        first = self._first_nonfinite is None
+        self._first_nonfinite = st.index if first else self._first_nonfinite
+        analysis = None
+        cfg = self.config
+        if cfg.localize and len(self.faults) < cfg.max_localized and not any(f.is_fault for f in self.faults):
+            analysis = localize(self.model, st.batches, step=st.index, scale=self._scale_value(st), bisect=scaled)
+            self.faults.append(analysis)
+        if first or (analysis is not None and analysis.is_fault):
+            what = analysis.describe() if analysis is not None else f"step {st.index}: non-finite loss or gradients"
+            raising = not scaled or (analysis is not None and analysis.is_fault)
+            self._trigger("nonfinite", st, what, raising=raising, analysis=analysis)
+
+    def _trigger(self, kind: str, st: _Step, description: str, *, raising: bool,
+                 analysis: FaultAnalysis | None = None) -> None:
+        self._fired.add(kind)
+        entry: dict[str, Any] = {"step": st.index, "kind": kind, "description": description, "capture": None,
+                                 "capture_bytes": None}
+        if self.output.out is not None and len(self.captures) < self.config.max_captures:
+            n = len(self.captures) + 1
+            name = ("capture.pt" if n == 1 else f"capture-{n}.pt")
+            if self.world_size > 1:
+                name = name.replace(".pt", f"-rank{self.rank}.pt")
+            path = self.output.path(name)
+            size = save_capture(path, model=self.model, batches=st.batches, step=st.index, reason=description,
+                                scale=self._scale_value(st), scaler=self.scaler, analysis=analysis)
+            entry.update(capture=path, capture_bytes=size)
+            self.captures.append(entry)
+        self.triggers.append(entry)
+        self.flush()
+        self.output.write(final=False, collective=False, plots=True)
+        if raising and self.config.on_fault == "raise" and not self._closing:
+            where = f"; report in {self.output.out}" if self.output.out else ""
+            raise NonFiniteError(f"mixprec.watch stopped the run at step {st.index}: {description}{where}",
+                                 step=st.index, what="gradient")
+
+    # -- values -------------------------------------------------------------------------------------
+    def _scale_value(self, st: _Step) -> float:
+        return float(self._read(st.scale, "trigger")) if isinstance(st.scale, torch.Tensor) else float(st.scale)
+
+    def _log2(self, scale: Any) -> int:
+        v = self._read(scale, "sample") if isinstance(scale, torch.Tensor) else scale
+        return round(math.log2(v)) if v > 0 else 0
+
+    def flush(self, *, final: bool = False) -> None:
+        """Read the pending per-step device values in one go (the sampled step's read of the history).
+
+        The last closed step waits for the next one, whose scale is its ``next_scale``; ``final`` takes it
+        from the scaler instead (after the loop's last ``update()``).
+        """
+        if final and self.last is not None and self.last.next_scale is None:
+            sc = self._scaler()
+            self.last.next_scale = sc.scale.detach().clone() if sc.scale is not None else (
+                sc.init_scale if sc.enabled else 1.0)
+        ready = [r for r in self._pending if r.next_scale is not None]
+        if not ready:
+            return
+        slots: list[tuple[StepValues, str]] = []
+        tensors: list[torch.Tensor] = []
+        for rec in ready:
+            for field in ("scale", "loss", "grad_absmax", "grad_norm", "next_scale"):
+                v = getattr(rec, field)
+                if isinstance(v, torch.Tensor):
+                    slots.append((rec, field))
+                    tensors.append(v.detach().float().reshape(()).to(self.device))
+        if tensors:
+            for (rec, field), v in zip(slots, self._read(torch.stack(tensors), "flush")):
+                setattr(rec, field, v)
+        self.output.add_steps(ready)
+        self._pending = [r for r in self._pending if r.next_scale is None]
+
+
+def _scalar(v: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.detach().float().reshape(()) if v.numel() == 1 else v.detach().float().mean()
+    return torch.tensor(float(v), device=device)

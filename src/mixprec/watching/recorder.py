@@ -1,0 +1,294 @@
+"""The flight recorder: what a step needs to be replayed, the replay that localises its fault, and capture.pt.
+
+What is kept of every step (references, no copies)
+--------------------------------------------------
+For each forward of the model during a training step (each micro-batch), :class:`MicroBatch` keeps the
+call's arguments (the batch), the CPU (and CUDA) RNG state before it ran (its dropout masks), the autocast
+state it ran under, and a *seed*: the gradient that backward sent into the model's output. The seed makes the
+replay independent of the user's loss function, which the watch never sees: when the model returns its own
+loss (Hugging Face models given labels), the seed is that loss's gradient (the loss scale over the
+accumulation steps); otherwise it is the gradient of each floating output, and the replay's backward is
+``sum(output * seed)``, whose gradient with respect to the output is exactly the seed. Holding it keeps one
+tensor the size of the model's output alive until the step is checked.
+
+The replay (doctor's machinery)
+-------------------------------
+The weights are still the failing step's: a no-scaler loop is checked in the optimizer's step pre-hook,
+before the update, and a loss scaler skips the update of a non-finite step. :func:`localize` replays each
+micro-batch of the step on a copy of the model (:func:`mixprec.doctor.replay.replay_step` under the doctor's
+non-finite watch, with the step's RNG state restored inside ``fork_rng``: the caller's RNG is untouched),
+classifies the first non-finite op as the doctor does (a scale overflow that a smaller loss scale avoids,
+``forward``/``backward`` overflow or nan, non-finite inputs), and for a fault searches the smallest set of
+modules to keep in fp32 (:func:`mixprec.doctor.replay.minimal_fp32_set`). Replays run with the autocast
+weight cache off and the ambient autocast disabled around them, so the user's autocast cache is not touched.
+
+capture.pt
+----------
+:func:`save_capture` writes the step's micro-batches, RNG states, seeds, the model's ``state_dict`` (on the
+CPU), the scaler's ``state_dict`` and the analysis, as plain tensors, numbers and strings: it loads with
+``torch.load(path, weights_only=True)``, and :func:`analyze_capture` reruns the replay from it on a model of
+the same class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..autocast import autocast as scratch_autocast
+from ..autocast import autocast_dtype, is_autocast_active
+from ..doctor.api import FaultAnalysis
+from ..doctor.observer import dtype_name
+from ..doctor.replay import ModelInputs, max_finite_scale, minimal_fp32_set, replay_step
+
+__all__ = ["AutocastState", "MicroBatch", "localize", "save_capture", "load_capture", "analyze_capture",
+           "CAPTURE_FORMAT"]
+
+CAPTURE_FORMAT = "mixprec.watch.capture/1"
+LOSS_OUTSIDE = "non-finite loss (computed outside the model: its gradient reached the model non-finite)"
+_DTYPES = {dtype_name(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastState:
+    """The autocast a forward ran under: ``torch.autocast`` (dtype, None if off) and mixprec's scratch autocast."""
+
+    device_type: str
+    dtype: torch.dtype | None
+    scratch: torch.dtype | None = None
+
+    @classmethod
+    def now(cls, device_type: str) -> AutocastState:
+        native = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        return cls(device_type, native, autocast_dtype() if is_autocast_active() else None)
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The same autocast, with the weight cache off (a replay must not fill the user's cache)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype or torch.bfloat16,
+                                               enabled=self.dtype is not None, cache_enabled=False))
+            if self.scratch is not None:
+                stack.enter_context(scratch_autocast(self.scratch))
+            yield
+
+    @property
+    def low(self) -> torch.dtype | None:
+        return self.dtype or self.scratch
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device_type": self.device_type, "dtype": dtype_name(self.dtype) if self.dtype else None,
+                "scratch": dtype_name(self.scratch) if self.scratch else None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AutocastState:
+        return cls(d["device_type"], _DTYPES.get(d["dtype"]), _DTYPES.get(d["scratch"]))
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One forward of a training step, as the replay needs it (see the module docstring)."""
+
+    inputs: ModelInputs
+    rng: tuple[torch.Tensor, torch.Tensor | None]
+    autocast: AutocastState
+    seed_kind: str | None = None
+    """``loss`` (the model returned its loss), ``outputs`` (gradients of its outputs) or None (no grad)."""
+    seed: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+
+    def attach_seed(self, output: Any) -> torch.Tensor | None:
+        """Hook the output tensors whose gradient is the seed; returns the model's own loss, if it has one."""
+        loss = find_loss(output)
+        targets = [loss] if loss is not None else [t for t in output_tensors(output) if t.requires_grad]
+        if not targets:
+            return loss
+        self.seed_kind = "loss" if loss is not None else "outputs"
+        self.seed = [None] * len(targets)
+        for i, t in enumerate(targets):
+            t.register_hook(_Keep(self.seed, i))
+        return loss
+
+
+class _Keep:
+    """A tensor hook that keeps the gradient (returns None: the gradient is unchanged)."""
+
+    def __init__(self, slots: list, i: int) -> None:
+        self.slots, self.i = slots, i
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.slots[self.i] = grad.detach()
+
+
+def output_tensors(o: Any) -> list[torch.Tensor]:
+    """Floating tensors in a model's output (tensors, tuples, lists, dicts, ``ModelOutput``), in order."""
+    if isinstance(o, torch.Tensor):
+        return [o] if o.is_floating_point() else []
+    if isinstance(o, Mapping):
+        return [t for v in o.values() for t in output_tensors(v)]
+    if isinstance(o, (list, tuple)):
+        return [t for v in o for t in output_tensors(v)]
+    return []
+
+
+def find_loss(o: Any) -> torch.Tensor | None:
+    """The loss a model returned: a 0-dim floating output, or a mapping's ``loss`` entry (Hugging Face)."""
+    t = o.get("loss") if isinstance(o, Mapping) else o
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 0:
+        return t
+    return None
+
+
+@dataclasses.dataclass
+class _Seed:
+    kind: str | None
+    grads: list[torch.Tensor | None]
+    scale: float
+
+
+def _seed_loss(out: Any, seed: _Seed) -> torch.Tensor:
+    """A replay's loss whose backward sends the recorded seed (divided by the step's loss scale) into ``out``."""
+    if seed.kind == "loss":
+        g = seed.grads[0]
+        factor = 1.0 if g is None else float(g) / seed.scale
+        return find_loss(out).float() * factor
+    outs = output_tensors(out)
+    terms = [(o.float() * (g.float() / seed.scale)).sum() for o, g in zip(outs, seed.grads) if g is not None]
+    if not terms:  # no backward was recorded: the replay checks the forward only
+        return sum((o.float().sum() * 0.0 for o in outs), torch.zeros(()))
+    return torch.stack(terms).sum()
+
+
+@contextlib.contextmanager
+def _ambient_autocast_off(device_type: str) -> Iterator[None]:
+    """Disable the caller's autocast around a replay (a trigger can fire inside the user's autocast region)."""
+    with torch.autocast(device_type, enabled=False, cache_enabled=False), \
+            scratch_autocast(torch.bfloat16, enabled=False):
+        yield
+
+
+def _nonfinite(ts: list[torch.Tensor | None]) -> bool:
+    return any(t is not None and not bool(torch.isfinite(t).all()) for t in ts)
+
+
+def _seed_fault(batches: list[MicroBatch], step: int, scale: float) -> FaultAnalysis:
+    """The model's forward replays finite: the seed (the gradient that reached its output) was not.
+
+    With a loss scale above 1 and only infs, the scaled gradient overflowed the output's dtype on its way back
+    from the loss (a scale overflow: the scaler's backoff handles it); otherwise the loss itself was non-finite.
+    """
+    seeds = [g for mb in batches for g in mb.seed if g is not None]
+    if not any(_nonfinite([g]) for g in seeds):
+        return FaultAnalysis(step, None, "not reproduced", loss_scale=scale)
+    if scale > 1 and not any(bool(torch.isnan(g).any()) for g in seeds):
+        return FaultAnalysis(step, None, "scale overflow", loss_scale=scale)
+    return FaultAnalysis(step, None, LOSS_OUTSIDE, loss_scale=scale)
+
+
+def localize(model: nn.Module, batches: list[MicroBatch], *, step: int, scale: float, search: bool = True,
+             bisect: bool = True) -> FaultAnalysis:
+    """Replay the step's micro-batches on copies of ``model``; the first non-finite op, classified."""
+    if not batches:
+        return FaultAnalysis(step, None, "not reproduced", loss_scale=scale)
+    device_type = batches[0].autocast.device_type
+    with _ambient_autocast_off(device_type):
+        for mb in batches:
+            seed = _Seed(mb.seed_kind, mb.seed, scale)
+            ev = replay_step(model, mb.autocast.context, _seed_loss, mb.inputs, seed, scale=scale, rng=mb.rng)
+            if ev is not None:
+                break
+        else:
+            return _seed_fault(batches, step, scale)
+        ev.step = step
+        if not ev.inputs_finite:
+            if ev.module is None:  # the seed: what the user's loss sent back into the model
+                return _seed_fault(batches, step, scale)
+            return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
+        args = (model, mb.autocast.context, _seed_loss, mb.inputs, seed)
+        if ev.phase == "backward" and scale > 1 and bisect:
+            mfs = max_finite_scale(*args, scale=scale, rng=mb.rng)
+            if mfs is not None:
+                return FaultAnalysis(step, ev, "scale overflow", loss_scale=scale, max_finite_scale=mfs)
+        analysis = FaultAnalysis(step, ev, f"{ev.phase} {'overflow' if ev.output.n_nan == 0 else 'nan'}",
+                                 loss_scale=scale)
+        if search:
+            analysis.replay = minimal_fp32_set(*args, scale=1.0, rng=mb.rng)
+        return analysis
+
+
+# ------------------------------------------------------------------------------------------------------
+# capture.pt
+# ------------------------------------------------------------------------------------------------------
+
+def _plain(o: Any) -> Any:
+    """``o`` as what ``torch.load(weights_only=True)`` accepts: CPU tensors, numbers, strings, containers."""
+    if isinstance(o, torch.Tensor):
+        return o.detach().cpu()
+    if o is None or isinstance(o, (bool, int, float, str)):
+        return o
+    if isinstance(o, Mapping):
+        return {str(k): _plain(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_plain(v) for v in o]
+    return {"__unsupported__": repr(o)[:200]}
+
+
+def save_capture(path: str, *, model: nn.Module, batches: list[MicroBatch], step: int, reason: str, scale: float,
+                 scaler: Any, analysis: FaultAnalysis | None) -> int:
+    """Write capture.pt atomically; returns its size in bytes."""
+    data = {
+        "format": CAPTURE_FORMAT, "step": step, "reason": reason, "loss_scale": scale,
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "state_dict": _plain(model.state_dict()),
+        "micro_batches": [{"args": _plain(list(mb.inputs.args)), "kwargs": _plain(mb.inputs.kwargs),
+                           "rng_cpu": mb.rng[0], "rng_cuda": mb.rng[1], "autocast": mb.autocast.to_dict(),
+                           "seed_kind": mb.seed_kind, "seed": _plain(mb.seed)} for mb in batches],
+        "scaler": _plain(scaler.state_dict()) if scaler is not None and scaler.is_enabled() else None,
+        "analysis": None if analysis is None else _plain(_json_safe(analysis.to_dict())),
+    }
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(data, tmp)
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
+
+def _json_safe(o: Any) -> Any:
+    from ..jsonio import to_jsonable
+
+    return to_jsonable(o)
+
+
+def load_capture(path: str) -> dict[str, Any]:
+    """A capture as saved (``weights_only=True``: no code runs while loading)."""
+    data = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(data, dict) or data.get("format") != CAPTURE_FORMAT:
+        from .config import WatchError
+
+        raise WatchError(f"{path} is not a mixprec.watch capture (expected format {CAPTURE_FORMAT})")
+    return data
+
+
+def analyze_capture(path: str, model: nn.Module, *, search: bool = True) -> FaultAnalysis:
+    """Rerun the fault analysis of a capture on a copy of ``model`` (same class) with the captured weights."""
+    data = load_capture(path)
+    replica = copy.deepcopy(model)
+    replica.load_state_dict(data["state_dict"])
+    device = next(replica.parameters()).device
+    batches = []
+    for mb in data["micro_batches"]:
+        move = (lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
+        args = tuple(move(a) for a in mb["args"])
+        kwargs = {k: move(v) for k, v in mb["kwargs"].items()}
+        batches.append(MicroBatch(ModelInputs(args, kwargs), (mb["rng_cpu"], mb["rng_cuda"]),
+                                  AutocastState.from_dict(mb["autocast"]), mb["seed_kind"],
+                                  [None if g is None else g.to(device) for g in mb["seed"]]))
+    scale = float(data["loss_scale"])
+    return localize(replica, batches, step=int(data["step"]), scale=scale if math.isfinite(scale) else 1.0,
+                    search=search)

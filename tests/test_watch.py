@@ -1,0 +1,316 @@
+"""mixprec.watch in a plain PyTorch loop: planted faults, GradScaler skips, lost updates, syncs, bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mixprec
+from mixprec.errors import NonFiniteError
+from mixprec.watching import WatchError, analyze_capture
+
+from watch_models import BACKWARD, FORWARD, Net, batches
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _loop(model, opt, data, *, dtype=torch.bfloat16, scaler=None, watch=None, on_step=None):
+    """The user's loop, unchanged whether watched or not."""
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        if watch is not None:
+            watch.log(loss=loss)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        if on_step is not None:
+            on_step(i)
+
+
+def _run(tmp_path, *, mode=FORWARD, dtype=torch.bfloat16, scaler=None, steps=6, fault_at=3, **kw):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = tmp_path / "watch"
+    kw.setdefault("plots", False)  # drawing PNGs is what costs most here; two tests draw them
+    with mixprec.watch(model, opt, scaler=scaler, out=str(out), every=kw.pop("every", 2), **kw) as w:
+        _loop(model, opt, batches(steps, fault_at=fault_at, mode=mode), dtype=dtype, scaler=scaler, watch=w)
+    return w, json.loads((out / "watch.json").read_text()), (out / "report.txt").read_text(), out
+
+
+def _first_fault(report):
+    return report["nonfinite"]["first_fault"]
+
+
+def test_forward_overflow_bf16_is_named_with_module_phase_step(tmp_path):
+    w, rep, text, out = _run(tmp_path, mode=FORWARD)
+    fault = _first_fault(rep)
+    assert fault["step"] == 3 and fault["classification"] == "forward overflow"
+    assert fault["event"]["module"] == "boost" and fault["event"]["phase"] == "forward"
+    assert "step 3, forward overflow" in text and "forward: aten." in text and " in boost " in text
+    assert rep["triggers"][0]["step"] == 3 and os.path.exists(rep["triggers"][0]["capture"])
+
+
+def test_backward_overflow_fp16_gradscaler_is_named_backward(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    w, rep, text, _ = _run(tmp_path, mode=BACKWARD, dtype=torch.float16, scaler=scaler)
+    fault = _first_fault(rep)
+    assert fault["step"] == 3 and fault["event"]["phase"] == "backward" and fault["event"]["module"] == "boost"
+    assert "backward: aten." in text and "step 3" in text
+    hist = rep["loss_scale_history"]
+    assert hist["summary"]["skipped"] == 1
+    assert [s["skipped"] for s in hist["steps"]] == [False, False, False, True, False, False]
+    assert [s["scale"] for s in hist["steps"]][2:5] == [256.0, 256.0, 128.0]
+
+
+@pytest.mark.slow
+def test_gradscaler_skips_and_scale_history(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    w, rep, text, out = _run(tmp_path, dtype=torch.float16, scaler=scaler, steps=12, fault_at=None, every=5,
+                             plots=True, max_localized=1)
+    hist = rep["loss_scale_history"]
+    skipped = [s for s in hist["steps"] if s["skipped"]]
+    assert skipped and skipped[0]["step"] == 0
+    for s in skipped:  # every skip halves the scale
+        assert s["next_scale"] == s["scale"] / 2
+    assert hist["summary"]["final_scale"] < 2.0**24
+    first = rep["nonfinite"]["first"]
+    assert first["step"] == 0 and first["classification"] == "scale overflow"
+    rows = (out / "steps.csv").read_text().splitlines()
+    assert len(rows) == 13 and rows[1].split(",")[4] == "1"
+    assert (out / "scale_history.png").stat().st_size > 0
+    assert "Loss-scale history: 1.67772e+07 ->" in text and "scale overflow" in text
+
+
+def test_bf16_weights_with_tiny_lr_show_lost_updates(tmp_path):
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    with mixprec.watch(model, opt, out=str(tmp_path), every=1, plots=False) as w:
+        for x, y in batches(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+    rep = json.loads((tmp_path / "watch.json").read_text())
+    assert rep["lost_updates"]["lost_fraction"] > 0.5
+    assert rep["recipe"]["params"] == "bf16"
+    assert any(r["kind"] == "master-weights" for r in rep["recommendations"])
+    assert all(s["lost_updates"]["fraction"] > 0.5 for s in rep["samples"])
+
+
+def _trained(watched: bool, tmp_path) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(1)
+    model = Net(dropout=0.3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # skips: the recorder replays them
+    data = batches(8, fault_at=5, mode=BACKWARD)
+    if watched:
+        with mixprec.watch(model, opt, scaler=scaler, out=str(tmp_path), every=2, plots=False) as w:
+            _loop(model, opt, data, dtype=torch.float16, scaler=scaler, watch=w)
+        assert w.faults and w.sampler.samples  # replays and sampled steps did run
+    else:
+        _loop(model, opt, data, dtype=torch.float16, scaler=scaler)
+    return model, opt, torch.get_rng_state()
+
+
+def test_watched_run_is_bit_identical(tmp_path):
+    m0, o0, rng0 = _trained(False, tmp_path)
+    m1, o1, rng1 = _trained(True, tmp_path)
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+    for s0, s1 in zip(o0.state.values(), o1.state.values()):
+        assert all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert torch.equal(rng0, rng1)  # no RNG drawn
+
+
+class _Syncs(TorchDispatchMode):
+    """Counts host reads: every ``.item()``/``bool()``/``float()`` is an ``_local_scalar_dense``; ``tolist`` is
+    counted apart (on a CPU tensor it reads memory without an op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _syncs_per_step(watched: bool, scaled: bool, monkeypatch, steps=6) -> list[int]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
+    counter = _Syncs()
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        counter.n += 1
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    per_step, last = [], [0]
+
+    def mark(i):
+        per_step.append(counter.n - last[0])
+        last[0] = counter.n
+
+    w = mixprec.watch(model, opt, scaler=scaler, every=100, plots=False) if watched else None
+    with counter:
+        _loop(model, opt, batches(steps), dtype=torch.float16 if scaled else torch.bfloat16, scaler=scaler,
+              on_step=mark)
+    if w is not None:
+        w.close()
+        assert w.unsampled_reads == (steps - 1 if not scaled else 0)
+    monkeypatch.undo()
+    return per_step
+
+
+@pytest.mark.parametrize("scaled, added", [(False, 1), (True, 0)])
+def test_syncs_added_per_unsampled_step(monkeypatch, scaled, added):
+    plain = _syncs_per_step(False, scaled, monkeypatch)
+    watched = _syncs_per_step(True, scaled, monkeypatch)
+    # step 0 is sampled; steps 1.. are not: the watch adds exactly `added` reads to each of them
+    assert [b - a for a, b in zip(plain[1:], watched[1:])] == [added] * (len(plain) - 1)
+
+
+def _state(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            (len(model._forward_pre_hooks), len(model._forward_hooks), len(opt._optimizer_step_pre_hooks),
+             len(opt._optimizer_step_post_hooks)))
+
+
+class _Empty(nn.Module):
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize("case, fix", [
+    ("no-params", "pass the nn.Module the optimizer trains"),
+    ("foreign-optimizer", "the optimizer steps none of the model's parameters"),
+    ("unknown-scaler", "unknown loss scaler"),
+    ("every-0", "every must be an integer >= 1"),
+    ("out-is-file", "is a file, not a folder"),
+])
+def test_bad_input_is_one_line_and_changes_nothing(tmp_path, case, fix):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {"out": str(tmp_path / "w")}
+    target = model
+    if case == "no-params":
+        target = _Empty()
+    elif case == "foreign-optimizer":
+        opt = torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1)
+    elif case == "unknown-scaler":
+        kwargs["scaler"] = object()
+    elif case == "every-0":
+        kwargs["every"] = 0
+    else:
+        (tmp_path / "file").write_text("x")
+        kwargs["out"] = str(tmp_path / "file" / "w")
+    before = _state(model, opt)
+    with pytest.raises(WatchError) as e:
+        mixprec.watch(target, opt, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg and fix in msg and msg.startswith("mixprec.watch(")
+    after = _state(model, opt)
+    assert after[1] == before[1] and all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert not (tmp_path / "w").exists()
+
+
+def test_on_fault_raise_stops_before_the_update(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches(6, fault_at=3)
+    seen = []
+    with pytest.raises(NonFiniteError) as e:
+        with mixprec.watch(model, opt, out=str(tmp_path), on_fault="raise", every=10, plots=False):
+            _loop(model, opt, data, on_step=lambda i: seen.append([p.detach().clone() for p in model.parameters()]))
+    assert e.value.step == 3 and "boost" in str(e.value) and "\n" not in str(e.value)
+    assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen[-1], model.parameters()))
+    assert json.loads((tmp_path / "watch.json").read_text())["nonfinite"]["first_fault"]["step"] == 3
+    assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks  # removed on the way out
+
+
+def test_capture_loads_weights_only_and_reruns(tmp_path):
+    w, rep, _, out = _run(tmp_path, mode=FORWARD)
+    data = torch.load(out / "capture.pt", weights_only=True)
+    assert data["step"] == 3 and rep["triggers"][0]["capture_bytes"] == (out / "capture.pt").stat().st_size
+    again = analyze_capture(str(out / "capture.pt"), Net())
+    assert again.step == 3 and again.classification == "forward overflow" and again.event.module == "boost"
+
+
+def test_watch_json_shares_doctor_json_keys(tmp_path):
+    from mixprec.doctor import diagnose
+
+    doctor = diagnose(Net(), batches(1), nn.functional.cross_entropy, precision="bf16-mixed", steps=1).to_dict()
+    _, rep, _, _ = _run(tmp_path, steps=2, fault_at=None)
+    shared = set(doctor) - {"precision_map"}
+    assert shared <= set(rep)
+    for section in ("ranges", "nonfinite", "lost_updates", "loss_scale_history"):
+        assert set(doctor[section]) <= set(rep[section]), section
+    assert set(doctor["title"]) - {"data"} <= set(rep["title"])
+
+
+@pytest.mark.slow
+def test_reports_and_tensorboard_are_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    _, rep, text, out = _run(tmp_path, steps=4, fault_at=None, plots=True)
+    assert text.startswith("mixprec watch:") and "2. Range profile" in text and "5. Loss-scale history" in text
+    assert any(f.startswith("events.") for f in os.listdir(out / "tensorboard"))
+    assert {"watch.json", "report.txt", "steps.csv", "underflow_over_time.png", "ranges_gradients.png",
+            "lost_updates_over_time.png"} <= set(
+        os.listdir(out))
+    assert not [f for f in os.listdir(out) if f.startswith(".tmp")]
+
+
+def test_a_deep_copy_of_the_watched_model_does_not_call_the_watch(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with mixprec.watch(model, opt, plots=False) as w:
+        twin = copy.deepcopy(model)
+        twin(batches(1)[0][0]).sum().backward()
+        assert w._open is None and w.step == 0
+        _loop(model, opt, batches(2))
+        assert w.step == 2
+    assert not model._forward_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_dynamic_loss_scaler_skip_is_seen(tmp_path):
+    scaler = mixprec.DynamicLossScaler(init_scale=2.0**8)
+    w, rep, text, _ = _run(tmp_path, mode=BACKWARD, dtype=torch.float16, scaler=scaler)
+    assert rep["loss_scale_history"]["summary"]["skipped"] == 1
+    assert _first_fault(rep)["event"]["phase"] == "backward"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_train_watch_flag_reports_and_changes_nothing(cli, tmp_path, precision):
+    """``mixprec train --watch N`` is the same watch over mixprec's own run: its reports appear in OUT/watch and the
+    trained weights equal an unwatched run's bit for bit (under a loss scaler too)."""
+    flags = ["train", "--dataset", "synthetic", "--synthetic-train", "256", "--synthetic-test", "64", "--model", "mlp",
+             "--width", "32", "--depth", "1", "--epochs", "2", "--precision", precision, "--log-every", "0"]
+    assert cli(*flags, "--out", tmp_path / "plain")[0] == 0
+    assert cli(*flags, "--out", tmp_path / "watched", "--watch", "3")[0] == 0
+    doc = json.loads((tmp_path / "watched" / "watch" / "watch.json").read_text())
+    assert doc["watch"]["steps"] == 8 and (tmp_path / "watched" / "watch" / "steps.csv").exists()
+    plain = torch.load(tmp_path / "plain" / "last.pt", weights_only=True)["model"]
+    watched = torch.load(tmp_path / "watched" / "last.pt", weights_only=True)["model"]
+    assert plain.keys() == watched.keys() and all(torch.equal(plain[k], watched[k]) for k in plain)
+    code, _, err = cli(*flags, "--out", tmp_path / "bad", "--watch", "0")
+    assert code == 2 and "--watch must be a positive integer" in err
