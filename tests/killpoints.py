@@ -27,8 +27,9 @@ import time
 
 PHASES = ("forward", "update", "save-write", "save-rename", "eval")
 
-PRELOAD = ["killpoints", "torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.fsdp.sharded_grad_scaler",
-           "torch.nn.parallel", "mixprec.cli", "mixprec.train.loop", "mixprec.train.build", "mixprec.train.distributed"]
+PRELOAD = ["killpoints", "torch", "torch._dynamo", "torch.distributed.fsdp",
+           "torch.distributed.fsdp.sharded_grad_scaler", "torch.nn.parallel", "mixprec.cli", "mixprec.train.loop",
+           "mixprec.train.build", "mixprec.train.distributed"]
 """What the fork server imports once: everything a training run imports (torch._dynamo comes with the optimizer)."""
 
 _CTX = None

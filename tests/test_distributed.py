@@ -16,6 +16,10 @@ What is proven here:
 - FSDP2 (bf16-mixed: MixedPrecisionPolicy param bf16, reduce fp32) trains on digits to DDP's accuracy within
   1 point, and a stopped-then-resumed FSDP run (full state dicts in last.pt) ends bit-identical.
 - A DDP run SIGKILLed mid-training and resumed ends with parameters equal to an uninterrupted run.
+- Ranks stop together, for each stop rule (non-finite loss, consecutive skips, diverged ranks): the same step in
+  every rank's log line, an intact last.pt from rank 0, exit 1 from every rank and from torchrun.
+- Two torchrun agents of one process each on one host (static --node_rank, c10d --rdzv-endpoint) train, resume
+  and stop on a non-finite loss exactly as one torchrun of 2 processes does (same losses, same checkpoints).
 - One process: --grad-accum 2 x batch B equals batch 2B (fp32), and the loss scale updates once per
   optimizer step, not per micro-batch.
 """

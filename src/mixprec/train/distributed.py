@@ -57,14 +57,17 @@ One file, written by rank 0 (:func:`state_dicts`): DDP saves the inner module's 
 as a one-process run); FSDP gathers full, CPU-offloaded state dicts with
 ``torch.distributed.checkpoint.state_dict`` (a collective: every rank calls it, rank 0 gets the tensors;
 the optimizer state is keyed by parameter name). The scaler, master weights and RNG state are the same
-on every rank, so rank 0's are saved. On resume every rank reads the file (so ``--out`` must be on a
+on every rank, so rank 0's are saved; the running losses of an interrupted epoch differ per rank, so every
+rank's are saved (:func:`rows_over_ranks`). On resume every rank reads the file (so ``--out`` must be on a
 filesystem all ranks see) and :func:`load_state_dicts` applies it; FSDP re-shards the full tensors.
 Resuming needs the same world size and strategy: the data order and the steps per epoch depend on them.
 
 Non-finite losses: recipes without loss scaling raise NonFiniteError before backward, on the loss of
 *this* rank. If one rank raised while the others entered backward, their collectives would pair up wrongly
 or wait forever, so the recipe all-reduces a non-finite flag first (no host sync) and poisons every rank's
-loss when any rank's is bad: all ranks stop at the same step and save the same last good state.
+loss when any rank's is bad: all ranks stop at the same step and save the same last good state. Every other
+stop rule decides on values that are equal on every rank too (see :mod:`.stops`); the loop logs the stop on
+every rank and ends in :func:`barrier`, so no rank exits before rank 0 has written its files.
 
 Not covered: BatchNorm running statistics under FSDP stay per rank (each rank normalizes its own batches;
 rank 0's are saved). DDP broadcasts rank 0's buffers before every forward, so they agree there.
