@@ -75,29 +75,19 @@ def start(args, log_path, *, env=None, kill=None):
 def wait(procs, conn, timeout):
     """Wait until the kill point is reached (returns its description) or every process has ended (None)."""
     deadline = time.monotonic() + timeout
-    pending = [p.sentinel for p in procs]
-    while pending:
+    pending = [conn, *(p.sentinel for p in procs)]
+    while any(w is not conn for w in pending):
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"no kill point and no exit in {timeout} s")
-        ready = multiprocessing.connection.wait([conn, *pending], timeout=left)
+        ready = multiprocessing.connection.wait(pending, timeout=left)
         if conn in ready:
             try:
                 return conn.recv()
-            except EOFError:  # the child that held the sending end has ended without reaching its kill point
-                conn = _Never()
-        pending = [s for s in pending if s not in ready]
+            except EOFError:  # the child that held the sending end ended without reaching its kill point
+                pass
+        pending = [w for w in pending if w not in ready]
     return None
-
-
-class _Never:
-    """A connection that is never ready (after the child's end closed)."""
-
-    def fileno(self):
-        return _NEVER_R
-
-
-_NEVER_R, _NEVER_W = os.pipe()
 
 
 def _child(args, log_path, env, kill, conn):

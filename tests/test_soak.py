@@ -90,6 +90,8 @@ def _soak(tmp_path, extra, *, world: int, kills: int, seed: int):
                                      codes, text[-3000:])
         assert codes == [-9] * world, (codes, text[-3000:])
         killed.append(reached)
+        if phase.startswith("save"):  # killed mid-save: its temporary file is left (the next start clears it)
+            assert [f for f in os.listdir(out) if f.endswith(".tmp")], (reached, os.listdir(out))
         if (out / "last.pt").exists():
             load_checkpoint(out)  # intact after every kill (digest-checked)
     _, codes, text = _segment(["train", "--resume", out], tmp_path / "last.log", world)
