@@ -185,3 +185,17 @@ def test_version_1_checkpoints_are_refused_with_the_fix(cli, tmp_path):
     torch.save(edited, tmp_path / "nodigest.pt")
     with pytest.raises(CheckpointError, match="carries no integrity digest"):
         load_checkpoint(tmp_path / "nodigest.pt")
+
+
+@pytest.mark.slow
+def test_a_stop_at_an_epochs_first_step_ends_the_run_there(tmp_path):
+    """fp32 at --lr 1e6: the loss of step 4 (epoch 1, batch 0) is not finite. The run stops there and keeps the
+    position; it used to go on with the next epochs (each failing at its first step) and save epoch 3's."""
+    out = tmp_path / "out"
+    result = train(TrainConfig.from_flags(dataset="synthetic", synthetic_train=512, synthetic_test=64,
+                                          synthetic_shape=(1, 8, 8), model="mlp", width=32, depth=1, epochs=4,
+                                          batch_size=128, lr=1e6, log_every=0, progress="off", out=str(out)))
+    assert result.stopped and "(epoch 1, batch 0)" in result.stopped
+    assert len(result.history) == 1
+    ck = load_checkpoint(out)
+    assert (ck["epoch"], ck["batch"], ck["global_step"]) == (1, 0, 4)

@@ -16,6 +16,10 @@ What is proven here:
 - FSDP2 (bf16-mixed: MixedPrecisionPolicy param bf16, reduce fp32) trains on digits to DDP's accuracy within
   1 point, and a stopped-then-resumed FSDP run (full state dicts in last.pt) ends bit-identical.
 - A DDP run SIGKILLed mid-training and resumed ends with parameters equal to an uninterrupted run.
+- Ranks stop together, for each stop rule (non-finite loss, consecutive skips, diverged ranks): the same step in
+  every rank's log line, an intact last.pt from rank 0, exit 1 from every rank and from torchrun.
+- Two torchrun agents of one process each on one host (static --node_rank, c10d --rdzv-endpoint) train, resume
+  and stop on a non-finite loss exactly as one torchrun of 2 processes does (same losses, same checkpoints).
 - One process: --grad-accum 2 x batch B equals batch 2B (fp32), and the loss scale updates once per
   optimizer step, not per micro-batch.
 """
@@ -24,6 +28,7 @@ import gc
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -393,3 +398,144 @@ def test_inf_on_one_rank_skips_on_every_rank_and_checks_catch_divergence(tmp_pat
         assert "ranks diverged at step 3" in r["errors"][0] and "parameter sum" in r["errors"][0]
         assert "loss scale:" not in r["errors"][0] and "skipped steps:" not in r["errors"][0]
         assert "skipped steps: rank 0 0, rank 1 1" in r["errors"][1]
+
+
+# ------------------------------------------------------------------- ranks stop together; several nodes, one host
+
+STOP = ["--dataset", "synthetic", "--synthetic-train", "512", "--synthetic-test", "64", "--synthetic-shape", "1,8,8",
+        "--model", "mlp", "--width", "32", "--depth", "1", "--epochs", "3", "--log-every", "0", "--progress", "off",
+        "--strategy", "ddp"]
+STOPS = {  # how each rule is provoked, the step every rank stops at, the step of the last.pt it leaves
+    # fp32 has no loss scaler: a non-finite loss stops the run before step 4 is applied (epoch 1, batch 0)
+    "non-finite loss": (["--lr", "1e6"], 4, 4),
+    # every scaled loss overflows fp16: three skipped steps in a row (the state is unchanged: it is saved)
+    "consecutive skips": (["--precision", "fp16-mixed", "--amp-impl", "native", "--init-scale", "1e30",
+                           "--max-consecutive-skips", "3"], 3, 3),
+    # rank 1's replica drifts at its third step: the check after step 3 stops both; the step-3 state is suspect,
+    # so the step-2 checkpoint stays
+    "ranks diverged": (["--model", "tests/userpkg/ranks.py:drifts", "--check-consistency", "1",
+                        "--checkpoint-every", "1"], 3, 2),
+}
+_RANK_STOP = re.compile(r"^mixprec: \[rank (\d+) of 2, step (\d+)\] (.*)$", re.M)
+
+
+def _launch_cmds(form: str, port: int) -> list[list[str]]:
+    """The launcher command(s) of one run: one torchrun with 2 processes, or 2 torchrun agents of 1 process each
+    on this host, joined by a static rendezvous (--node_rank) or by c10d (--rdzv-endpoint)."""
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if form == "1 node x 2":
+        return [[*run, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]]
+    if form == "2 nodes static":
+        return [[*run, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(r), "--master_addr", "127.0.0.1",
+                 "--master_port", str(port)] for r in (0, 1)]
+    assert form == "2 nodes c10d"
+    return [[*run, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             f"127.0.0.1:{port}", "--rdzv-id", f"mixprec-test-{port}"]] * 2
+
+
+def _launch(form: str, *args, timeout=240) -> tuple[list[int], str]:
+    """Run ``mixprec train ARGS`` under ``form``; returns every launcher's exit code and their output together.
+
+    The port is one the OS had free a moment ago; should another process take it before the launcher binds it
+    (the launcher's own error says "address already in use"), the run is retried on a fresh port."""
+    for _ in range(3):
+        procs = [subprocess.Popen([*cmd, "-m", "mixprec", "train", *map(str, args)], env=ENV, cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                 for cmd in _launch_cmds(form, _free_port())]
+        try:
+            outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        text = "\n".join(outs)
+        if "address already in use" not in text.lower():
+            return [p.returncode for p in procs], text
+    pytest.fail("no free port in 3 tries:\n" + text[-3000:])
+
+
+def _assert_stopped_together(codes, text, stop_step) -> list[str]:
+    """Every launcher exits 1, both ranks logged the same stop at the same step, neither rank was killed."""
+    assert codes == [1] * len(codes), (codes, text[-4000:])
+    stops = sorted(_RANK_STOP.findall(text))
+    assert [(r, int(s)) for r, s, _ in stops] == [("0", stop_step), ("1", stop_step)], text[-4000:]
+    assert stops[0][2] == stops[1][2]  # the same decision, word for word
+    # torchrun's report names each failed rank's exit code: 1 for both, never -15 (killed by the launcher's SIGTERM
+    # before it had finished; a rank that has logged and passed the final barrier ignores it and exits 1)
+    assert re.findall(r"^\s+exitcode\s+: (-?\d+)", text, re.M) == ["1", "1"], text[-4000:]
+    return [m for _, _, m in stops]
+
+
+def _state(path):
+    return torch.load(os.path.join(path, "last.pt"), weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """The 1-node, 2-process runs: a whole run, and three that stop on a non-finite loss (nonfinite0..2)."""
+    d = tmp_path_factory.mktemp("one_node")
+    codes, text = _launch("1 node x 2", *STOP, "--momentum", "0.9", "--out", d / "full", "--metrics-json",
+                          d / "full.json")
+    assert codes == [0], text[-3000:]
+    for attempt in range(3):
+        codes, text = _launch("1 node x 2", *STOP, *STOPS["non-finite loss"][0], "--out", d / f"nonfinite{attempt}")
+        (d / f"nonfinite{attempt}.log").write_text(text)
+        (d / f"nonfinite{attempt}.codes").write_text(json.dumps(codes))
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", list(STOPS))
+def test_every_rank_stops_at_the_same_step_and_rank_0_keeps_the_last_good_state(tmp_path, one_node, rule):
+    """Each stop rule under DDP: every rank logs the same decision at the same step, rank 0 has written last.pt
+    before any rank exits (train ends in a barrier), both ranks exit 1 (none is SIGTERMed by torchrun), so the
+    launcher exits 1. The non-finite case runs three times (a race shows up as a varying outcome)."""
+    from mixprec.train.checkpoint import load_checkpoint
+
+    flags, stop_step, saved_step = STOPS[rule]
+    if rule == "non-finite loss":  # the module's three runs (the two-node test compares with them too)
+        runs = [(one_node / f"nonfinite{i}", json.loads((one_node / f"nonfinite{i}.codes").read_text()),
+                 (one_node / f"nonfinite{i}.log").read_text()) for i in range(3)]
+    else:
+        runs = [(tmp_path / "out", *_launch("1 node x 2", *STOP, *flags, "--out", tmp_path / "out"))]
+    for out, codes, text in runs:
+        message, _ = _assert_stopped_together(codes, text, stop_step)
+        ck = load_checkpoint(out)  # intact: digest-checked
+        assert ck["global_step"] == saved_step and ck["world_size"] == 2, (ck["global_step"], message)
+    if rule == "non-finite loss":  # the first step of epoch 1 stops the run there (it used to train on)
+        assert "(epoch 1, batch 0)" in message and (ck["epoch"], ck["batch"]) == (1, 0)
+    if rule == "consecutive skips":
+        assert "3 optimizer steps in a row were skipped" in message  # not "the weights became non-finite"
+    if rule == "ranks diverged":
+        assert "ranks diverged at step 3" in message and "last.pt was not updated" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["2 nodes static", "2 nodes c10d"])
+def test_two_nodes_on_one_host_train_resume_and_stop_as_one_node_does(tmp_path, one_node, form):
+    """Two torchrun agents of one process each (the README's several-machines command, both rendezvous forms):
+    global rank 0 logs and writes; a run stopped mid-epoch and resumed ends with the 1-node run's checkpoint,
+    bit for bit, and the same losses; a non-finite loss stops both nodes at the same step with the same last.pt."""
+    part = tmp_path / "part"
+    codes, text = _launch(form, *STOP, "--momentum", "0.9", "--out", part, "--max-steps", 6)  # epoch 1, batch 2
+    assert codes == [0, 0], text[-3000:]
+    assert text.count("| recipe | peak memory") == 1  # one summary: from global rank 0 only
+    assert (_state(part)["epoch"], _state(part)["batch"], _state(part)["global_step"]) == (1, 2, 6)
+    codes, text = _launch(form, "--resume", part, "--max-steps", "none", "--metrics-json", tmp_path / "m.json")
+    assert codes == [0, 0] and "resumed from" in text, text[-3000:]
+    ref, got = _state(one_node / "full"), _state(part)
+    _assert_identical(ref["model"], got["model"])
+    assert ref["global_step"] == got["global_step"] == 12 and ref["recipe"] == got["recipe"]
+    for k, v in ref["optimizer"]["state"].items():
+        _assert_identical(v, got["optimizer"]["state"][k])
+    losses = [[(e["train_loss"], e["test_loss"], e["loss_curve"]) for e in json.loads(p.read_text())["epochs"]]
+              for p in (one_node / "full.json", tmp_path / "m.json")]
+    assert losses[0] == losses[1]
+
+    flags, stop_step, _ = STOPS["non-finite loss"]
+    codes, text = _launch(form, *STOP, *flags, "--out", tmp_path / "nonfinite")
+    _assert_stopped_together(codes, text, stop_step)
+    ref, got = _state(one_node / "nonfinite0"), _state(tmp_path / "nonfinite")
+    assert ref["global_step"] == got["global_step"] == stop_step
+    _assert_identical(ref["model"], got["model"])

@@ -118,8 +118,12 @@ class NativeMechanism(Mechanism):
 
     def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
         # The skip is read from the unscale_ the recipe ran (GradScaler.step's own read then finds it ready).
+        # A skipped step never reaches the optimizer: GradScaler hands a fused optimizer its found_inf, and the
+        # fused kernels skip only when it is exactly 1, but ShardedGradScaler sums it over ranks (2 when two
+        # ranks overflow), so scaler.step would apply the inf step. update() needs only the unscale_'s check.
         skipped = ScalerView(scaler).skipped(optimizer)
-        scaler.step(optimizer)
+        if not skipped:
+            scaler.step(optimizer)
         return skipped
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 
 from .args import add_output_arguments, add_train_arguments, typed_flags
 
@@ -37,9 +38,20 @@ def train_main(args: argparse.Namespace) -> int:
         run = build_run(config)
         with _watching(run):
             result = train(run)
+            if run.world_size > 1:
+                _finish_together()
     finally:
         distributed.teardown()  # leave torchrun's process group (no-op in a one-process run)
     return 1 if result.stopped else 0
+
+
+def _finish_together() -> None:
+    """Every rank has logged its outcome and rank 0 has written its files (``train`` ends in a barrier): the
+    run is decided. torchrun stops the ranks still running once one exits non-zero (SIGTERM), which would
+    report a rank that merely had not finished exiting as killed (-15); from here on SIGTERM is ignored, so
+    each rank exits with the run's own code. The launcher still ends a rank that hangs on exit (SIGKILL after
+    its grace period)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _watching(run):

@@ -57,14 +57,17 @@ One file, written by rank 0 (:func:`state_dicts`): DDP saves the inner module's 
 as a one-process run); FSDP gathers full, CPU-offloaded state dicts with
 ``torch.distributed.checkpoint.state_dict`` (a collective: every rank calls it, rank 0 gets the tensors;
 the optimizer state is keyed by parameter name). The scaler, master weights and RNG state are the same
-on every rank, so rank 0's are saved. On resume every rank reads the file (so ``--out`` must be on a
+on every rank, so rank 0's are saved; the running losses of an interrupted epoch differ per rank, so every
+rank's are saved (:func:`rows_over_ranks`). On resume every rank reads the file (so ``--out`` must be on a
 filesystem all ranks see) and :func:`load_state_dicts` applies it; FSDP re-shards the full tensors.
 Resuming needs the same world size and strategy: the data order and the steps per epoch depend on them.
 
 Non-finite losses: recipes without loss scaling raise NonFiniteError before backward, on the loss of
 *this* rank. If one rank raised while the others entered backward, their collectives would pair up wrongly
 or wait forever, so the recipe all-reduces a non-finite flag first (no host sync) and poisons every rank's
-loss when any rank's is bad: all ranks stop at the same step and save the same last good state.
+loss when any rank's is bad: all ranks stop at the same step and save the same last good state. Every other
+stop rule decides on values that are equal on every rank too (see :mod:`.stops`); the loop logs the stop on
+every rank and ends in :func:`barrier`, so no rank exits before rank 0 has written its files.
 
 Not covered: BatchNorm running statistics under FSDP stay per rank (each rank normalizes its own batches;
 rank 0's are saved). DDP broadcasts rank 0's buffers before every forward, so they agree there.
@@ -95,9 +98,11 @@ __all__ = [
     "wrap_model",
     "unwrap",
     "no_sync",
+    "barrier",
     "all_reduce_sum",
     "mean_over_ranks",
     "max_over_ranks",
+    "rows_over_ranks",
     "eval_shard",
     "state_dicts",
     "load_state_dicts",
@@ -275,6 +280,12 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def barrier() -> None:
+    """Wait until every rank got here (no-op on one process)."""
+    if _active():
+        dist.barrier()
+
+
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """Mean of ``t`` over ranks (a new tensor, fp32 or wider; ``t`` itself on one process)."""
     if not _active():
@@ -284,6 +295,16 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
         out = out.float()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out / dist.get_world_size()
+
+
+def rows_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` (same shape on all), stacked in rank order: shape ``(world_size, *t.shape)``; ``t``
+    itself on one process."""
+    if not _active():
+        return t
+    rows = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, t.contiguous())
+    return torch.stack(rows)
 
 
 def max_over_ranks(x: float, device: torch.device) -> float:

@@ -56,7 +56,9 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
             meter, stopped = _train_epoch(run, state, epoch, total, checkpointer, reporter, bar)
             epoch_time = meter.elapsed()
             state.skipped_total += meter.skipped
-            if meter.n_steps == 0:  # an old checkpoint taken at the end of this epoch: go on with the next
+            if meter.n_steps == 0:  # the epoch's first step stopped the run, or an old checkpoint taken at
+                if stopped:         # the end of this epoch (then go on with the next)
+                    break
                 continue
             rec = meter.record(epoch, epoch_time, *_epoch_evaluation(run, state))
             state.history.append(rec)
@@ -65,12 +67,13 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
             if stopped:
                 break
     if stopped:
-        reporter.error(stopped)
+        reporter.stopped(stopped, step=state.global_step, world_size=run.world_size)
     summary = summarize(run, state, stopped, compile_time_s=compile_time)
     reporter.summary(summary_table([summary]))
     _write_metrics(run, state, summary)
     if run.lock is not None:  # the folder is complete: another run may write it now
         run.lock.release()
+    distributed.barrier()  # no rank returns (and exits) before rank 0 has written its checkpoint and metrics
     return TrainResult(history=state.history, summary=summary, stopped=stopped, evals=state.evals)
 
 
@@ -106,9 +109,9 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
         if eval_every and state.global_step % eval_every == 0:
             with meter.paused():
                 _evaluate_mid_run(run, state, epoch, reporter)
-        stop = stops.after_step(state, meter.skipped)
-        if stop:  # the state is the last good one (skipped steps change nothing): keep it
-            return meter, (checkpointer.save(state, epoch, meter.pos, meter) or stop)
+        rule = stops.after_step(state, meter.skipped)
+        if rule:  # keep the state when it is the last good one (skipped steps change nothing)
+            return meter, ((checkpointer.save(state, epoch, meter.pos, meter) if rule.save else None) or rule.reason)
         stop = checkpointer.after_step(state, epoch, meter)
         if stop:
             return meter, stop

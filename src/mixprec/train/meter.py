@@ -64,11 +64,15 @@ class EpochMeter:
         self.t_start = self.t_prev = time.perf_counter()
 
     def state_dict(self) -> dict[str, Any]:
-        """The running sums a mid-epoch checkpoint keeps, so a resumed epoch reports all its steps."""
+        """The running sums a mid-epoch checkpoint keeps, so a resumed epoch reports all its steps.
+
+        Under torchrun the losses are each rank's own (the record averages them over ranks), so every rank's
+        are kept, one row per rank (a collective: every rank calls this, as it calls ``Checkpointer.save``)."""
+        losses = torch.stack(self.losses).detach().float() if self.losses else torch.zeros(0, device=self.run.device)
         return {
             "n_steps": self.n_steps, "skipped": self.skipped, "step_times": list(self.step_times),
-            "loss_sum": self.loss_sum.detach().cpu(),
-            "losses": torch.stack(self.losses).detach().float().cpu() if self.losses else torch.zeros(0),
+            "loss_sum": distributed.rows_over_ranks(self.loss_sum.detach()).cpu(),
+            "losses": distributed.rows_over_ranks(losses).cpu(),
             "memory": self.memory.to_dict() if isinstance(self.memory, MemoryReport) else self.memory,
             "elapsed": self.elapsed_before + time.perf_counter() - self.t_start,
         }
@@ -77,8 +81,11 @@ class EpochMeter:
         dev = self.run.device
         self.n_steps, self.skipped = int(d["n_steps"]), int(d["skipped"])
         self.step_times = [float(t) for t in d["step_times"]]
-        self.loss_sum = d["loss_sum"].to(device=dev, dtype=torch.float64)
-        self.losses = list(d["losses"].to(dev).unbind(0))
+        loss_sum, losses = d["loss_sum"], d["losses"]
+        if loss_sum.dim() == 1:  # one row per rank (several processes): this rank's
+            loss_sum, losses = loss_sum[self.run.rank], losses[self.run.rank]
+        self.loss_sum = loss_sum.to(device=dev, dtype=torch.float64)
+        self.losses = list(losses.to(dev).unbind(0))
         self.memory = d.get("memory")
         self.elapsed_before = float(d["elapsed"])
 

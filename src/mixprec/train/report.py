@@ -63,6 +63,16 @@ class Reporter:
     def error(self, msg: str) -> None:
         self._print(f"mixprec: {msg}", err=True)
 
+    def stopped(self, msg: str, *, step: int, world_size: int = 1) -> None:
+        """Why the run stops, on stderr. Under torchrun every rank logs it, prefixed with its rank and the step
+        it stopped at (the same on every rank); one process prints it as :meth:`error` does."""
+        if world_size == 1:
+            self.error(msg)
+            return
+        # one write (print writes the newline apart), so the ranks' lines do not interleave on a shared stderr
+        sys.stderr.write(f"mixprec: [rank {self.rank} of {world_size}, step {step}] {msg}\n")
+        sys.stderr.flush()
+
     def epoch_done(self, rec: EpochRecord, recipe: str) -> None:
         mem = rec.memory or {}
         self._print(

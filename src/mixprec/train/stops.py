@@ -3,6 +3,11 @@
 - Too many skipped steps in a row (``--max-consecutive-skips``): a loss scaler that backs off forever means
   the loss itself is non-finite, and more steps will not fix it.
 - Ranks that diverged (``--check-consistency N``, debug): loss scale, skipped steps or parameters differ.
+  No state is saved then (no rank's can be trusted); the last checkpoint written stays.
+
+Under torchrun every rule decides on values that are equal on every rank (the scaler's all-reduced
+``found_inf``, all-gathered checks, losses averaged over ranks), so all ranks stop at the same step; the loop
+then logs the stop on every rank and ends in a barrier, so no rank exits before rank 0 has saved.
 - After an epoch: most of its steps were skipped, or its mean training loss is not finite. A loss scaler
   that skips nearly every step trains nothing, whatever ``--max-consecutive-skips`` allows, so such a run
   is a failure with its reason, never a success with ``final_train_loss: null``.
@@ -13,17 +18,30 @@ backward), so the loop handles it where the step is taken.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING
 
 from . import distributed
+from .checkpoint import LAST
 from .checkpointer import TrainState
 from .results import EpochRecord
 
 if TYPE_CHECKING:
     from .build import Run
 
-__all__ = ["StopRules"]
+__all__ = ["Stop", "StopRules"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Why a run stops after a step, and whether the state it stops in is worth saving."""
+
+    reason: str
+    """The message: what happened, at which step, what to do."""
+    save: bool = True
+    """Save the state (a skipped step changes nothing, so it is the last good one); False when it is suspect."""
 
 
 class StopRules:
@@ -32,11 +50,11 @@ class StopRules:
         self.max_skips = run.config.run.max_consecutive_skips
         self.check_every = run.config.run.check_consistency
 
-    def after_step(self, state: TrainState, skipped_this_epoch: int) -> str | None:
+    def after_step(self, state: TrainState, skipped_this_epoch: int) -> Stop | None:
         """Why the run must stop now, or None."""
         recipe = self.run.recipe
         if state.consecutive_skips >= self.max_skips:
-            return (
+            return Stop(
                 f"stopped at step {state.global_step}: {state.consecutive_skips} optimizer steps in a row were "
                 f"skipped for inf/nan gradients (loss scale now {recipe.loss_scale():g}); the loss itself is "
                 "likely non-finite — lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer"
@@ -47,7 +65,9 @@ class StopRules:
                                               skipped=state.skipped_total + skipped_this_epoch,
                                               device=self.run.device)
             except distributed.RankDivergenceError as e:
-                return str(e)
+                out = self.run.config.run.out
+                return Stop(str(e) + (f"; {os.path.join(out, LAST)} was not updated, since the ranks' states differ"
+                                      if out else ""), save=False)
         return None
 
     @staticmethod
