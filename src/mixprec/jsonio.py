@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import OutputError
 
-__all__ = ["write_json", "write_text", "write_bytes", "to_jsonable"]
+__all__ = ["write_json", "write_text", "write_bytes", "to_jsonable", "file_mode_mask"]
 
 
 def to_jsonable(o: Any) -> Any:
@@ -60,7 +60,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1] or ".tmp", dir=d)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is as readable as any file written
+        os.chmod(tmp, 0o666 & ~file_mode_mask())  # mkstemp makes 0600; a report is as readable as any file written
         os.replace(tmp, path)
         tmp = None
     except OSError as e:
@@ -71,7 +71,8 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
                 os.unlink(tmp)
 
 
-def _umask() -> int:
+def file_mode_mask() -> int:
+    """This process's umask (read without changing it for longer than one call)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

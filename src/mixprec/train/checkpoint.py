@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, OutputError, one_line
+from ..jsonio import file_mode_mask
 
 __all__ = ["FORMAT", "VERSION", "LAST", "save_checkpoint", "load_checkpoint", "read_run", "resolve_checkpoint_path",
            "remove_stale_temporaries", "rng_state", "set_rng_state", "mechanism"]
@@ -105,6 +106,7 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~file_mode_mask())  # mkstemp makes 0600; a checkpoint gets the umask's mode
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         _unlink(tmp)
