@@ -22,7 +22,7 @@ from ..jsonio import write_bytes
 from .attribution import display_path
 from .ranges import BIN_MIN, Log2Histogram
 
-__all__ = ["write_plots"]
+__all__ = ["write_plots", "range_heatmaps"]
 
 _LIMITS = {  # format: (color, log2 max, log2 smallest normal, log2 smallest subnormal)
     "fp16": ("tab:red", math.log2(65504), -14, -24),
@@ -98,6 +98,20 @@ def _save(fig, path: str) -> None:
     write_bytes(path, buf.getvalue())
 
 
+def range_heatmaps(report: Any, out_dir: str, head: str) -> list:
+    """The two range heatmaps (activations; gradients as stored, at the loss scale) as deferred draws, each
+    returning its path or None; :func:`write_plots` and ``mixprec.watch``'s plots both draw them."""
+    layers = report.ranges.layers
+    names = [f"{display_path(lr.name)} ({lr.kind})" for lr in layers]
+    k = report.log2_scale
+    return [
+        lambda: _heatmap(os.path.join(out_dir, "ranges_activations.png"), names, [lr.activations for lr in layers],
+                         0, f"{head}: activation magnitudes per layer vs format limits"),
+        lambda: _heatmap(os.path.join(out_dir, "ranges_gradients.png"), names, [lr.gradients() for lr in layers],
+                         k, f"{head}: gradient magnitudes x loss scale 2^{k} (as stored) vs format limits"),
+    ]
+
+
 def write_plots(report: Any, out_dir: str, *, written: list[str] | None = None) -> list[str]:
     """Write the PNGs into ``out_dir``; returns their paths (none if matplotlib is missing).
 
@@ -108,16 +122,10 @@ def write_plots(report: Any, out_dir: str, *, written: list[str] | None = None) 
         import matplotlib  # noqa: F401
     except ImportError:
         return []
-    layers = report.ranges.layers
-    names = [f"{display_path(lr.name)} ({lr.kind})" for lr in layers]
     t = report.title
     head = f"{t.get('recipe')} on {t.get('model')}"
-    k = report.log2_scale
     plots = [
-        lambda: _heatmap(os.path.join(out_dir, "ranges_activations.png"), names, [lr.activations for lr in layers],
-                         0, f"{head}: activation magnitudes per layer vs format limits"),
-        lambda: _heatmap(os.path.join(out_dir, "ranges_gradients.png"), names, [lr.gradients() for lr in layers],
-                         k, f"{head}: gradient magnitudes x loss scale 2^{k} (as stored) vs format limits"),
+        *range_heatmaps(report, out_dir, head),
         lambda: _loss_scale_plot(os.path.join(out_dir, "loss_scale.png"), report, head),
         lambda: _lost_updates_plot(os.path.join(out_dir, "lost_updates.png"), report, head),
         lambda: _block_formats_plot(os.path.join(out_dir, "block_formats.png"), report, head),

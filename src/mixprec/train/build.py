@@ -39,6 +39,7 @@ from .resume import check_resume, stored_config
 from .schedule import LRSchedule, planned_steps
 from .step import StepContext
 from .tasks import LossOnly, Task, check_fit, infer_task, make_task
+from .tasks import cross_entropy as tasks_cross_entropy
 from .usercode import UserCodeError, call_declared, is_reference, load_callable
 
 __all__ = ["Run", "build_run", "build_schedule", "optimizer_factory", "load_data", "model_from_config",
@@ -209,10 +210,8 @@ def model_from_config(config: ModelConfig, data: DataSource) -> nn.Module:
 def cross_entropy(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     """``--loss cross-entropy``: over the last dimension of the output's logits (a tensor, ``.logits``, a
     tuple's first): (B, C) logits with (B,) labels, or (B, T, V) with (B, T)."""
-    logits = outputs if isinstance(outputs, torch.Tensor) else parse_output(outputs).logits
-    if logits.dim() > 2:
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-    return F.cross_entropy(logits, targets)
+    return tasks_cross_entropy(outputs if isinstance(outputs, torch.Tensor) else parse_output(outputs).logits,
+                               targets)
 
 
 def loss_from_config(config: ModelConfig) -> LossFn | None:

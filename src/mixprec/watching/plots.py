@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import contextlib
+import io
 import math
 import os
-import shutil
-import tempfile
 from typing import Any
+
+from ..jsonio import write_bytes
 
 __all__ = ["write_plots"]
 
@@ -32,14 +32,10 @@ def _figure(w: float, h: float):
 
 
 def _save(fig: Any, path: str) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    """Render to memory, then write atomically (:func:`mixprec.jsonio.write_bytes`), as the doctor's plots are."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    write_bytes(path, buf.getvalue())
     return path
 
 
@@ -128,19 +124,10 @@ def _lost(report: Any, path: str, head: str) -> str | None:
 
 
 def _doctor_heatmaps(report: Any, out_dir: str) -> list[str]:
-    """The doctor's range heatmaps of the samples, drawn in a temporary folder and renamed into ``out_dir``."""
+    """The doctor's range heatmaps of the samples (only those: the doctor's other plots are the watch's own)."""
     if not report.doctor.ranges.layers:
         return []
-    from ..doctor.plots import write_plots as doctor_plots
+    from ..doctor.plots import range_heatmaps
 
-    paths = []
-    tmp = tempfile.mkdtemp(prefix=".tmp-plots-", dir=out_dir)
-    try:
-        for p in doctor_plots(report.doctor, tmp):
-            name = os.path.basename(p)
-            if name.startswith("ranges_"):
-                os.replace(p, os.path.join(out_dir, name))
-                paths.append(os.path.join(out_dir, name))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return paths
+    head = f"{report.doctor.title.get('recipe')} on {report.doctor.title.get('model')}"
+    return [p for draw in range_heatmaps(report.doctor, out_dir, head) if (p := draw())]
