@@ -344,3 +344,25 @@ def test_diagnose_on_cuda_without_cuda_is_a_usage_error():
     with pytest.raises(UsageError, match="CUDA"):
         diagnose(torch.nn.Linear(4, 2), (torch.randn(8, 4), torch.randint(0, 2, (8,))), torch.nn.functional.cross_entropy,
                  device="cuda")
+
+
+def test_each_log_line_is_one_write_so_ranks_cannot_split_it():
+    """Under torchrun the ranks share one terminal; rank 1's stop line once landed between rank 0's epoch line and
+    its newline (``print`` writes them separately when unbuffered)."""
+    from mixprec.train.report import Reporter
+
+    class Writes:
+        def __init__(self):
+            self.calls = []
+
+        def write(self, s):
+            self.calls.append(s)
+
+        def flush(self):
+            pass
+
+    stream = Writes()
+    reporter = Reporter(progress="off", stream=stream)
+    reporter.log("epoch 0: train loss 2.3141")
+    reporter.log("epoch 1: train loss 2.1")
+    assert stream.calls == ["epoch 0: train loss 2.3141\n", "epoch 1: train loss 2.1\n"]

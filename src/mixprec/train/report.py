@@ -23,6 +23,13 @@ def format_bytes(n: float | None) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def write_line(stream, msg: str) -> None:
+    """One line in one write: under torchrun every rank shares the terminal, and ``print`` writes the text and its
+    newline separately when unbuffered, so another rank's line could land between them."""
+    stream.write(msg + "\n")
+    stream.flush()
+
+
 class _NoBar:
     def advance(self, n: int = 1) -> None:
         pass
@@ -52,7 +59,7 @@ class Reporter:
         if self._progress is not None and not err:
             self._progress.console.print(msg, markup=False, highlight=False, soft_wrap=True)
         else:
-            print(msg, file=sys.stderr if err else self.stream, flush=True)
+            write_line(sys.stderr if err else self.stream, msg)
 
     def log(self, msg: str) -> None:
         self._print(msg)
