@@ -6,7 +6,10 @@ builds a recipe (``build_recipe`` + ``convert_module``, ``--amp-impl native``). 
 by round (rotating the order, so drift in machine load hits all alike); each round times ``--steps`` steps per
 variant after warm-up, and the table reports the median step time and the median over rounds of the per-round
 ratio to the first variant (bf16-mixed). A variant is ``RECIPE`` or ``RECIPE:FP8_IMPL`` (``fp8-rowwise:torchao``:
-torchao's emulated layers, if installed).
+torchao's emulated layers, if installed), optionally ``@auto``/``@on``/``@off``: the fused (``torch.compile``'d)
+operand quantisation of :mod:`mixprec.quant_kernels` for that variant (default ``--fused-quant``), so
+``fp8-mixed@off,fp8-mixed@on`` is an A/B of the eager and the fused paths. The table's ``warm-up`` column is
+the first steps' time, which holds the compiles of the fused kernels (cached on disk by Inductor across runs).
 
 ``--profile VARIANT`` prints torch.profiler's op table (self CPU time, call counts) for a few steps of one
 variant instead: op counts and time shares are meaningful on a loaded machine, absolute times are not.
@@ -14,6 +17,7 @@ variant instead: op counts and time shares are meaningful on a loaded machine, a
     python benchmarks/lowp_speed.py                                  # the issue's comparison (quiet machine)
     python benchmarks/lowp_speed.py --quick --width 64               # smoke run
     python benchmarks/lowp_speed.py --profile mxfp8
+    python benchmarks/lowp_speed.py --variants bf16-mixed,fp8-mixed@off,fp8-mixed@on,mxfp8@off,mxfp8@on
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.precision import RecipeConfig, build_recipe
+from mixprec.quant_kernels import set_fused_quant
 from mixprec.train.models import build_model
 
 DEFAULT_VARIANTS = "bf16-mixed,fp8-mixed,fp8-rowwise,mxfp8,mxfp4,nvfp4"
@@ -35,8 +40,11 @@ DEFAULT_VARIANTS = "bf16-mixed,fp8-mixed,fp8-rowwise,mxfp8,mxfp4,nvfp4"
 
 class Variant:
     def __init__(self, spec: str, args: argparse.Namespace) -> None:
-        precision, _, impl = spec.partition(":")
+        recipe_impl, _, fused = spec.partition("@")
+        precision, _, impl = recipe_impl.partition(":")
         self.name = spec
+        self.fused = fused or args.fused_quant
+        self.warmup_s = 0.0
         options = {"fp8_impl": impl} if impl else {}
         self.recipe = build_recipe(RecipeConfig(precision=precision, amp_impl="native", **options), device="cpu")
         torch.manual_seed(0)
@@ -49,16 +57,22 @@ class Variant:
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
-        with self.recipe.autocast():
+        with set_fused_quant(self.fused), self.recipe.autocast():
             loss = F.cross_entropy(self.model(self.x), self.y)
         loss.backward()  # no .item(): the recipes' finite check would sync; the timing is of the step's work
         self.opt.step()
 
-    def time(self, steps: int) -> float:
+    def warm(self, steps: int) -> None:
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
-        return (time.perf_counter() - t0) / steps
+        self.warmup_s = time.perf_counter() - t0
+
+    def time(self, steps: int, clock=time.perf_counter) -> float:
+        t0 = clock()
+        for _ in range(steps):
+            self.step()
+        return (clock() - t0) / steps
 
 
 def profile(spec: str, args: argparse.Namespace) -> None:
@@ -66,8 +80,7 @@ def profile(spec: str, args: argparse.Namespace) -> None:
     from torch.profiler import profile as prof
 
     v = Variant(spec, args)
-    for _ in range(args.warmup):
-        v.step()
+    v.warm(args.warmup)
     with prof(activities=[ProfilerActivity.CPU]) as p:
         for _ in range(args.steps):
             v.step()
@@ -87,6 +100,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--fused-quant", choices=("auto", "on", "off"), default=None,
+                   help="fused operand quantisation of variants without @MODE (mixprec.quant_kernels; default: "
+                        "$MIXPREC_FUSED_QUANT, else auto)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: elapsed time (a quiet machine); cpu: this process's CPU time, steadier on a loaded "
+                        "machine with --threads 1 (threads' spin-waits count as CPU time)")
     p.add_argument("--quick", action="store_true", help="2 rounds x 1 step (smoke test)")
     p.add_argument("--profile", metavar="VARIANT", help="print the profiler's op table for one variant instead")
     args = p.parse_args(argv)
@@ -100,24 +119,24 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     variants = [Variant(s, args) for s in args.variants.split(",")]
     for v in variants:
-        for _ in range(args.warmup):
-            v.step()
+        v.warm(args.warmup)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(args.rounds):
         for v in variants[r % len(variants):] + variants[:r % len(variants)]:
-            times[v.name].append(v.time(args.steps))
+            times[v.name].append(v.time(args.steps, time.process_time if args.clock == "cpu" else time.perf_counter))
     ref = variants[0].name
     print(f"# lowp_speed: mlp 784-{args.width}-{args.width}-{args.classes}, batch {args.batch_size}, "
-          f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {args.clock} clock, {args.rounds} rounds x {args.steps} steps, "
+          f"torch {torch.__version__}, "
           f"load {load:.2f} -> {os.getloadavg()[0]:.2f}")
-    print(f"| variant | layers | step time (median) | time vs {ref} (median of ratios) | min..max |")
-    print("|---|---|---|---|---|")
+    print(f"| variant | layers | step time (median) | time vs {ref} (median of ratios) | min..max | warm-up |")
+    print("|---|---|---|---|---|---|")
     for v in variants:
         ratios = [a / b for a, b in zip(times[v.name], times[ref])]
         impl = "" if v.recipe.fp8 is None else f" [{v.recipe.fp8.name}]"
         n = 0 if v.recipe.fp8_conversion is None else len(v.recipe.fp8_conversion.converted)
         print(f"| {v.name}{impl} | {n} converted | {statistics.median(times[v.name]) * 1e3:.2f} ms | "
-              f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}..{max(ratios):.2f} |")
+              f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}..{max(ratios):.2f} | {v.warmup_s:.1f} s |")
     return 0
 
 

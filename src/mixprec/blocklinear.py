@@ -52,7 +52,7 @@ import functools
 import torch
 from torch import nn
 
-from . import hardware
+from . import hardware, quant_kernels
 from .blockformats import ELEMENT_FORMATS, mx_scale_exponent, quantize_blocks, quantize_blocks_with_scales
 from .gemm_context import no_autocast, output_dtype
 from .gemm_recipes import LinearRecipe
@@ -160,6 +160,10 @@ def _fast_values(t: torch.Tensor, fmt: str, axis: int, rule: str | None) -> tupl
     el, block, scales = _FAST[fmt]
     axis = axis % t.dim()
     n = t.shape[axis]
+    if t.is_contiguous():
+        fused = _fused_values(t, el, block or n, scales, axis, rule)
+        if fused is not None:
+            return fused
     v = torch.empty(t.shape, dtype=torch.float32, device=t.device)
     v.copy_(t)  # a fresh fp32 copy in t's layout: everything below is in place on it; blocks along ``axis``
     b = v.view(*t.shape[:axis], n // (block or n), block or n, *t.shape[axis + 1:])
@@ -174,6 +178,26 @@ def _fast_values(t: torch.Tensor, fmt: str, axis: int, rule: str | None) -> tupl
     out = torch.empty(t.shape, dtype=_BF16, device=t.device)
     torch.mul(b, s, out=out.view(b.shape))
     return out, (got[2] if len(got) > 2 else None)
+
+
+def _fused_values(t: torch.Tensor, el, block: int, scales, axis: int, rule: str | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:func:`_fast_values` of a contiguous ``t`` as two compiled passes (:mod:`mixprec.quant_kernels`: the
+    block amax, then scale-round-unscale), the scales computed between them as the eager path does; None
+    where quant_kernels does not compile."""
+    if scales is _mx_scales:
+        q = quant_kernels.mx_values(t, axis, block=block, el_max=el.max, emax=el.emax, sig=el.mantissa_bits + 1,
+                                    emin=el.emin, mbits=el.mantissa_bits, floor=rule == "floor")
+        return None if q is None else (q, None)
+    b = t.view(*t.shape[:axis], t.shape[axis] // block, block, *t.shape[axis + 1:])
+    amax = quant_kernels.block_amax(b, axis + 1)
+    if amax is None:
+        return None
+    got = scales(amax, el, rule)
+    m, s = got[0].unsqueeze(axis + 1), got[1].unsqueeze(axis + 1)
+    q = quant_kernels.apply_scaled(b, m, s, el.max, sig=el.mantissa_bits + 1, emin=el.emin, mbits=el.mantissa_bits,
+                                  dim=axis + 1)
+    return None if q is None else (q.view(t.shape), got[2] if len(got) > 2 else None)
 
 
 def quantize_operand(t: torch.Tensor, fmt: str, axis: int, *, scale_rule: str | None = None,

@@ -120,7 +120,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import hardware
+from . import hardware, quant_kernels
 from .gemm_context import no_autocast as _no_autocast
 from .gemm_context import output_dtype as _output_dtype
 from .memory import FP8_ROLE_ATTR
@@ -214,11 +214,14 @@ def to_fp8_as_bf16(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tenso
     not -0). The emulated GEMMs' operands, computed without the FP8 dtype (see "Emulated path").
     """
     t = t.detach()
+    m, emin = _MANTISSA_BITS[fp8_dtype], _MIN_NORMAL_EXP[fp8_dtype]
+    fused = quant_kernels.fp8_tensorwise(t.contiguous(), fp8_max=_FP8_MAX[fp8_dtype], sig=m + 1, emin=emin, mbits=m)
+    if fused is not None:  # one compiled call where it pays (mixprec.quant_kernels), the same values
+        return fused
     v, v_bits, magic, magic_f = _work_buffers(t)
     if t.dtype != torch.float32:  # bf16 reductions are slower than fp32 ones on CPU: convert first
         t = v.copy_(t)
     scale = fp8_scale(_amax(t), fp8_dtype)
-    m, emin = _MANTISSA_BITS[fp8_dtype], _MIN_NORMAL_EXP[fp8_dtype]
     torch.mul(t, scale, out=v)  # exact: a power of two, |v| <= fp8 max
     # M = 1.5 * 2**(max(e, emin) + 23 - m), e = v's exponent: fp32's ulp at M is v's FP8 ulp and |v| < M / 3,
     # so (v + M) - M is v rounded to the FP8 grid, ties to even (module docstring)
@@ -270,8 +273,9 @@ def _emulated_gemm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv:
         out = (torch.mm(a.float(), b.float()) * (a_inv * b_inv)).to(out_dtype)
     else:
         out = torch.mm(a, b)
-        if out_dtype != torch.bfloat16:
-            out = out.to(out_dtype)
+        if out_dtype != torch.bfloat16:  # one pass: a 1-element scale in out_dtype promotes the bf16 product
+            scale = (a_inv * b_inv).to(out_dtype).reshape(1)
+            return torch.mul(out, scale) if bias is None else torch.addcmul(bias.to(out_dtype), out, scale)
         if bias is not None:
             return torch.addcmul(bias.to(out_dtype), out, a_inv * b_inv)
         out = out.mul_(a_inv * b_inv)
