@@ -139,10 +139,10 @@ def _tensor_scale(amax: torch.Tensor, fp8_max: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), scale, torch.nan)
 
 
-def _fp8_tensor(x, k):  # x (N,): per-tensor FP8, the scale computed in the graph -> (bf16 values, 1 / scale)
+def _fp8_tensor(x, k):  # x (N,): per-tensor FP8, the scale computed in the graph -> (bf16 values, scale)
     a = x.float()
     scale = _tensor_scale(torch.maximum(a.amax(), a.amin().neg()), k[0])
-    return _scaled_round(a, scale, torch.ones_like(scale), k), torch.reciprocal(scale)
+    return _scaled_round(a, scale, torch.ones_like(scale), k), scale  # scale an output: stored once (_mx)
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -162,14 +162,18 @@ def _mx_exponent(amax: torch.Tensor, el_max: torch.Tensor, emax: torch.Tensor, f
 
 
 def _mx(x: torch.Tensor, k: torch.Tensor, kint: torch.Tensor) -> torch.Tensor:
-    """MX values along dim 1 of ``x`` (one block): amax, the e8m0 scale, scale-round-unscale (bf16)."""
+    """MX values along dim 1 of ``x`` (one block): amax, the e8m0 scale, scale-round-unscale -> (bf16 values, m, s).
+
+    ``m`` and ``s`` are returned so that Inductor stores them once per block: a graph output is realized,
+    where an intermediate is recomputed inline for every element that reads it (a dozen integer ops per
+    element instead of per block)."""
     a = x.float()
     amax = torch.maximum(a.amax(1, keepdim=True), a.amin(1, keepdim=True).neg())
     e = _mx_exponent(amax, k[0], kint[0], kint[1] != 0)
     nan = torch.isnan(amax)
     m = torch.where(nan, torch.nan, _pow2(-e))
     s = torch.where(nan, torch.nan, _pow2(e))
-    return _scaled_round(a, m, s, k)
+    return _scaled_round(a, m, s, k), m, s
 
 
 def _mx_rows(x, k, kint):  # x (A, 32): blocks along the last, contiguous dimension
@@ -249,7 +253,7 @@ def fp8_tensorwise(t: torch.Tensor, *, fp8_max: float, sig: int, emin: int, mbit
     if not _wanted(t):
         return None
     got = _run("_fp8_tensor", t.view(-1), _grid(fp8_max, sig, emin, mbits).to(t.device))
-    return None if got is None else (got[0].view(t.shape), got[1])
+    return None if got is None else (got[0].view(t.shape), torch.reciprocal(got[1]))
 
 
 def mx_values(t: torch.Tensor, dim: int, *, block: int, el_max: float, emax: int, sig: int, emin: int, mbits: int,
@@ -265,5 +269,5 @@ def mx_values(t: torch.Tensor, dim: int, *, block: int, el_max: float, emax: int
         kind, shape = "rows", (1, block)
     k = _grid(el_max, sig, emin, mbits).to(t.device)
     kint = torch.tensor([emax, int(floor)], dtype=torch.int32, device=t.device)
-    q = _run(f"_mx_{kind}", b.view(shape), k, kint)
-    return None if q is None else q.view(t.shape)
+    got = _run(f"_mx_{kind}", b.view(shape), k, kint)
+    return None if got is None else got[0].view(t.shape)
