@@ -43,15 +43,17 @@ import torch
 from .errors import ConfigError
 
 __all__ = ["MIN_COMPILE_NUMEL", "apply_scaled", "block_amax", "fp8_tensorwise", "fused_quant_mode", "mx_values",
-           "set_fused_quant"]
+           "scaled_float", "set_fused_quant"]
 
 log = logging.getLogger(__name__)
 
-MIN_COMPILE_NUMEL = 1 << 18
-"""``auto`` compiles operands with at least this many elements (a 256 x 1024 activation); smaller stay eager."""
+MIN_COMPILE_NUMEL = 1 << 17
+"""``auto`` compiles a kernel for the first operand of at least this many elements (256 x 512); smaller stay eager."""
 _MODES = ("auto", "on", "off")
 _ENV = "MIXPREC_FUSED_QUANT"
-_state = {"mode": None, "broken": False, "fns": {}}
+MIN_REUSE_NUMEL = 1 << 12
+"""Once a kernel is compiled for a dtype, ``auto`` runs it on operands of at least this many elements."""
+_state = {"mode": None, "broken": False, "fns": {}, "seen": set()}
 
 
 def fused_quant_mode() -> str:
@@ -75,12 +77,20 @@ def set_fused_quant(mode: str | None):
         _state["mode"] = prev
 
 
-def _wanted(t: torch.Tensor) -> bool:
+def _wanted(t: torch.Tensor, kind: str) -> bool:
+    """Whether to run kernel ``kind`` compiled on ``t``. ``auto``: on CPU, for an operand of at least
+    :data:`MIN_COMPILE_NUMEL` elements, or of :data:`MIN_REUSE_NUMEL` once the kernel is compiled for its dtype
+    (the kernels take any shape: smaller operands then cost no compile)."""
     if _state["broken"] or torch.compiler.is_compiling():
         return False
     mode = fused_quant_mode()
-    if mode == "off" or (mode == "auto" and (t.device.type != "cpu" or t.numel() < MIN_COMPILE_NUMEL)):
+    if mode == "off":
         return False
+    if mode == "auto":
+        key, n = (kind, t.dtype), t.numel()
+        if t.device.type != "cpu" or n < (MIN_REUSE_NUMEL if key in _state["seen"] else MIN_COMPILE_NUMEL):
+            return False
+        _state["seen"].add(key)
     from torch._subclasses.fake_tensor import FakeTensor
 
     return not isinstance(t, FakeTensor)
@@ -184,8 +194,12 @@ def _mx_cols(x, k, kint):  # x (A, 32, C): blocks along a strided dimension
     return _mx(x, k, kint)
 
 
+def _scaled_float(x, s):  # x (N,), s 0-dim -> float32 x * s
+    return x.float() * s
+
+
 _KERNELS = {f.__name__: f for f in (_round_tensor, _round_rows, _round_cols, _amax_tensor, _amax_rows, _amax_cols,
-                                    _fp8_tensor, _mx_rows, _mx_cols)}
+                                    _fp8_tensor, _mx_rows, _mx_cols, _scaled_float)}
 
 
 
@@ -225,9 +239,9 @@ def apply_scaled(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor | None, vmax:
     ``emin``, in one compiled pass -- or None where it is not compiled (the caller's eager path then runs).
     ``x`` is contiguous; ``m`` and ``s`` are 0-dim or shaped like ``x`` with ``dim`` (the block's elements)
     of size 1. ``x * m`` is one fp32 product per element, as in the eager paths."""
-    if not _wanted(x):
-        return None
     kind, shape = _layout(x, dim)
+    if not _wanted(x, "round_" + kind):
+        return None
     k = _grid(vmax, sig, emin, mbits).to(x.device)
     ms = () if kind == "tensor" else (shape[0], 1, *shape[2:])
     s = torch.ones((), device=x.device) if s is None else s
@@ -238,9 +252,9 @@ def apply_scaled(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor | None, vmax:
 def block_amax(b: torch.Tensor, dim: int) -> torch.Tensor | None:
     """float32 ``max |b|`` along ``dim`` of a contiguous ``b`` in one compiled pass (NaN where any is NaN; the
     result has ``b``'s shape without ``dim``), or None where it is not compiled."""
-    if not _wanted(b):
-        return None
     kind, shape = _layout(b, dim)
+    if not _wanted(b, "amax_" + kind):
+        return None
     amax = _run(f"_amax_{kind}", b.view(shape))
     return None if amax is None else amax.view((*b.shape[:dim], *b.shape[dim + 1:]))
 
@@ -250,7 +264,7 @@ def fp8_tensorwise(t: torch.Tensor, *, fp8_max: float, sig: int, emin: int, mbit
     """:func:`mixprec.fp8.to_fp8_as_bf16` of a contiguous ``t`` (the format given by its largest value,
     significant bits, smallest normal exponent and mantissa bits) as one compiled call: ``(bf16 values,
     fp32 inverse scale)``, or None where it is not compiled."""
-    if not _wanted(t):
+    if not _wanted(t, "fp8_tensor"):
         return None
     got = _run("_fp8_tensor", t.view(-1), _grid(fp8_max, sig, emin, mbits).to(t.device))
     return None if got is None else (got[0].view(t.shape), torch.reciprocal(got[1]))
@@ -261,13 +275,22 @@ def mx_values(t: torch.Tensor, dim: int, *, block: int, el_max: float, emax: int
     """An MX operand (:func:`mixprec.blocklinear.quantize_operand`: bf16 values, the e8m0 scales folded in) of
     a contiguous ``t`` with blocks of ``block`` along ``dim``, as one compiled call (amax, scales and rounding
     in the graph; ``floor``: the FLOOR rule, else RCEIL), or None where it is not compiled."""
-    if not _wanted(t):
-        return None
     b = t.view(*t.shape[:dim], t.shape[dim] // block, block, *t.shape[dim + 1:])
     kind, shape = _layout(b, dim + 1)
     if kind == "tensor":
         kind, shape = "rows", (1, block)
+    if not _wanted(t, "mx_" + kind):
+        return None
     k = _grid(el_max, sig, emin, mbits).to(t.device)
     kint = torch.tensor([emax, int(floor)], dtype=torch.int32, device=t.device)
     got = _run(f"_mx_{kind}", b.view(shape), k, kint)
     return None if got is None else got[0].view(t.shape)
+
+
+def scaled_float(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+    """float32 ``x * s`` of a contiguous ``x`` and a 0-dim float32 ``s`` in one compiled pass (the eager
+    ``x.float().mul_(s)`` is two), or None where it is not compiled."""
+    if not _wanted(x, "scaled_float"):
+        return None
+    got = _run("_scaled_float", x.view(-1), s.reshape(()))
+    return None if got is None else got.view(x.shape)
