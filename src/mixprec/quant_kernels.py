@@ -3,8 +3,11 @@
 An emulated FP8/FP4 operand is ``round(clamp(t * m, -max, max)) * s`` in bf16, with ``m`` and ``s`` powers of two
 (or NVFP4's block factors) per tensor, row or block. Eagerly that is about ten elementwise passes over the
 operand, each a kernel launch and a trip through memory; on a CPU with fast bf16 GEMMs they cost more than
-the GEMM. :func:`apply_scaled` runs the whole chain as one ``torch.compile``'d loop (and :func:`block_amax`
-the block reduction) where that pays, and returns None where it does not, so the caller keeps its eager path.
+the GEMM. Here each is one ``torch.compile``'d call where that pays: :func:`fp8_tensorwise` (per-tensor FP8:
+amax, scale and rounding) and :func:`mx_values` (MX: block amax, e8m0 scales and rounding) in one call,
+rowwise FP8 and NVFP4 as :func:`block_amax` then :func:`apply_scaled` with the caller's scale rule between
+them, and :func:`scaled_float` (a bf16 GEMM result unscaled into fp32). Each returns None where it does not
+compile, and the caller runs its eager path.
 
 Same values, bit for bit
 ------------------------
@@ -15,20 +18,25 @@ rounded to ``p`` bits, ties to even; below ``2**emin`` (the format's subnormals,
 ``2**(emin - mbits)``) ``(v + C) - C`` with ``C = 1.5 * 2**(emin - mbits + 23)`` rounds to that spacing.
 Both equal the magic-number rounding on every fp32 input (tests: every fp32 value of a binade, both
 signs, each element format, and the subnormal range); a value that rounds to zero gives +0, as before.
-Only IEEE-exact operations are used (multiply, add, subtract, compare, min/max), which Inductor's C++
-code keeps as written (it compiles without unsafe math or floating-point contraction), and the scales
-(exact powers of two and NVFP4's e4m3 factors) are computed by the caller as before.
+Only correctly rounded IEEE operations are used (multiply, divide, add, subtract, compare, min/max) and
+integer bit operations, which Inductor's C++ code keeps as written (it compiles without unsafe math or
+floating-point contraction). The per-tensor and MX scales in the graph repeat :func:`mixprec.fp8.fp8_scale`
+and :func:`mixprec.blockformats.mx_scale_exponent` with bit operations; rowwise scales (``log2``/``exp2``)
+and NVFP4's (an e4m3 cast) stay with the caller, eager. Tests compare every path with the eager one on
+random, zero, tiny, huge, subnormal, inf and NaN inputs.
 
 When it compiles
 ----------------
-``MIXPREC_FUSED_QUANT`` (environment) or :func:`set_fused_quant` picks ``auto`` (the default), ``on`` or
-``off``. ``auto`` compiles on CPU for operands of at least :data:`MIN_COMPILE_NUMEL` elements: the first
-call of each operand kind (format, dtype, layout) pays a compile of seconds (tens on a small loaded
-machine the first time in a process, much less when Inductor's on-disk cache has the kernel), which a
-few hundred calls on operands that large repay; smaller operands (tests, tiny models) stay eager.
-``on`` compiles every operand on any device; ``off`` never. Inside a ``torch.compile``'d model (the
-model is traced anyway), on fake tensors (``mixprec plan``), and after a compile fails (no C compiler,
-no Inductor) the eager path runs; a failure is logged once at INFO.
+``MIXPREC_FUSED_QUANT`` (environment, read at first use) or :func:`set_fused_quant` picks ``auto`` (the
+default), ``on`` or ``off``. ``auto`` runs compiled on CPU only: a kernel (per-tensor FP8, MX along rows
+or along columns, ...; fp32 or bf16 input) is compiled for the first operand of at least
+:data:`MIN_COMPILE_NUMEL` elements, and once compiled it also serves operands down to
+:data:`MIN_REUSE_NUMEL` (the kernels take any shape, so a new shape costs no compile). A compile takes
+seconds -- tens for the first in a process on a small busy machine, far less when Inductor's on-disk cache
+already holds the kernel -- which a few hundred calls on operands that large repay; tests and tiny models
+stay eager. ``on`` compiles every operand on any device; ``off`` never compiles. Inside a
+``torch.compile``'d model (traced anyway), on fake tensors (``mixprec plan``), and after a compile fails
+(no C compiler, no Inductor) the eager path runs; a failure is logged once at INFO.
 """
 
 from __future__ import annotations
@@ -48,19 +56,23 @@ __all__ = ["MIN_COMPILE_NUMEL", "apply_scaled", "block_amax", "fp8_tensorwise", 
 log = logging.getLogger(__name__)
 
 MIN_COMPILE_NUMEL = 1 << 17
-"""``auto`` compiles a kernel for the first operand of at least this many elements (256 x 512); smaller stay eager."""
+"""``auto`` compiles a kernel for the first operand of at least this many elements (256 x 512)."""
 _MODES = ("auto", "on", "off")
 _ENV = "MIXPREC_FUSED_QUANT"
 MIN_REUSE_NUMEL = 1 << 12
 """Once a kernel is compiled for a dtype, ``auto`` runs it on operands of at least this many elements."""
-_state = {"mode": None, "broken": False, "fns": {}, "seen": set()}
+_state = {"mode": None, "env": None, "broken": False, "fns": {}, "seen": set(), "grids": {}}
 
 
 def fused_quant_mode() -> str:
-    """The current mode: :func:`set_fused_quant`'s, else ``$MIXPREC_FUSED_QUANT``, else ``auto``."""
-    mode = _state["mode"] or os.environ.get(_ENV, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ConfigError(f"{_ENV}={mode!r}: choose one of {', '.join(_MODES)} (or unset it: auto)")
+    """The current mode: :func:`set_fused_quant`'s, else ``$MIXPREC_FUSED_QUANT`` (read at first use), else
+    ``auto``."""
+    mode = _state["mode"] or _state.get("env")
+    if mode is None:
+        mode = os.environ.get(_ENV, "auto").strip().lower() or "auto"
+        if mode not in _MODES:
+            raise ConfigError(f"{_ENV}={mode!r}: choose one of {', '.join(_MODES)} (or unset it: auto)")
+        _state["env"] = mode
     return mode
 
 
@@ -203,10 +215,15 @@ _KERNELS = {f.__name__: f for f in (_round_tensor, _round_rows, _round_cols, _am
 
 
 
-def _grid(vmax: float | None, sig: int, emin: int, mbits: int) -> torch.Tensor:
-    """float32 ``[vmax, 2**(24 - sig) + 1, 1.5 * 2**(emin - mbits + 23), 2**emin]`` (module docstring)."""
-    return torch.tensor([math.inf if vmax is None else vmax, 2.0 ** (24 - sig) + 1, 1.5 * 2.0 ** (emin - mbits + 23),
-                         2.0**emin], dtype=torch.float32)
+def _grid(vmax: float | None, sig: int, emin: int, mbits: int, device: torch.device) -> torch.Tensor:
+    """float32 ``[vmax, 2**(24 - sig) + 1, 1.5 * 2**(emin - mbits + 23), 2**emin]`` (module docstring), cached."""
+    key = (vmax, sig, emin, mbits, device)
+    got = _state["grids"].get(key)
+    if got is None:
+        got = _state["grids"][key] = torch.tensor(
+            [math.inf if vmax is None else vmax, 2.0 ** (24 - sig) + 1, 1.5 * 2.0 ** (emin - mbits + 23), 2.0**emin],
+            dtype=torch.float32, device=device)
+    return got
 
 
 def _layout(t: torch.Tensor, dim: int) -> tuple[str, tuple[int, ...]]:
@@ -242,7 +259,7 @@ def apply_scaled(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor | None, vmax:
     kind, shape = _layout(x, dim)
     if not _wanted(x, "round_" + kind):
         return None
-    k = _grid(vmax, sig, emin, mbits).to(x.device)
+    k = _grid(vmax, sig, emin, mbits, x.device)
     ms = () if kind == "tensor" else (shape[0], 1, *shape[2:])
     s = torch.ones((), device=x.device) if s is None else s
     q = _run(f"_round_{kind}", x.view(shape), m.reshape(ms), s.reshape(ms), k)
@@ -266,7 +283,7 @@ def fp8_tensorwise(t: torch.Tensor, *, fp8_max: float, sig: int, emin: int, mbit
     fp32 inverse scale)``, or None where it is not compiled."""
     if not _wanted(t, "fp8_tensor"):
         return None
-    got = _run("_fp8_tensor", t.view(-1), _grid(fp8_max, sig, emin, mbits).to(t.device))
+    got = _run("_fp8_tensor", t.view(-1), _grid(fp8_max, sig, emin, mbits, t.device))
     return None if got is None else (got[0].view(t.shape), torch.reciprocal(got[1]))
 
 
@@ -281,7 +298,7 @@ def mx_values(t: torch.Tensor, dim: int, *, block: int, el_max: float, emax: int
         kind, shape = "rows", (1, block)
     if not _wanted(t, "mx_" + kind):
         return None
-    k = _grid(el_max, sig, emin, mbits).to(t.device)
+    k = _grid(el_max, sig, emin, mbits, t.device)
     kint = torch.tensor([emax, int(floor)], dtype=torch.int32, device=t.device)
     got = _run(f"_mx_{kind}", b.view(shape), k, kint)
     return None if got is None else got[0].view(t.shape)
