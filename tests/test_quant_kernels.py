@@ -90,7 +90,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 @pytest.fixture
 def fresh_state(monkeypatch):
     """quant_kernels' process state, restored after the test."""
-    for key, value in (("broken", False), ("fns", {}), ("seen", set()), ("env", None), ("mode", None)):
+    for key, value in (("broken", False), ("fns", {}), ("env", None), ("mode", None)):
         monkeypatch.setitem(quant_kernels._state, key, value)
 
 
@@ -121,10 +121,15 @@ def test_the_compiled_kernels_give_the_eager_values(fresh_state):
         assert torch.equal(quant_kernels.scaled_float(out, s), out.float().mul_(s))
 
 
-def test_auto_compiles_only_large_cpu_operands_and_off_never(fresh_state):
+def test_auto_fuses_the_operands_of_large_cpu_layers_only_and_off_never(fresh_state):
     small, large = torch.zeros(64, 64), torch.empty((quant_kernels.MIN_COMPILE_NUMEL,), device="meta")
     assert not quant_kernels._wanted(small, "k")
     assert not quant_kernels._wanted(large, "k")  # not a CPU tensor
+    with quant_kernels.layer_size(quant_kernels.MIN_COMPILE_NUMEL):  # an operand of a large layer
+        assert quant_kernels._wanted(small, "k")
+        assert not quant_kernels._wanted(torch.zeros(8, 8), "k")  # too small to be worth a call
+    with quant_kernels.layer_size(quant_kernels.MIN_COMPILE_NUMEL - 1):
+        assert not quant_kernels._wanted(torch.zeros(quant_kernels.MIN_COMPILE_NUMEL), "k")
     with quant_kernels.set_fused_quant("off"):
         assert quant_kernels.fp8_tensorwise(torch.zeros(1 << 18), fp8_max=448.0, sig=4, emin=-6, mbits=3) is None
     with quant_kernels.set_fused_quant("on"):

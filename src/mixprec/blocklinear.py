@@ -152,7 +152,8 @@ def _fast_values(t: torch.Tensor, fmt: str, axis: int, rule: str | None) -> tupl
     grid by the add/subtract of :func:`mixprec.fp8.to_fp8_as_bf16` -- ``M = 1.5 * 2**(max(e, emin) + 23 - mbits)``
     from v's own exponent ``e``, so fp32's spacing at ``M`` is the element format's at ``v`` and ``(v + M) - M``
     rounds to it, ties to even -- and the block scale is multiplied in on the way to bf16 (exact, one pass).
-    Signed zeros come out as +0.
+    Signed zeros come out as +0. Contiguous operands large enough take :func:`_fused_values` instead (the same
+    values from one or two compiled calls, :mod:`mixprec.quant_kernels`).
     """
     if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():  # a transposed view: quantise the
         v, ts = _fast_values(t.t(), fmt, 1 - axis, rule)                   # stored tensor along the other axis
@@ -182,9 +183,9 @@ def _fast_values(t: torch.Tensor, fmt: str, axis: int, rule: str | None) -> tupl
 
 def _fused_values(t: torch.Tensor, el, block: int, scales, axis: int, rule: str | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """:func:`_fast_values` of a contiguous ``t`` as two compiled passes (:mod:`mixprec.quant_kernels`: the
-    block amax, then scale-round-unscale), the scales computed between them as the eager path does; None
-    where quant_kernels does not compile."""
+    """:func:`_fast_values` of a contiguous ``t`` through :mod:`mixprec.quant_kernels`: MX in one compiled
+    call (amax, e8m0 scales, rounding); rowwise and NVFP4 as the compiled block amax, their scales computed
+    eagerly as :func:`_fast_values` does, then the compiled scale-round-unscale. None where it does not compile."""
     if scales is _mx_scales:
         q = quant_kernels.mx_values(t, axis, block=block, el_max=el.max, emax=el.emax, sig=el.mantissa_bits + 1,
                                     emin=el.emin, mbits=el.mantissa_bits, floor=rule == "floor")
@@ -260,7 +261,7 @@ class _BlockMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, out_dtype, recipe, mode, generator):
-        with no_autocast(x.device.type):
+        with no_autocast(x.device.type), quant_kernels.layer_size(weight.numel()):
             y = _gemm(x, recipe.output[0], weight.t(), recipe.output[1], out_dtype, recipe, mode)
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.mode, ctx.generator = recipe, mode, generator
@@ -271,7 +272,7 @@ class _BlockMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         r, mode = ctx.recipe, ctx.mode
         dx = dw = None
-        with no_autocast(dy.device.type):
+        with no_autocast(dy.device.type), quant_kernels.layer_size(weight.numel()):
             if ctx.needs_input_grad[0]:
                 dx = _gemm(dy, r.grad_input[0], weight, r.grad_input[1], x.dtype, r, mode,
                            stochastic_a=r.stochastic_rounding, generator=ctx.generator)

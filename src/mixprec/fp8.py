@@ -59,7 +59,9 @@ and ``M``'s last mantissa bit is even) and ``(v + M) - M`` is exact. ``M`` is bu
 bits. Nothing saturates because the scale keeps ``|v| <= fp8 max``; a NaN scale gives NaN. The result
 equals ``v.to(fp8).to(bf16)`` for every input (tests: all FP8 values, all ties, random and subnormal
 inputs), signed zeros aside. Autograd saves these bf16 operands (2 bytes per element; the real path
-saves 1-byte FP8).
+saves 1-byte FP8). Where it pays (large CPU operands; :mod:`mixprec.quant_kernels`) the amax, the scale and
+the rounding run as one ``torch.compile``'d call giving the same values bit for bit, and ``dW``'s cast to
+fp32 and unscale as one pass.
 
 The bf16 GEMM rounds its fp32 sum once, to bf16, and the power-of-two unscale is exact. For a bf16
 output (``y`` under the recipe's autocast, ``dx`` of bf16 activations) that is exactly the one rounding
@@ -313,7 +315,7 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, out_dtype, mode):
-        with _no_autocast(x.device.type):
+        with _no_autocast(x.device.type), quant_kernels.layer_size(weight.numel()):
             xq, x_inv = _quantize(x, E4M3, mode)
             wq, w_inv = _quantize(weight, E4M3, mode)
             y = _gemm(xq, x_inv, wq.t(), w_inv, out_dtype, mode, bias)
@@ -329,7 +331,7 @@ class _Fp8Matmul(torch.autograd.Function):
         xq, x_inv, wq, w_inv = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         dx = dw = db = None
-        with _no_autocast(dy.device.type):
+        with _no_autocast(dy.device.type), quant_kernels.layer_size(wq.numel()):
             dyq, dy_inv = _quantize(dy, E5M2, ctx.mode)
             if ctx.needs_input_grad[0]:
                 dx = _gemm(dyq, dy_inv, wq, w_inv, x_dtype, ctx.mode)

@@ -28,15 +28,15 @@ random, zero, tiny, huge, subnormal, inf and NaN inputs.
 When it compiles
 ----------------
 ``MIXPREC_FUSED_QUANT`` (environment, read at first use) or :func:`set_fused_quant` picks ``auto`` (the
-default), ``on`` or ``off``. ``auto`` runs compiled on CPU only: a kernel (per-tensor FP8, MX along rows
-or along columns, ...; fp32 or bf16 input) is compiled for the first operand of at least
-:data:`MIN_COMPILE_NUMEL` elements, and once compiled it also serves operands down to
-:data:`MIN_REUSE_NUMEL` (the kernels take any shape, so a new shape costs no compile). A compile takes
-seconds -- tens for the first in a process on a small busy machine, far less when Inductor's on-disk cache
-already holds the kernel -- which a few hundred calls on operands that large repay; tests and tiny models
-stay eager. ``on`` compiles every operand on any device; ``off`` never compiles. Inside a
-``torch.compile``'d model (traced anyway), on fake tensors (``mixprec plan``), and after a compile fails
-(no C compiler, no Inductor) the eager path runs; a failure is logged once at INFO.
+default), ``on`` or ``off``. ``auto`` runs compiled on CPU only, for the operands of linear layers of at
+least :data:`MIN_COMPILE_NUMEL` weights (:mod:`mixprec.fp8` and :mod:`mixprec.blocklinear` say which layer
+through :func:`layer_size`): each kernel (per-tensor FP8, MX along rows or columns, ...; fp32 or bf16
+input) compiles once and takes any shape. A compile takes seconds -- tens for the first in a process on a
+small busy machine, far less when Inductor's on-disk cache already holds the kernel -- which a few hundred
+steps of a layer that large repay; tests and small models stay eager and never compile. ``on`` compiles
+every operand on any device; ``off`` never compiles. Inside a ``torch.compile``'d model (traced anyway), on
+fake tensors (``mixprec plan``), and after a compile fails (no C compiler, no Inductor) the eager path
+runs; a failure is logged once at INFO.
 """
 
 from __future__ import annotations
@@ -45,23 +45,25 @@ import contextlib
 import logging
 import math
 import os
+import threading
 
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["MIN_COMPILE_NUMEL", "apply_scaled", "block_amax", "fp8_tensorwise", "fused_quant_mode", "mx_values",
-           "scaled_float", "set_fused_quant"]
+__all__ = ["MIN_COMPILE_NUMEL", "MIN_OPERAND_NUMEL", "apply_scaled", "block_amax", "fp8_tensorwise",
+           "fused_quant_mode", "layer_size", "mx_values", "scaled_float", "set_fused_quant"]
 
 log = logging.getLogger(__name__)
 
-MIN_COMPILE_NUMEL = 1 << 17
-"""``auto`` compiles a kernel for the first operand of at least this many elements (256 x 512)."""
+MIN_COMPILE_NUMEL = 1 << 19
+"""``auto`` fuses the operands of linear layers with at least this many weights (1024 x 512)."""
+MIN_OPERAND_NUMEL = 1 << 12
+"""... and of those, operands of at least this many elements (smaller ones cost more in the call than eagerly)."""
 _MODES = ("auto", "on", "off")
 _ENV = "MIXPREC_FUSED_QUANT"
-MIN_REUSE_NUMEL = 1 << 12
-"""Once a kernel is compiled for a dtype, ``auto`` runs it on operands of at least this many elements."""
-_state = {"mode": None, "env": None, "broken": False, "fns": {}, "seen": set(), "grids": {}}
+_state = {"mode": None, "env": None, "broken": False, "fns": {}, "grids": {}}
+_LOCAL = threading.local()
 
 
 def fused_quant_mode() -> str:
@@ -74,6 +76,18 @@ def fused_quant_mode() -> str:
             raise ConfigError(f"{_ENV}={mode!r}: choose one of {', '.join(_MODES)} (or unset it: auto)")
         _state["env"] = mode
     return mode
+
+
+@contextlib.contextmanager
+def layer_size(numel: int):
+    """Operands quantised in this block belong to a linear layer of ``numel`` weights (``auto``'s criterion: the
+    layer's size, not the operand's, so every operand of a large layer is fused and none of a small one)."""
+    prev = getattr(_LOCAL, "size", None)
+    _LOCAL.size = numel
+    try:
+        yield
+    finally:
+        _LOCAL.size = prev
 
 
 @contextlib.contextmanager
@@ -90,19 +104,19 @@ def set_fused_quant(mode: str | None):
 
 
 def _wanted(t: torch.Tensor, kind: str) -> bool:
-    """Whether to run kernel ``kind`` compiled on ``t``. ``auto``: on CPU, for an operand of at least
-    :data:`MIN_COMPILE_NUMEL` elements, or of :data:`MIN_REUSE_NUMEL` once the kernel is compiled for its dtype
-    (the kernels take any shape: smaller operands then cost no compile)."""
+    """Whether to run kernel ``kind`` compiled on ``t``. ``auto``: on CPU, inside a layer of at least
+    :data:`MIN_COMPILE_NUMEL` weights (:func:`layer_size`; outside one, ``t`` itself), for operands of at
+    least :data:`MIN_OPERAND_NUMEL` elements."""
     if _state["broken"] or torch.compiler.is_compiling():
         return False
     mode = fused_quant_mode()
     if mode == "off":
         return False
     if mode == "auto":
-        key, n = (kind, t.dtype), t.numel()
-        if t.device.type != "cpu" or n < (MIN_REUSE_NUMEL if key in _state["seen"] else MIN_COMPILE_NUMEL):
+        n = t.numel()
+        size = getattr(_LOCAL, "size", None)
+        if t.device.type != "cpu" or n < MIN_OPERAND_NUMEL or (n if size is None else size) < MIN_COMPILE_NUMEL:
             return False
-        _state["seen"].add(key)
     from torch._subclasses.fake_tensor import FakeTensor
 
     return not isinstance(t, FakeTensor)
