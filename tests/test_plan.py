@@ -216,3 +216,27 @@ def test_llama_8b_plan_matches_the_hand_calculation(tmp_path):
     doc = json.loads((tmp_path / "llama.json").read_text())
     n = 8_030_261_248
     assert doc["recipes"][0]["memory"]["parameters"] == 4 * n
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_default_loss_is_the_tasks_as_in_train():
+    """Float targets against one output per sample are a regression: train's task resolution gives MSE."""
+    from mixprec.planning.api import Planner
+    from mixprec.train.config import TrainConfig
+
+    batch = (torch.randn(16, 8), torch.randn(16))
+    planner = Planner(config=TrainConfig.from_flags(optimizer="adamw"), target=CPU, model=Regressor, batch=batch)
+    ops = {o.name for o in planner.trace("fp32")[0].ops}
+    assert planner.default_loss.task.name == "regression"
+    assert "mse_loss" in ops and not any("nll_loss" in o or "log_softmax" in o for o in ops)
+    classify = Planner(config=TrainConfig.from_flags(optimizer="adamw"), target=CPU, model=LinearNormLinear,
+                       batch=(torch.randn(16, 64), torch.randint(0, 10, (16,))))
+    assert "nll_loss_forward" in {o.name for o in classify.trace("fp32")[0].ops}

@@ -284,7 +284,7 @@ def trace_step(
             with rec:
                 _step(model, recipe, optimizer, fbatch, rec, tracker, autocast_for(model),
                       loss_fn=loss_fn, default_loss=default_loss, clip_grad_norm=clip_grad_norm)
-        except TraceError:
+        except UsageError:  # a TraceError, or the model contract's (targets that fit no task...)
             raise
         except Exception as e:  # noqa: BLE001 -- the model does something fake tensors cannot
             raise _trace_error(e, recipe.name) from None
