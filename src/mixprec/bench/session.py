@@ -2,7 +2,8 @@
 
 - :func:`~mixprec.bench.plan.plan` checks everything before any run (exit 2 at once, not after an hour).
 - :func:`~mixprec.bench.machine.measure_machine` counts the FLOPs and measures the peaks; the console
-  shows the plan and one preflight line per recipe.
+  shows the plan and one preflight line per recipe; :func:`~mixprec.bench.predict.predict` has ``mixprec
+  plan`` predict each recipe's step peak and step time (its own process; ``--no-plan`` skips it).
 - :func:`~mixprec.bench.runner.execute_matrix` runs each (recipe, repeat) in a fresh subprocess, one line
   per finished run.
 - :meth:`Session.report` prints the table and writes ``results.json``, ``results.md`` and the plots.
@@ -20,6 +21,7 @@ be written, 2 for usage errors (raised), 128 + the signal number when interrupte
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -31,6 +33,7 @@ from .console import announce, progress_line, say
 from .document import build_document, draw_plots, write_documents
 from .machine import Machine, measure_machine
 from .plan import Plan, plan
+from .predict import predict
 from .report import table
 from .results import RunResult
 from .resume import load_previous
@@ -83,6 +86,7 @@ class Session:
             self.lock = OutputLock.acquire(self.plan.out_dir, command="mixprec bench")
         self.machine = measure_machine(self.plan)
         announce(self.plan, self.machine)
+        self.machine = dataclasses.replace(self.machine, prediction=predict(self.plan, self.machine, say=say))
         self.results = list(self.plan.kept)
         execute_matrix(self.plan.to_run, self.plan.out_dir, timeout=self.config.timeout, on_done=self.finished,
                        invocation=self.plan.invocation)
