@@ -168,9 +168,12 @@ def calibrate(quick: bool = False) -> dict:
     from scipy.optimize import nnls
 
     inv, _ = nnls(np.array(rows), np.array(ys))
-    fit = {"fp32": 1 / inv[0] if inv[0] else None, "bf16": 1 / inv[1] if inv[1] else None,
-           "memory": 1 / inv[2] if inv[2] else None}
+    fit = {"fp32": float(1 / inv[0]) if inv[0] else None, "bf16": float(1 / inv[1]) if inv[1] else None,
+           "memory": float(1 / inv[2]) if inv[2] else None}
     print("fitted efficiency factors:", fit)
+    for k, v in fit.items():
+        if v is None:
+            print(f"warning: {k} could not be fitted (its term got weight 0); the line below keeps the old value")
     old = roofline.CPU_EFFICIENCY
     gemm = {"fp32": fit["fp32"] or old.gemm["fp32"], "bf16": fit["bf16"] or old.gemm["bf16"]}
     gemm["fp16"] = gemm["bf16"]

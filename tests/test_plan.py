@@ -166,7 +166,9 @@ def test_cli_writes_json_with_the_issues_keys(cli, tmp_path):
     code, text, _ = cli("plan", "--model", "mlp", "--dataset", "digits", "--target", "rtx3090",
                         "--precisions", "fp32,amp", "--json", out)
     assert code == 0 and "verdict on rtx3090" in text
+    assert "limit: the step is traced on fake CPU tensors, so model code that branches on the device type" in text
     doc = json.loads(out.read_text())
+    assert len(doc["limits"]) == 1 and "CPU branch" in doc["limits"][0]
     assert [r["recipe"] for r in doc["recipes"]] == ["fp32", "fp16-mixed"]
     for r in doc["recipes"]:
         assert {"recipe", "memory", "peak_bytes", "max_batch_size", "flops", "step_time_s"} <= set(r)

@@ -3,8 +3,9 @@
 ``results.json`` holds the bench's :class:`~mixprec.bench.config.BenchConfig` (``bench``) and every
 recipe's :class:`~mixprec.train.config.TrainConfig` (``configs``) as their ``to_dict()``, the command line
 that asks for the same bench afresh, this invocation's number and the list of all invocations (each with
-its time, environment, peaks and the runs it ran), the progress, the preflight, the FLOPs, the summary
-rows and every run. Both files are written atomically (:mod:`mixprec.jsonio`): a reader never sees half a
+its time, environment, peaks and the runs it ran), the progress, the preflight, the FLOPs, the plan's
+prediction of every recipe (``prediction``, :mod:`mixprec.bench.predict`; None with ``--no-plan``), the
+summary rows and every run. Both files are written atomically (:mod:`mixprec.jsonio`): a reader never sees half a
 file. The plots come after them, so a plot that fails or hangs loses nothing; a failure is
 ``plots_error`` in the document and one line in the output.
 """

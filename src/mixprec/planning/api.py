@@ -83,8 +83,11 @@ class Plan:
         return verdict(self)
 
     def to_dict(self) -> dict[str, Any]:
+        from .report import DEVICE_BRANCH_LIMIT
+
         return {"schema": "mixprec.plan/1", "target": self.target.to_dict(), "model": self.model,
                 "batch_size": self.batch_size, "traced": self.traced, "efficiency": self.efficiency_source,
+                "limits": [DEVICE_BRANCH_LIMIT] if self.target.kind != "cpu" else [],
                 "recipes": [r.to_dict() for r in self.recipes], "verdict": self.verdict()}
 
 
