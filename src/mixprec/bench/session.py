@@ -55,6 +55,8 @@ class Session:
         """The final results.json document, once the report is written."""
         self.lock: OutputLock | None = None
         """This bench's hold on its folder: a second bench on a live folder is refused."""
+        self.predicting = False
+        """Whether the planner's process is running (before the first run)."""
 
     def run(self) -> int:
         """Plan, measure, run, report; the exit status (UsageError raised for exit 2). The folder stays
@@ -86,7 +88,9 @@ class Session:
             self.lock = OutputLock.acquire(self.plan.out_dir, command="mixprec bench")
         self.machine = measure_machine(self.plan)
         announce(self.plan, self.machine)
+        self.predicting = True
         self.machine = dataclasses.replace(self.machine, prediction=predict(self.plan, self.machine, say=say))
+        self.predicting = False
         self.results = list(self.plan.kept)
         execute_matrix(self.plan.to_run, self.plan.out_dir, timeout=self.config.timeout, on_done=self.finished,
                        invocation=self.plan.invocation)
@@ -133,7 +137,9 @@ class Session:
             self.release()
             return 128 + sig
         ran = done - len(p.kept)  # finished in this invocation
-        if ran < len(p.to_run):
+        if self.predicting:
+            head += " while the planner predicted the recipes (before the first run), its process stopped"
+        elif ran < len(p.to_run):
             spec = p.to_run[ran]
             head += (f" during {spec.recipe} seed {spec.seed} (run {ran + 1} of {len(p.to_run)}"
                      + (" in this invocation" if p.kept else "") + "), its worker stopped")
