@@ -242,3 +242,33 @@ def test_default_loss_is_the_tasks_as_in_train():
     classify = Planner(config=TrainConfig.from_flags(optimizer="adamw"), target=CPU, model=LinearNormLinear,
                        batch=(torch.randn(16, 64), torch.randint(0, 10, (16,))))
     assert "nll_loss_forward" in {o.name for o in classify.trace("fp32")[0].ops}
+
+
+@pytest.mark.slow
+def test_replayed_fp8_scales_give_the_trace_of_running_them(monkeypatch):
+    """The FP8 scale computations after the first of each kind are replayed, not dispatched: same ops, same
+    memory."""
+    import contextlib
+
+    import mixprec.fp8 as fp8
+    import mixprec.planning.trace as T
+    from mixprec.planning.api import Planner
+    from mixprec.train.config import TrainConfig
+
+    calls = []
+    real = fp8._device_scale
+    monkeypatch.setattr(fp8, "_device_scale", lambda *a: calls.append(1) or real(*a))
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+
+    def trace():
+        calls.clear()
+        tr = Planner(config=TrainConfig.from_flags(optimizer="adamw"), target="h100-sxm", model=LinearNormLinear,
+                     batch=batch).trace("fp8-mixed")[0]
+        return [(o.name, o.flops, o.dtype, o.nbytes, o.phase) for o in tr.ops], tr.peak_bytes, tr.totals, len(calls)
+
+    ops, peak, totals, ran = trace()
+    monkeypatch.setattr(T, "_replayed_scales", lambda rec, fake: contextlib.nullcontext())
+    ops_all, peak_all, totals_all, ran_all = trace()
+    assert ran < ran_all and ran_all >= 3  # x, w and the output gradient are scaled; the later ones replayed
+    assert ops == ops_all and peak == peak_all and totals == totals_all
+    assert sum(o[0] == "frexp" for o in ops) == ran_all  # one frexp per scale, replayed or not
