@@ -272,3 +272,14 @@ def test_replayed_fp8_scales_give_the_trace_of_running_them(monkeypatch):
     assert ran < ran_all and ran_all >= 3  # x, w and the output gradient are scaled; the later ones replayed
     assert ops == ops_all and peak == peak_all and totals == totals_all
     assert sum(o[0] == "frexp" for o in ops) == ran_all  # one frexp per scale, replayed or not
+
+
+def test_a_cuda_device_name_finds_its_table_entry_or_none():
+    from mixprec.planning.targets import target_for_gpu
+
+    names = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100-80gb",
+             "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA L4": "l4", "NVIDIA B200": "b200"}
+    for name, key in names.items():
+        assert target_for_gpu(name).name == key, name
+    for other in ("NVIDIA L40S", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "NVIDIA GH200 480GB", "Tesla T4"):
+        assert target_for_gpu(other) is None, other

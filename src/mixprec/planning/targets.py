@@ -116,14 +116,14 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
 
 
 _GPU_NAMES = (("H100", "h100-sxm"), ("H200", "h200"), ("B200", "b200"), ("A100", "a100-80gb"),
-              ("RTX 3090", "rtx3090"), ("RTX 4090", "rtx4090"), (" L4", "l4"))
+              ("RTX 3090", "rtx3090"), ("RTX 4090", "rtx4090"), (" L4 ", "l4"))
 
 
 def target_for_gpu(device_name: str) -> Target | None:
     """The table's entry for a GPU by its CUDA device name (``NVIDIA H100 80GB HBM3``), or None when the table
     has no such GPU (an A100 40GB, an H100 PCIe or NVL are not the boards the table describes)."""
     name = f" {device_name} "
-    if "PCIe" in name or "NVL" in name or ("A100" in name and "80GB" not in name):
+    if "PCIe" in name or "NVL" in name or "GH200" in name or ("A100" in name and "80GB" not in name):
         return None
     return next((TARGETS[key] for part, key in _GPU_NAMES if part in name), None)
 
