@@ -37,7 +37,7 @@ from .report import WatchReport, WatchHistory
 
 __all__ = ["Output", "CSV_FIELDS"]
 
-CSV_FIELDS = ("step", "loss", "loss_scale", "next_scale", "skipped", "nonfinite", "grad_absmax", "grad_norm",
+CSV_FIELDS = ("step", "loss", "loss_scale", "next_scale", "skipped", "nonfinite", "grad_l2", "grad_norm",
               "sampled", "cause")
 
 
@@ -68,7 +68,7 @@ class Output:
                              skipped=bool(v.skipped), cause=v.cause)
             self.history.add_step(rec, v.sampled)
             rows.append([v.step, loss, rec.scale, rec.next_scale, int(v.skipped),
-                         "" if v.nonfinite is None else int(v.nonfinite), _num(v.grad_absmax), _num(v.grad_norm),
+                         "" if v.nonfinite is None else int(v.nonfinite), _num(v.grad_l2), _num(v.grad_norm),
                          int(v.sampled), v.cause or ""])
             self._scalars(v, loss)
         if self.writes and rows:
@@ -86,7 +86,7 @@ class Output:
         if tb is None:
             return
         for name, x in (("loss", loss), ("loss_scale", float(v.scale)), ("skipped", float(v.skipped)),
-                        ("grad_absmax", _num(v.grad_absmax)), ("grad_norm", _num(v.grad_norm))):
+                        ("grad_l2", _num(v.grad_l2)), ("grad_norm", _num(v.grad_norm))):
             if isinstance(x, float) and math.isfinite(x):
                 tb.add_scalar(f"watch/{name}", x, v.step)
 
