@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 
 import pytest
@@ -185,6 +186,33 @@ def test_syncs_added_per_unsampled_step(monkeypatch, scaled, added):
     watched = _syncs_per_step(True, scaled, monkeypatch)
     # step 0 is sampled; steps 1.. are not: the watch adds exactly `added` reads to each of them
     assert [b - a for a, b in zip(plain[1:], watched[1:])] == [added] * (len(plain) - 1)
+
+
+@pytest.mark.parametrize("case", ["huge-finite", "inf-gradient"])
+def test_finite_check_tells_an_overflowing_norm_from_an_inf_gradient(case):
+    """No scaler: the flag is the gradients' L2 norm; gradients near 1e25 are finite but their squares overflow
+    fp32 (the norm reads inf), so the step is checked exactly with one more read -- and is not a fault; a
+    gradient that is inf (a planted backward overflow, finite loss) is."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    data = batches(3, fault_at=2 if case == "inf-gradient" else None, mode=BACKWARD)
+    norms = []
+    with mixprec.watch(model, opt, every=100, plots=False, localize=False) as w:
+        for x, y in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            (loss * (1e25 if case == "huge-finite" else 1.0)).backward()
+            opt.step()
+            norms.append(w.last.grad_l2)
+    assert norms[2] == math.inf and all(0 < n < math.inf for n in norms[:2]) == (case == "inf-gradient")
+    if case == "huge-finite":
+        assert w.nonfinite_steps == 0 and not w.triggers
+        assert w.host_reads["check"] == 2 * 3  # the norm, then the exact check, on every step
+    else:
+        assert w.nonfinite_steps == 1 and w.triggers[0]["step"] == 2
+        assert w.host_reads["check"] == 3 + 1  # only the inf step reads twice
 
 
 def _state(model, opt):
