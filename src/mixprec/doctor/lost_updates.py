@@ -179,6 +179,11 @@ class LostUpdateMonitor:
         return [(p, s - b) for (p, s), b in zip(pairs, before) if p.grad is not None]
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.before_step(opt)
+
+    def before_step(self, opt: torch.optim.Optimizer) -> None:
+        """The gradients are final and not applied: run the shadow step (what ``with monitor:`` hooks in;
+        a caller that drives the monitor itself calls this and :meth:`after_step` around one step)."""
         self._pending.clear()
         with _disable_current_modes():  # the shadow step is not part of the observed step
             updates = self._shadow_updates(opt)
@@ -202,6 +207,10 @@ class LostUpdateMonitor:
         return self._judged[id(p)]
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.after_step(opt)
+
+    def after_step(self, opt: torch.optim.Optimizer) -> None:
+        """The update was applied: count the lost updates of the step :meth:`before_step` saw."""
         with torch.no_grad(), _disable_current_modes():
             self._count()
 
