@@ -665,3 +665,23 @@ def test_preflight_says_fp8_is_emulated_without_fp8_matmuls():
     # emulated FP8 GEMMs run as bf16 GEMMs (FP8 values are exact in bf16): MFU against the bf16 peak
     assert "EMULATED" in p.line and "bf16" in p.line and p.matmul_dtype == "bf16"
     assert p.fast == _hw.has_fast_bf16(_torch.device("cpu"))
+
+
+def test_a_plot_that_fails_mid_render_leaves_the_old_png_whole(tmp_path):
+    """bench's plots go through jsonio.write_figure: rendered in memory first, so a failing savefig (or a full
+    disk) never leaves half a PNG where the previous one was."""
+    from mixprec.errors import OutputError
+    from mixprec.jsonio import write_figure
+
+    class Breaks:
+        def savefig(self, f, **kw):
+            f.write(b"\x89PNG half")
+            raise RuntimeError("renderer died")
+
+    old = tmp_path / "time.png"
+    old.write_bytes(b"the previous plot")
+    with pytest.raises(RuntimeError, match="renderer died"):
+        write_figure(Breaks(), old)
+    assert old.read_bytes() == b"the previous plot" and sorted(p.name for p in tmp_path.iterdir()) == ["time.png"]
+    with pytest.raises(OutputError, match="could not write"):
+        write_figure(type("Fig", (), {"savefig": lambda self, f, **kw: f.write(b"png")})(), old / "x.png")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..jsonio import write_figure
 from ..jsonio import write_json as _write_json
 from .trace import AT_PEAK_CATEGORIES
 
@@ -129,7 +130,7 @@ def plot_memory(p, path: str) -> str | None:
     ax.set_title(f"{p.model}, batch {p.batch_size}, on {p.target.name} ({gib(p.target.memory_bytes)})", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
