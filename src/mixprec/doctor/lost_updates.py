@@ -222,7 +222,10 @@ class LostUpdateMonitor:
         rows, judged_rows = [], []
         for p, before, delta, lu, judged in self._pending:
             moved = delta != 0
-            rounded = (before.double() + delta.double()).to(p.dtype)
+            if p.dtype == delta.dtype == torch.float32:  # IEEE addition rounds the exact sum once: no float64 needed
+                rounded = before + delta
+            else:
+                rounded = (before.double() + delta.double()).to(p.dtype)
             lost = moved & (rounded == before)
             unchanged = moved & (p.detach() == before)
             ratio = torch.full((), math.nan)
