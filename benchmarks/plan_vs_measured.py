@@ -3,6 +3,8 @@
     PYTHONPATH=src python benchmarks/plan_vs_measured.py                  # memory only (any machine)
     PYTHONPATH=src python benchmarks/plan_vs_measured.py --timing         # + step times (a quiet machine)
     PYTHONPATH=src python benchmarks/plan_vs_measured.py --calibrate      # fit the CPU efficiency factors
+    PYTHONPATH=src python benchmarks/plan_vs_measured.py --timing --calibrate   # fit, then check with the fit
+    PYTHONPATH=src python benchmarks/plan_vs_measured.py --timing --calibrate --quick   # a smoke test (minutes)
 
 For the built-in models (mlp, cnn, transformer) and two user models (tests/userpkg/factories.py: a CNN and an
 ``nn.TransformerEncoder``) at batch 64 and 256, fp32 and bf16-mixed, on digits with AdamW:
@@ -19,23 +21,33 @@ For the built-in models (mlp, cnn, transformer) and two user models (tests/userp
 ``--calibrate`` measures real step times of *other* models (the MLP at widths 256/1024/2048, depth 2-4; the CNN
 at 16 and 32 channels; batch 128; fp32 and bf16-mixed), traces the same steps, and fits the cpu target's
 efficiency factors (GEMM efficiency per dtype, bandwidth efficiency) by non-negative least squares on
-``measured = sum over ops of roofline terms / factor``; paste them into
-``mixprec.planning.roofline.CPU_EFFICIENCY``.
+``measured = sum over ops of roofline terms / factor``, prints the ``CPU_EFFICIENCY = ...`` line to paste
+into ``src/mixprec/planning/roofline.py`` (replacing the starting guess), and uses the fit for the
+comparison that follows in the same run. ``--quick`` checks the whole path on one small model, one batch
+and few steps (its numbers mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.userpkg, from anywhere
 
 CHECKED = ["mlp", "cnn", "transformer", "tests.userpkg.factories:cnn", "tests.userpkg.factories:transformer"]
 FLAGS = dict(dataset="digits", optimizer="adamw", lr=1e-3)
 
 
-def _measure(model: str, precision: str, batch: int, *, timing: bool, steps: int = 20, **flags):
+STEPS = 20
+"""Timed steps per measurement (the first 3 dropped); ``--quick`` lowers it."""
+
+
+def _measure(model: str, precision: str, batch: int, *, timing: bool, steps: int | None = None, **flags):
     from mixprec.bench.measure import probe_step_memory
     from mixprec.memory import SavedTensorTracker, static_memory
     from mixprec.train.build import build_run
@@ -53,7 +65,7 @@ def _measure(model: str, precision: str, batch: int, *, timing: bool, steps: int
     if timing:
         with run.recipe.run_context():
             times = []
-            for _ in range(steps):
+            for _ in range(steps or STEPS):
                 t0 = time.perf_counter()
                 train_step(run.ctx, xb, yb)
                 times.append(time.perf_counter() - t0)
@@ -68,12 +80,12 @@ def _plan(model, precisions, batch, target, **flags):
     return plan(precisions=precisions, target=target, model=model, batch_size=batch, **{**FLAGS, **flags})
 
 
-def compare(timing: bool, batches=(64, 256)) -> list[dict]:
+def compare(timing: bool, batches=(64, 256), models=CHECKED) -> list[dict]:
     from mixprec.planning import get_target
 
     target = get_target("cpu")
     rows = []
-    for model in CHECKED:
+    for model in models:
         for b in batches:
             p = _plan(model, "fp32,bf16-mixed", b, target)
             times = {}
@@ -111,11 +123,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def calibrate() -> dict:
-    """Fit CPU_EFFICIENCY on calibration models (not the checked ones): measured = sum_d G_d/e_d + M/e_m."""
+def calibrate(quick: bool = False) -> dict:
+    """Fit CPU_EFFICIENCY on calibration models (not the checked ones): measured = sum_d G_d/e_d + M/e_m;
+    the fit replaces CPU_EFFICIENCY in this process and the line to paste is printed."""
     import numpy as np
 
     import mixprec.planning.api as api
+    import mixprec.planning.roofline as roofline
     from mixprec.planning import get_target
     from mixprec.planning.roofline import Efficiency, step_time
 
@@ -123,6 +137,8 @@ def calibrate() -> dict:
     unit = Efficiency(gemm={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, memory=1.0, default=1.0)
     configs = [("mlp", dict(width=w, depth=d)) for w, d in ((256, 2), (1024, 3), (2048, 4))]
     configs += [("cnn", dict(channels=c)) for c in (16, 32)]
+    if quick:
+        configs = [("mlp", dict(width=256, depth=2)), ("mlp", dict(width=1024, depth=3))]
     rows, ys = [], []
     captured = {}
     real = api.trace_step
@@ -152,9 +168,23 @@ def calibrate() -> dict:
     from scipy.optimize import nnls
 
     inv, _ = nnls(np.array(rows), np.array(ys))
-    fit = {"fp32": 1 / inv[0] if inv[0] else None, "bf16": 1 / inv[1] if inv[1] else None,
-           "memory": 1 / inv[2] if inv[2] else None}
+    fit = {"fp32": float(1 / inv[0]) if inv[0] else None, "bf16": float(1 / inv[1]) if inv[1] else None,
+           "memory": float(1 / inv[2]) if inv[2] else None}
     print("fitted efficiency factors:", fit)
+    for k, v in fit.items():
+        if v is None:
+            print(f"warning: {k} could not be fitted (its term got weight 0); the line below keeps the old value")
+    old = roofline.CPU_EFFICIENCY
+    gemm = {"fp32": fit["fp32"] or old.gemm["fp32"], "bf16": fit["bf16"] or old.gemm["bf16"]}
+    gemm["fp16"] = gemm["bf16"]
+    memory = fit["memory"] or old.memory
+    source = (f"fitted by benchmarks/plan_vs_measured.py --calibrate on {target.description}, "
+              f"{time.strftime('%Y-%m-%d')} (MLP and CNN steps at batch 128, fp32 and bf16-mixed)")
+    roofline.CPU_EFFICIENCY = Efficiency(gemm=gemm, memory=memory, source=source)
+    print("paste into src/mixprec/planning/roofline.py (replacing CPU_EFFICIENCY = ...):")
+    print(f"CPU_EFFICIENCY = Efficiency(gemm={{\"fp32\": {gemm['fp32']:.3g}, \"bf16\": {gemm['bf16']:.3g}, "
+          f"\"fp16\": {gemm['fp16']:.3g}}}, memory={memory:.3g},\n"
+          f"                            source={source!r})")
     return fit
 
 
@@ -163,12 +193,19 @@ def main(argv=None) -> None:
     ap.add_argument("--timing", action="store_true", help="also time steps (needs a quiet machine)")
     ap.add_argument("--calibrate", action="store_true", help="fit the CPU efficiency factors")
     ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--models", default=",".join(CHECKED), help="the checked models (comma-separated)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke test of the whole path: mlp only, batch 64, 5 timed steps, 2 calibration models")
     args = ap.parse_args(argv)
+    global STEPS
+    batches, models = tuple(int(b) for b in args.batches.split(",")), args.models.split(",")
+    if args.quick:
+        STEPS, batches, models = 6, (64,), ["mlp"]
     torch.manual_seed(0)
     if args.calibrate:
-        calibrate()
-        return
-    print(table(compare(args.timing, tuple(int(b) for b in args.batches.split(",")))))
+        calibrate(args.quick)
+    if args.timing or not args.calibrate:
+        print(table(compare(args.timing, batches, models)))
 
 
 if __name__ == "__main__":

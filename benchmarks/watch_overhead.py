@@ -4,21 +4,24 @@ Per (model, recipe) on the same model (same initial weights), batches and optimi
 
 - ``plain``: the tutorial's loop (``torch.autocast`` + ``torch.amp.GradScaler``, enabled for fp16 only);
 - ``watched``: the same loop on a copy of the model inside ``mixprec.watch(model, opt, scaler=scaler,
-  every=EVERY)`` (no ``out``: nothing is written, so only the watch's own work is timed).
+  every=EVERY)`` (no ``out``: nothing is written, so only the watch's own work is timed);
+- ``unsampled``: the same again, watched with ``every`` so large that no timed step is sampled: the fixed cost
+  of an unsampled step alone (its ratio to ``plain`` is reported apart).
 
 Method (as ``benchmarks/overhead.py``): both loops warm up, then take turns in rounds, the order swapped every
 round; a turn times ``EVERY`` steps between synchronised clock reads with no ``.item()`` of the benchmark's
 inside, so every watched turn holds exactly one sampled step and the ratio includes its amortised cost. The
 result is the median over rounds of (watched time per step / plain time per step in the same round).
-Target: <= 1.03 at ``every=100``.
+Target: <= 1.03 at ``every=100``. The unsampled ratio (same rounds) splits that into the per-step cost and
+the sampled step's share.
 
 Also reported: the cost of one sampled step (a watch sampling every step against one that never samples,
 per step, minus each other), and the host syncs the watch adds per unsampled step, counted by a dispatcher
 mode (every ``.item()``/``bool()``/``float()`` is an ``aten._local_scalar_dense``) plus ``Tensor.tolist`` calls:
 watched minus plain over the same steps.
 
-Run on a quiet machine: ``python benchmarks/watch_overhead.py`` (``--device cuda`` on a GPU), ``--quick`` for a
-smoke run.
+Run on a quiet machine, from the repository root: ``PYTHONPATH=src python benchmarks/watch_overhead.py
+--json watch_overhead.json`` (``--device cuda`` on a GPU), ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ def measure(model_name: str, recipe: str, args) -> dict:
 
     plain, _ = make(None)
     watched, w = make(args.every)
+    unsampled, wu = make(10**9)
 
     def timed(fn, n: int) -> float:
         _sync(device)
@@ -122,13 +126,16 @@ def measure(model_name: str, recipe: str, args) -> dict:
 
     timed(plain, args.warmup)
     timed(watched, args.warmup)
-    per_round: dict[str, list[float]] = {"plain": [], "watched": []}
+    timed(unsampled, args.warmup)  # its step 0, the only one it samples, is in the warm-up
+    per_round: dict[str, list[float]] = {"plain": [], "watched": [], "unsampled": []}
     for r in range(args.rounds):
-        order = [("plain", plain), ("watched", watched)][:: 1 if r % 2 == 0 else -1]
+        order = [("plain", plain), ("watched", watched), ("unsampled", unsampled)][:: 1 if r % 2 == 0 else -1]
         for name, fn in order:
             per_round[name].append(timed(fn, args.every))
     w.close()
+    wu.close()
     ratios = [a / b for a, b in zip(per_round["watched"], per_round["plain"])]
+    unsampled_ratios = [a / b for a, b in zip(per_round["unsampled"], per_round["plain"])]
 
     always, wa = make(1)  # every step sampled
     never, wn = make(10**9)  # only step 0
@@ -150,6 +157,7 @@ def measure(model_name: str, recipe: str, args) -> dict:
             "batch_size": args.batch_size, "every": args.every,
             "step_ms": {k: 1e3 * statistics.median(v) for k, v in per_round.items()},
             "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "unsampled_ratio": statistics.median(unsampled_ratios),
             "sampled_step_extra_ms": 1e3 * sampled_cost,
             "sampled_step_in_plain_steps": sampled_cost / statistics.median(per_round["plain"]),
             "syncs_added_per_unsampled_step": added, "watch_reads_per_unsampled_step": wq.unsampled_reads / n}
@@ -175,9 +183,9 @@ def main(argv=None) -> int:
         args.batch_size, args.batches = 16, 4
     print(f"# mixprec.watch overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"device {args.device}, every={args.every}")
-    print("| model | recipe | plain step | watched step | ratio (median) | min..max | one sampled step | "
-          "syncs added / unsampled step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | recipe | plain step | watched step | ratio (median) | min..max | unsampled only | "
+          "one sampled step | syncs added / unsampled step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     results = []
     for model in args.models.split(","):
         for recipe in args.recipes.split(","):
@@ -185,6 +193,7 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"| {model} | {r['recipe']} | {r['step_ms']['plain']:.2f} ms | {r['step_ms']['watched']:.2f} ms | "
                   f"{r['ratio']:.3f} | {r['ratio_range'][0]:.3f}..{r['ratio_range'][1]:.3f} | "
+                  f"{r['unsampled_ratio']:.3f} | "
                   f"+{r['sampled_step_extra_ms']:.1f} ms ({r['sampled_step_in_plain_steps']:.1f} plain steps) | "
                   f"{r['syncs_added_per_unsampled_step']:g} |", flush=True)
     if args.json:

@@ -27,7 +27,7 @@ from mixprec.bench import BenchConfig, compare, measure, parity, runner, worker
 from mixprec.bench.command import config_from_args
 from mixprec.bench.config import RESUME_MAY_CHANGE
 from mixprec.bench.flops import count_step_flops
-from mixprec.bench.report import COLUMNS, INVOCATION_COLUMN
+from mixprec.bench.report import COLUMNS, INVOCATION_COLUMN, PLAN_COLUMNS
 from mixprec.bench.results import RunResult, SummaryRow
 from mixprec.bench.resume import SCHEMA
 from mixprec.cli import build_parser, main
@@ -93,7 +93,8 @@ def test_results_json_schema(bench):
     _, _, path, doc = bench
     assert doc["schema"] == SCHEMA == "mixprec.bench/3"
     assert {"created", "command", "invocation", "invocations", "progress", "bench", "configs", "seeds",
-            "environment", "preflight", "peaks", "flops_per_step", "columns", "summary", "runs", "plots"} <= set(doc)
+            "environment", "preflight", "peaks", "flops_per_step", "prediction", "columns", "summary", "runs",
+            "plots"} <= set(doc)
     assert "flags" not in doc  # the configs are stored, not argparse's namespace
     env = doc["environment"]
     assert env["torch"] == torch.__version__ and env["cpu"] and env["device_name"] and env["threads"] >= 1
@@ -140,8 +141,63 @@ def test_every_column_present(bench):
         assert len(r.strip("|").split("|")) == len(COLUMNS)
     fp32_cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert "—" not in fp32_cells, fp32_cells  # every column is filled for a successful recipe
-    assert fp32_cells[3] == "1.00x" and fp32_cells[13] == "yes"
+    assert fp32_cells[3] == "1.00x" and fp32_cells[COLUMNS.index("parity vs fp32")] == "yes"
     assert header in (path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_plans_prediction_beside_the_measurement(bench):
+    """Every bench checks the planner: results.json and the table carry mixprec plan's predicted step peak and
+    step time with measured / predicted; the recipe whose trace kills the planner's process (the model aborts
+    at its first fp16 forward, fake or not) has none, and one line says why."""
+    _, out, path, doc = bench
+    plan = doc["prediction"]
+    assert plan["target"]["name"] == "cpu" and plan["target"]["peak_flops"]["fp32"] == doc["peaks"]["fp32"]["flops_per_s"]
+    for name in ("fp32", "bf16-mixed"):
+        recipe, pred = plan["recipes"][name], _row(doc, name)["prediction"]
+        assert recipe["memory"]["parameters"] == _row(doc, name)["memory"]["parameters"]  # the same model
+        assert pred["target"] == "cpu" and pred["reason"] is None and pred["step_time_s"] > 0
+        assert 0 < pred["step_peak_bytes"] < pred["peak_bytes"] == recipe["peak_bytes"]
+        assert pred["peak_compared_with"] == "measured_step_peak_bytes"
+        assert pred["peak_ratio"] == pytest.approx(_row(doc, name)["measured_step_peak_bytes"] / pred["step_peak_bytes"])
+        assert pred["step_time_ratio"] == pytest.approx(_row(doc, name)["step_time_s"]["median"] / pred["step_time_s"])
+    fp16 = _row(doc, "fp16-mixed")["prediction"]
+    assert fp16["step_time_s"] is None and "SIGABRT" in fp16["reason"] and "fp16-mixed" in fp16["reason"]
+    plan_lines = [ln for ln in out.splitlines() if ln.startswith("plan")]
+    assert plan_lines[0].startswith("plan (cpu, ") and "fp32 " in plan_lines[0] and "bf16-mixed " in plan_lines[0]
+    assert plan_lines[1].startswith("plan: no prediction for fp16-mixed: the planner's process") and len(plan_lines) == 2
+    assert out.index("plan (cpu") < out.index("[1/6]")  # planned before the first run
+    fp32_row = next(ln for ln in out.splitlines() if ln.startswith("| fp32 |")).strip("|").split("|")
+    cells = dict(zip(COLUMNS, (c.strip() for c in fp32_row)))
+    assert cells["step peak (plan)"].endswith("iB") and cells["step time (plan)"].endswith("s")
+    assert cells["measured / plan"].startswith("peak ") and ", time " in cells["measured / plan"]
+    assert "- plan: no prediction for fp16-mixed: the planner's process" in (path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_an_untraceable_model_is_benched_with_a_one_line_note_and_no_plan_leaves_the_columns_out(tmp_path):
+    model = tmp_path / "reads.py"
+    model.write_text("import torch\nfrom torch import nn\n\n\nclass Reads(nn.Module):\n"
+                     "    def __init__(self, n, k):\n        super().__init__()\n        self.fc = nn.Linear(n, k)\n\n"
+                     "    def forward(self, x):\n        if x.sum().item() > 1e9:  # a host read: no fake tensors\n"
+                     "            x = x * 0\n        return self.fc(x.flatten(1))\n\n\n"
+                     "def reads(input_shape, num_classes):\n    return Reads(int(torch.Size(input_shape).numel()), num_classes)\n")
+    small = ["--dataset", "synthetic", "--synthetic-train", "256", "--synthetic-test", "64", "--batch-size", "64",
+             "--epochs", "1", "--warmup-steps", "1", "--peak-seconds", "0.05", "--device", "cpu", "--no-plots",
+             "--precisions", "fp32", "--repeats", "1", "--model", f"{model}:reads"]
+    code, out = _quiet_main(["bench", *small, "--out", tmp_path / "a"])
+    assert code == 0, out
+    notes = [ln for ln in out.splitlines() if ln.startswith("plan")]
+    assert len(notes) == 1 and notes[0].startswith("plan: no prediction for fp32: the model cannot be traced "
+                                                   "under fake tensors with fp32"), notes
+    assert "_local_scalar_dense" in notes[0] and "--fallback-real" not in notes[0]
+    doc = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert doc["summary"][0]["runs_ok"] == 1 and "cannot be traced" in doc["summary"][0]["prediction"]["reason"]
+    code, out = _quiet_main(["bench", *small, "--no-plan", "--out", tmp_path / "b"])
+    doc = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert code == 0 and doc["prediction"] is None and doc["summary"][0]["prediction"] is None
+    assert not any(c in doc["columns"] for c in PLAN_COLUMNS) and "plan" not in out.split("\n| recipe")[0].lower()
+    assert BenchConfig.from_dict(doc["bench"]).predict is False and "--no-plan" in doc["command"]
 
 
 @pytest.mark.slow
@@ -440,7 +496,7 @@ def test_a_hand_built_resume_config_may_not_change_the_bench(tmp_path):
     with pytest.raises(ConfigError, match=r"--repeats cannot change in a resumed bench"):
         Session(dataclasses.replace(config, repeats=5, resume=str(d))).run()
     assert not (d / "runs").exists()
-    assert set(RESUME_MAY_CHANGE) == {"timeout", "plots", "data_dir", "data_path"}
+    assert set(RESUME_MAY_CHANGE) == {"timeout", "plots", "predict", "data_dir", "data_path"}
 
 
 # ----------------------------------------------------------------------------------- usage errors
@@ -665,3 +721,23 @@ def test_preflight_says_fp8_is_emulated_without_fp8_matmuls():
     # emulated FP8 GEMMs run as bf16 GEMMs (FP8 values are exact in bf16): MFU against the bf16 peak
     assert "EMULATED" in p.line and "bf16" in p.line and p.matmul_dtype == "bf16"
     assert p.fast == _hw.has_fast_bf16(_torch.device("cpu"))
+
+
+def test_a_plot_that_fails_mid_render_leaves_the_old_png_whole(tmp_path):
+    """bench's plots go through jsonio.write_figure: rendered in memory first, so a failing savefig (or a full
+    disk) never leaves half a PNG where the previous one was."""
+    from mixprec.errors import OutputError
+    from mixprec.jsonio import write_figure
+
+    class Breaks:
+        def savefig(self, f, **kw):
+            f.write(b"\x89PNG half")
+            raise RuntimeError("renderer died")
+
+    old = tmp_path / "time.png"
+    old.write_bytes(b"the previous plot")
+    with pytest.raises(RuntimeError, match="renderer died"):
+        write_figure(Breaks(), old)
+    assert old.read_bytes() == b"the previous plot" and sorted(p.name for p in tmp_path.iterdir()) == ["time.png"]
+    with pytest.raises(OutputError, match="could not write"):
+        write_figure(type("Fig", (), {"savefig": lambda self, f, **kw: f.write(b"png")})(), old / "x.png")

@@ -186,3 +186,13 @@ def test_two_real_train_processes_on_one_out(tmp_path):
     assert f"took over the lock of a run that ended without releasing it (mixprec train, pid {first.pid}" in \
         second.stderr
     assert not (out / LOCK_NAME).exists()
+
+
+def test_a_doctor_on_a_live_out_is_refused_before_anything_runs(cli, tmp_path, holder):
+    out = tmp_path / "doctor"
+    h = holder(out, command="mixprec doctor")
+    code, stdout, err = cli("doctor", *TINY, "--steps", "1", "--no-plots", "--out", out)
+    line = _one_line(err)
+    assert code == 2 and f"is being written by another run (mixprec doctor, pid {h.pid} on host" in line, err
+    assert "observing" not in stdout
+    assert sorted(os.listdir(out)) == [LOCK_NAME]

@@ -534,3 +534,43 @@ def test_a_disk_that_fills_up_while_doctor_writes_is_one_line_naming_the_file(cl
         assert [os.path.basename(k) for k in kept] == ["doctor.json", "report.txt"]
         assert sorted(os.listdir(out)) == ["doctor.json", "report.txt"]  # no half file, no temporary file
         assert all(_complete(out / n) for n in ("doctor.json", "report.txt"))
+
+
+def test_lost_update_counts_match_an_element_by_element_reference():
+    """The monitor counts on the device and reads once; a per-parameter reference with boolean indexing (how it
+    used to count) gives the same counts and the same median update/weight ratio, zeros and ties included."""
+    from mixprec.doctor.lost_updates import LostUpdateMonitor
+
+    class Counts:
+        def __init__(self):
+            self.updated = self.lost = self.unchanged = 0
+            self.ratios = []
+
+    def reference(p, before, delta, c, judged):
+        moved = delta != 0
+        c.updated += int(moved.sum())
+        c.lost += int((moved & ((before.double() + delta.double()).to(p.dtype) == before)).sum())
+        c.unchanged += int((moved & (p == before)).sum())
+        nz = moved & (before != 0)
+        if judged and bool(nz.any()):
+            c.ratios.append(float((delta[nz].abs() / before[nz].float().abs()).median()))
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        pending, expected = [], []
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            n = int(torch.randint(1, 40, (), generator=g))
+            before = (torch.randn(n, generator=g) * 10.0 ** (trial % 5 - 2)).to(dt)
+            before[torch.rand(n, generator=g) < 0.2] = 0
+            delta = torch.randn(n, generator=g) * 1e-3 * (trial % 4 != 0)  # every 4th trial: nothing moved
+            delta[torch.rand(n, generator=g) < 0.3] = 0
+            p = (before.double() + delta.double()).to(dt)
+            got, want = Counts(), Counts()
+            pending.append((p, before, delta, got, trial % 3 != 0))
+            reference(p, before, delta, want, trial % 3 != 0)
+            expected.append(want)
+        monitor = LostUpdateMonitor.__new__(LostUpdateMonitor)
+        monitor._pending, monitor.steps = pending, 0
+        monitor._count()
+        for (*_, got, _), want in zip(pending, expected):
+            assert vars(got) == vars(want), (trial, vars(got), vars(want))

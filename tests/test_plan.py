@@ -166,7 +166,9 @@ def test_cli_writes_json_with_the_issues_keys(cli, tmp_path):
     code, text, _ = cli("plan", "--model", "mlp", "--dataset", "digits", "--target", "rtx3090",
                         "--precisions", "fp32,amp", "--json", out)
     assert code == 0 and "verdict on rtx3090" in text
+    assert "limit: the step is traced on fake CPU tensors, so model code that branches on the device type" in text
     doc = json.loads(out.read_text())
+    assert len(doc["limits"]) == 1 and "CPU branch" in doc["limits"][0]
     assert [r["recipe"] for r in doc["recipes"]] == ["fp32", "fp16-mixed"]
     for r in doc["recipes"]:
         assert {"recipe", "memory", "peak_bytes", "max_batch_size", "flops", "step_time_s"} <= set(r)
@@ -216,3 +218,68 @@ def test_llama_8b_plan_matches_the_hand_calculation(tmp_path):
     doc = json.loads((tmp_path / "llama.json").read_text())
     n = 8_030_261_248
     assert doc["recipes"][0]["memory"]["parameters"] == 4 * n
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_default_loss_is_the_tasks_as_in_train():
+    """Float targets against one output per sample are a regression: train's task resolution gives MSE."""
+    from mixprec.planning.api import Planner
+    from mixprec.train.config import TrainConfig
+
+    batch = (torch.randn(16, 8), torch.randn(16))
+    planner = Planner(config=TrainConfig.from_flags(optimizer="adamw"), target=CPU, model=Regressor, batch=batch)
+    ops = {o.name for o in planner.trace("fp32")[0].ops}
+    assert planner.default_loss.task.name == "regression"
+    assert "mse_loss" in ops and not any("nll_loss" in o or "log_softmax" in o for o in ops)
+    classify = Planner(config=TrainConfig.from_flags(optimizer="adamw"), target=CPU, model=LinearNormLinear,
+                       batch=(torch.randn(16, 64), torch.randint(0, 10, (16,))))
+    assert "nll_loss_forward" in {o.name for o in classify.trace("fp32")[0].ops}
+
+
+@pytest.mark.slow
+def test_replayed_fp8_scales_give_the_trace_of_running_them(monkeypatch):
+    """The FP8 scale computations after the first of each kind are replayed, not dispatched: same ops, same
+    memory."""
+    import contextlib
+
+    import mixprec.fp8 as fp8
+    import mixprec.planning.trace as T
+    from mixprec.planning.api import Planner
+    from mixprec.train.config import TrainConfig
+
+    calls = []
+    real = fp8._device_scale
+    monkeypatch.setattr(fp8, "_device_scale", lambda *a: calls.append(1) or real(*a))
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+
+    def trace():
+        calls.clear()
+        tr = Planner(config=TrainConfig.from_flags(optimizer="adamw"), target="h100-sxm", model=LinearNormLinear,
+                     batch=batch).trace("fp8-mixed")[0]
+        return [(o.name, o.flops, o.dtype, o.nbytes, o.phase) for o in tr.ops], tr.peak_bytes, tr.totals, len(calls)
+
+    ops, peak, totals, ran = trace()
+    monkeypatch.setattr(T, "_replayed_scales", lambda rec, fake: contextlib.nullcontext())
+    ops_all, peak_all, totals_all, ran_all = trace()
+    assert ran < ran_all and ran_all >= 3  # x, w and the output gradient are scaled; the later ones replayed
+    assert ops == ops_all and peak == peak_all and totals == totals_all
+    assert sum(o[0] == "frexp" for o in ops) == ran_all  # one frexp per scale, replayed or not
+
+
+def test_a_cuda_device_name_finds_its_table_entry_or_none():
+    from mixprec.planning.targets import target_for_gpu
+
+    names = {"NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100-80gb",
+             "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA L4": "l4", "NVIDIA B200": "b200"}
+    for name, key in names.items():
+        assert target_for_gpu(name).name == key, name
+    for other in ("NVIDIA L40S", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "NVIDIA GH200 480GB", "Tesla T4"):
+        assert target_for_gpu(other) is None, other

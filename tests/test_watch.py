@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 
 import pytest
@@ -187,6 +188,33 @@ def test_syncs_added_per_unsampled_step(monkeypatch, scaled, added):
     assert [b - a for a, b in zip(plain[1:], watched[1:])] == [added] * (len(plain) - 1)
 
 
+@pytest.mark.parametrize("case", ["huge-finite", "inf-gradient"])
+def test_finite_check_tells_an_overflowing_norm_from_an_inf_gradient(case):
+    """No scaler: the flag is the gradients' L2 norm; gradients near 1e25 are finite but their squares overflow
+    fp32 (the norm reads inf), so the step is checked exactly with one more read -- and is not a fault; a
+    gradient that is inf (a planted backward overflow, finite loss) is."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    data = batches(3, fault_at=2 if case == "inf-gradient" else None, mode=BACKWARD)
+    norms = []
+    with mixprec.watch(model, opt, every=100, plots=False, localize=False) as w:
+        for x, y in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            (loss * (1e25 if case == "huge-finite" else 1.0)).backward()
+            opt.step()
+            norms.append(w.last.grad_l2)
+    assert norms[2] == math.inf and all(0 < n < math.inf for n in norms[:2]) == (case == "inf-gradient")
+    if case == "huge-finite":
+        assert w.nonfinite_steps == 0 and not w.triggers
+        assert w.host_reads["check"] == 2 * 3  # the norm, then the exact check, on every step
+    else:
+        assert w.nonfinite_steps == 1 and w.triggers[0]["step"] == 2
+        assert w.host_reads["check"] == 3 + 1  # only the inf step reads twice
+
+
 def _state(model, opt):
     return ([p.detach().clone() for p in model.parameters()],
             (len(model._forward_pre_hooks), len(model._forward_hooks), len(opt._optimizer_step_pre_hooks),
@@ -314,3 +342,81 @@ def test_train_watch_flag_reports_and_changes_nothing(cli, tmp_path, precision):
     assert plain.keys() == watched.keys() and all(torch.equal(plain[k], watched[k]) for k in plain)
     code, _, err = cli(*flags, "--out", tmp_path / "bad", "--watch", "0")
     assert code == 2 and "--watch must be a positive integer" in err
+
+
+# ------------------------------------------------------------------------------------------ two processes
+
+
+def _ddp_worker(rank: int, port: int, tmp: str) -> None:
+    """One of two gloo ranks: a DDP-wrapped Net in the plain bf16 loop, watched; rank 1's batch at step 3 overflows
+    in ``boost``. Each rank gets its own ``out`` (anything rank 1 writes would show in its folder) and leaves what
+    it saw itself in local{rank}.json, for the test to reduce."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(Net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = batches(4, seed=rank, fault_at=3 if rank == 1 else None, mode=FORWARD)
+        with mixprec.watch(model, opt, out=os.path.join(tmp, f"out{rank}"), every=2, plots=False,
+                           tensorboard=False) as w:
+            _loop(model, opt, data, watch=w)
+        lost = w.sampler.monitor.result().layers
+        local = {"histograms": w.sampler.profile().to_dict()["histograms"], "nonfinite_steps": w.nonfinite_steps,
+                 "lost": {lu.name: [lu.updated, lu.lost] for lu in lost},
+                 "triggers": [[t["step"], t["kind"], t["description"]] for t in w.triggers]}
+        with open(os.path.join(tmp, f"local{rank}.json"), "w") as f:
+            json.dump(local, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path):
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.time() + 60
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-process watch did not finish in 60 s")
+    local = [json.loads((tmp_path / f"local{r}.json").read_text()) for r in (0, 1)]
+    rep = json.loads((tmp_path / "out0" / "watch.json").read_text())
+    # only rank 0 writes the reports; a faulting rank writes its own capture, nothing else
+    assert {"watch.json", "report.txt", "steps.csv"} <= set(os.listdir(tmp_path / "out0"))
+    assert sorted(os.listdir(tmp_path / "out1")) == ["capture-rank1.pt"]
+    # rank 0's report holds the sum of both ranks' histograms (their batches differ, so both count)
+    hists = rep["ranges"]["histograms"]
+    assert set(hists) == set(local[0]["histograms"]) == set(local[1]["histograms"])
+    for layer, kinds in hists.items():
+        for kind, h in kinds.items():
+            a, b = local[0]["histograms"][layer][kind], local[1]["histograms"][layer][kind]
+            binades = set(a["binade_counts"]) | set(b["binade_counts"])
+            assert h["binade_counts"] == {e: a["binade_counts"].get(e, 0) + b["binade_counts"].get(e, 0)
+                                          for e in binades}, (layer, kind)
+            assert (h["zeros"], h["nonfinite"]) == (a["zeros"] + b["zeros"], a["nonfinite"] + b["nonfinite"])
+    assert sum(h["activations"]["nonfinite"] for h in hists.values()) == 0  # the fault is at step 3: unsampled
+    for row in rep["lost_updates"]["layers"]:
+        assert [row["updated"], row["lost"]] == [sum(x) for x in zip(*(r["lost"][row["layer"]] for r in local))]
+    # rank 1's planted overflow (DDP's all-reduce makes rank 0's gradients non-finite too, unexplained there)
+    assert [[t["step"], t["kind"], t["description"], t["rank"]] for t in rep["triggers"]] == [
+        [*t, r] for r in (0, 1) for t in local[r]["triggers"]]
+    assert "not reproduced" in local[0]["triggers"][0][2] and " in boost " in local[1]["triggers"][0][2]
+    fault = rep["nonfinite"]["first_fault"]
+    assert fault["step"] == 3 and fault["classification"] == "forward overflow" and fault["event"]["module"] == "boost"
+    assert rep["watch"]["ranks_nonfinite"] == [local[0]["nonfinite_steps"], local[1]["nonfinite_steps"]] == [1, 1]
+    assert rep["watch"]["world_size"] == 2 and rep["watch"]["steps"] == 4

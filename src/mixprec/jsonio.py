@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from typing import Any
 
 from .errors import OutputError
 
-__all__ = ["write_json", "write_text", "write_bytes", "to_jsonable", "file_mode_mask"]
+__all__ = ["write_json", "write_text", "write_bytes", "write_figure", "to_jsonable", "file_mode_mask"]
 
 
 def to_jsonable(o: Any) -> Any:
@@ -69,6 +70,15 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+
+def write_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> None:
+    """Render a matplotlib figure to PNG in memory, then write it with :func:`write_bytes`: a full disk is an
+    OutputError naming ``path``, never half a PNG."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **savefig)
+    write_bytes(path, buf.getvalue())
 
 
 def file_mode_mask() -> int:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .parity import ParityResult, convergence_parity
-from .results import Failure, RunResult, Spread, SummaryRow, number, ratio
+from .results import Failure, Prediction, RunResult, Spread, SummaryRow, number, ratio
 
 __all__ = ["aggregate", "as_results"]
 
@@ -44,8 +44,10 @@ def aggregate(
     peaks: dict[str, dict[str, Any]],
     matmul_dtype: dict[str, str],
     impl: dict[str, str] | None = None,
+    predictions: dict[str, Prediction] | None = None,
 ) -> list[SummaryRow]:
-    """One row per recipe (in ``recipes`` order), compared with fp32 when it ran."""
+    """One row per recipe (in ``recipes`` order), compared with fp32 when it ran, and with the plan's
+    ``predictions`` where given (measured / predicted)."""
     results = as_results(results)
     peaks = peaks if isinstance(peaks, dict) else {}
     rows = []
@@ -54,7 +56,17 @@ def aggregate(
         rows.append(_row(name, [r for r in results if r.recipe == name], flops_per_step=flops_per_step,
                          peak=number(peak.get("flops_per_s")) if isinstance(peak, dict) else None,
                          matmul_dtype=matmul_dtype.get(name), impl=(impl or {}).get(name)))
+    rows = [_with_prediction(row, (predictions or {}).get(row.recipe)) for row in rows]
     return _compare_with_fp32(rows, results)
+
+
+def _with_prediction(row: SummaryRow, pred: Prediction | None) -> SummaryRow:
+    if pred is None:
+        return row
+    measured = getattr(row, pred.peak_compared_with) if pred.peak_compared_with else None
+    pred = dataclasses.replace(pred, peak_ratio=ratio(measured, pred.compared_peak),
+                               step_time_ratio=ratio(row.median("step_time_s"), pred.step_time_s))
+    return dataclasses.replace(row, prediction=pred)
 
 
 def _row(name: str, mine: list[RunResult], *, flops_per_step, peak, matmul_dtype, impl) -> SummaryRow:

@@ -67,18 +67,19 @@ def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist
             out: str | os.PathLike | None = None, loss: Callable | str | None = None,
             warmup_steps: int = _DEFAULT.warmup_steps, timeout: float | None = _DEFAULT.timeout,
             peak_seconds: float = _DEFAULT.peak_seconds, plots: bool = _DEFAULT.plots,
-            **train_settings: Any) -> Comparison:
+            predict: bool = _DEFAULT.predict, **train_settings: Any) -> Comparison:
     """Train ``model`` on ``data`` under each recipe ``repeats`` times and compare them (see ``mixprec bench``).
 
     ``train_settings`` are :data:`TRAIN_SETTINGS` by their Python names (``epochs=3``, ``batch_size=256``,
     ``max_steps=50``...); any other keyword is a ``TypeError`` naming it, before anything runs. Returns a
-    :class:`Comparison`; its ``table()`` is the printed table.
+    :class:`Comparison`; its ``table()`` is the printed table. ``predict=False`` skips the plan's prediction
+    (``--no-plan``).
     """
     unknown = sorted(set(train_settings) - set(TRAIN_SETTINGS))
     if unknown:
         hint = " (name the recipes with precisions=[...])" if "precision" in unknown else ""
         raise TypeError(f"compare() got unexpected keyword argument(s): {', '.join(unknown)}{hint}; it takes "
-                        f"precisions, repeats, out, loss, warmup_steps, timeout, peak_seconds, plots and the "
+                        f"precisions, repeats, out, loss, warmup_steps, timeout, peak_seconds, plots, predict and the "
                         f"train settings mixprec.bench.api.TRAIN_SETTINGS lists")
     flags = {**RUN_TRAIN_DEFAULTS, **train_settings, "model": reference_of(model, "--model"),
              "dataset": reference_of(data, "--dataset")}
@@ -88,7 +89,7 @@ def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist
         flags["optimizer"] = reference_of(flags["optimizer"], "--optimizer")
     config = BenchConfig(train=TrainConfig.from_flags(**flags), precisions=precisions, repeats=repeats,
                          out=None if out is None else os.fspath(out), warmup_steps=warmup_steps, timeout=timeout,
-                         peak_seconds=peak_seconds, plots=plots)
+                         peak_seconds=peak_seconds, plots=plots, predict=predict)
     session = Session(config)
     code = session.run()
     return Comparison(doc=session.doc, out_dir=session.plan.out_dir, exit_code=code)

@@ -61,9 +61,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--peak-seconds", type=float, metavar="S",
                    help=f"time budget of the peak-matmul micro-benchmark, per dtype (default {d.peak_seconds})")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    g.add_argument("--no-plan", dest="predict", action="store_false",
+                   help="skip the plan's prediction (mixprec plan for this device, traced under fake tensors "
+                        "before the runs) of each recipe's step peak and step time beside the measured ones")
     g.add_argument("--resume", metavar="DIR",
                    help="continue the bench in DIR: run its missing and failed runs, keep the finished ones; "
-                        "only --timeout, --no-plots, --data-dir and --data-path may be given with it")
+                        "only --timeout, --no-plots, --no-plan, --data-dir and --data-path may be given with it")
     # every flag (the parse of no flags lists them all) defaults to UNSET: typed flags are the ones set
     p.set_defaults(**{dest: UNSET for dest in vars(p.parse_args([]))})
     p.set_defaults(func=bench_main)

@@ -20,7 +20,7 @@ from ..train.config import TrainConfig
 from ..validate import flag_name, nonnegative_int, positive, positive_int
 
 __all__ = ["BenchConfig", "parse_precisions", "BENCH_FLAGS", "RESUME_MAY_CHANGE", "MAX_REPEATS",
-           "RUN_TRAIN_DEFAULTS"]
+           "RUN_TRAIN_DEFAULTS", "SWITCHES", "bench_flag"]
 
 MAX_REPEATS = 1000
 """Each repeat trains every recipe once, in its own process: more is a typo, not a plan."""
@@ -70,6 +70,9 @@ class BenchConfig:
     """Time budget of the peak-matmul micro-benchmark, per dtype."""
     plots: bool = True
     """Draw time.png, memory.png and loss.png."""
+    predict: bool = True
+    """Plan every recipe first (``mixprec plan`` for this device, :mod:`mixprec.bench.predict`) and show the
+    predicted step peak and step time beside the measured ones (flag ``--no-plan`` turns it off)."""
     resume: str | None = None
     """A bench folder to continue: its missing and failed runs are run, its finished ones kept
     (:mod:`mixprec.bench.resume`); ``out`` is then that folder."""
@@ -94,6 +97,8 @@ class BenchConfig:
         positive("peak_seconds", self.peak_seconds)
         if not isinstance(self.plots, bool):
             raise ConfigError(f"plots must be True or False, got {self.plots!r}")
+        if not isinstance(self.predict, bool):
+            raise ConfigError(f"predict must be True or False, got {self.predict!r}")
         run = self.train.run
         if run.log_every:
             raise ConfigError(f"--log-every {run.log_every}: bench keeps logging and .item() out of the timed "
@@ -144,8 +149,8 @@ class BenchConfig:
                     if k != "resume" and getattr(self, k) != getattr(default, k)]
         parts = ["mixprec", "bench"]
         for name, value in changed:
-            if name == "plots":
-                parts.append("--no-plots")
+            if name in SWITCHES:
+                parts.append(SWITCHES[name])
             elif value is True:
                 parts.append(flag_name(name))
             elif value not in (None, False):
@@ -154,11 +159,21 @@ class BenchConfig:
         return shlex.join(parts)
 
 
-BENCH_FLAGS = ("precisions", "repeats", "out", "warmup_steps", "timeout", "peak_seconds", "plots", "resume")
+SWITCHES = {"plots": "--no-plots", "predict": "--no-plan"}
+"""Settings that are on by default, by the flag that turns them off."""
+
+
+def bench_flag(name: str) -> str:
+    """The flag of a bench or train setting, as the command line spells it (``plots`` is ``--no-plots``)."""
+    return SWITCHES.get(name) or flag_name(name)
+
+
+BENCH_FLAGS = ("precisions", "repeats", "out", "warmup_steps", "timeout", "peak_seconds", "plots", "predict",
+               "resume")
 """bench's own settings (the rest of a bench's flags are ``mixprec train``'s)."""
 
-RESUME_MAY_CHANGE = ("timeout", "plots", "data_dir", "data_path")
-"""Settings ``--resume`` may change: how long a run may take, whether plots are drawn, where the (same)
-data lies. Everything else — recipes, repeats, warm-up, the peak budget, every training setting — is the
+RESUME_MAY_CHANGE = ("timeout", "plots", "predict", "data_dir", "data_path")
+"""Settings ``--resume`` may change: how long a run may take, whether plots are drawn and the plan's
+prediction made, where the (same) data lies. Everything else — recipes, repeats, warm-up, the peak budget, every training setting — is the
 resumed bench's, or its new rows would not measure what its kept rows measured."""
 

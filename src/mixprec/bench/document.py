@@ -3,8 +3,9 @@
 ``results.json`` holds the bench's :class:`~mixprec.bench.config.BenchConfig` (``bench``) and every
 recipe's :class:`~mixprec.train.config.TrainConfig` (``configs``) as their ``to_dict()``, the command line
 that asks for the same bench afresh, this invocation's number and the list of all invocations (each with
-its time, environment, peaks and the runs it ran), the progress, the preflight, the FLOPs, the summary
-rows and every run. Both files are written atomically (:mod:`mixprec.jsonio`): a reader never sees half a
+its time, environment, peaks and the runs it ran), the progress, the preflight, the FLOPs, the plan's
+prediction of every recipe (``prediction``, :mod:`mixprec.bench.predict`; None with ``--no-plan``), the
+summary rows and every run. Both files are written atomically (:mod:`mixprec.jsonio`): a reader never sees half a
 file. The plots come after them, so a plot that fails or hangs loses nothing; a failure is
 ``plots_error`` in the document and one line in the output.
 """
@@ -21,6 +22,7 @@ from .aggregate import aggregate
 from .console import say
 from .machine import Machine
 from .plan import Plan
+from .predict import predictions
 from .report import columns, markdown_report
 from .results import RunResult
 from .resume import SCHEMA
@@ -43,9 +45,11 @@ def build_document(p: Plan, machine: Machine, results: list[RunResult], state: s
     as plain JSON data (records as their ``to_dict()``)."""
     accum, flops, created = p.accum, machine.flops, _now()
     results = ordered(p, results)
+    device_type = str(machine.env.get("device", "cpu")).split(":")[0]
     rows = aggregate(p.recipes, results, flops_per_step=flops.total * accum, peaks=machine.peaks,
                      matmul_dtype={n: p.checks[n].matmul_dtype for n in p.recipes},
-                     impl={n: p.checks[n].impl for n in p.recipes})
+                     impl={n: p.checks[n].impl for n in p.recipes},
+                     predictions=predictions(machine.prediction, device_type))
     this = {"number": p.invocation, "created": created, "environment": machine.env, "peaks": machine.peaks,
             "runs": [r.name for r in results if r.invocation == p.invocation]}
     earlier = p.previous.invocations if p.previous is not None else []
@@ -62,6 +66,7 @@ def build_document(p: Plan, machine: Machine, results: list[RunResult], state: s
         "preflight": [p.checks[n].to_dict() for n in p.recipes],
         "peaks": machine.peaks,
         "flops_per_step": {**flops.to_dict(), "micro_batches_per_step": accum, "per_step": flops.total * accum},
+        "prediction": machine.prediction,
         "invocations": [i for i in earlier if i.get("number") != p.invocation] + [this],
         "columns": columns(rows),
         "summary": rows,

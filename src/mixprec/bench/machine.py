@@ -33,6 +33,9 @@ class Machine:
     """Matmul dtype (fp32, tf32, bf16, fp16) -> its measured peak (``flops_per_s``, ``n``, ...)."""
     env: dict[str, Any]
     """Versions, device, CPU flags, threads (:func:`mixprec.hardware.environment`)."""
+    prediction: dict[str, Any] | None = None
+    """The plan's prediction of every recipe (:func:`mixprec.bench.predict.predict`), made after the peaks are
+    measured; None with ``--no-plan``."""
 
 
 def measure_machine(p: Plan) -> Machine:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from ..jsonio import write_figure
 from .aggregate import as_results
 from .parity import default_window, fp32_band, smooth
 from .report import MEMORY_CATEGORIES, as_rows
@@ -50,7 +51,7 @@ def _time_plot(rows: list[SummaryRow], path: str, title: str) -> None:
                     xytext=(0, 3), textcoords="offset points", fontsize=8)
     ax.set_ylabel("epoch time (s), median, min..max over repeats")
     ax.set_title(title, fontsize=9)
-    fig.savefig(path)
+    write_figure(fig, path)
 
 
 def _memory_plot(rows: list[SummaryRow], path: str, title: str) -> None:
@@ -79,7 +80,7 @@ def _memory_plot(rows: list[SummaryRow], path: str, title: str) -> None:
     ax.set_ylabel("MiB (exact accounting of a sampled step)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path)
+    write_figure(fig, path)
 
 
 def _loss_plot(rows: list[SummaryRow], results: list[RunResult], path: str, title: str) -> None:
@@ -103,7 +104,7 @@ def _loss_plot(rows: list[SummaryRow], results: list[RunResult], path: str, titl
     ax.set_title(title, fontsize=9)
     if ax.get_legend_handles_labels()[0]:  # no successful run: no curves, and no empty-legend warning
         ax.legend(fontsize=7)
-    fig.savefig(path)
+    write_figure(fig, path)
 
 
 def _metric_plot(rows: list[SummaryRow], path: str, title: str) -> None:
@@ -122,7 +123,7 @@ def _metric_plot(rows: list[SummaryRow], path: str, title: str) -> None:
     metric = next((r.metric for r in rows if r.metric), "test_accuracy")
     ax.set_ylabel(f"{_METRIC_LABELS.get(metric, metric)}, median, min..max over repeats")
     ax.set_title(title, fontsize=9)
-    fig.savefig(path)
+    write_figure(fig, path)
 
 
 def write_plots(rows: Iterable[SummaryRow | dict[str, Any]], results: Iterable[RunResult | dict[str, Any]],

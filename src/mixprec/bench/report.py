@@ -18,12 +18,16 @@ from ..precision import resolve_recipe
 from ..train.report import format_bytes
 from .results import Spread, SummaryRow, number, ratio
 
-__all__ = ["COLUMNS", "INVOCATION_COLUMN", "columns", "table", "markdown_report", "fmt", "DASH", "MEMORY_CATEGORIES"]
+__all__ = ["COLUMNS", "PLAN_COLUMNS", "INVOCATION_COLUMN", "columns", "table", "markdown_report", "fmt", "DASH", "MEMORY_CATEGORIES"]
+
+PLAN_COLUMNS = ["step peak (plan)", "step time", "step time (plan)", "measured / plan"]
+"""The plan's prediction beside the measurement (:mod:`mixprec.bench.predict`); left out when no row has
+one (``--no-plan``)."""
 
 COLUMNS = [
     "recipe", "memory", "avg epoch time", "speedup vs fp32", "memory saving vs fp32", "step peak (measured)",
-    "samples/s", "MFU", "train loss", "test accuracy", "Δ accuracy vs fp32", "skipped steps", "loss scale",
-    "parity vs fp32", "runs",
+    *PLAN_COLUMNS, "samples/s", "MFU", "train loss", "test accuracy", "Δ accuracy vs fp32", "skipped steps",
+    "loss scale", "parity vs fp32", "runs",
 ]
 """Columns of the stdout table and results.md, in order."""
 
@@ -72,7 +76,28 @@ def _label(row: SummaryRow) -> str:
     return row.recipe + (" (scratch)" if scratch else "")
 
 
-def _cells(row: SummaryRow, *, invocations: bool) -> list[str]:
+def _time(s: Any) -> str:
+    s = number(s)
+    return DASH if s is None else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _plan_cells(row: SummaryRow) -> list[str]:
+    """Predicted step peak, measured and predicted step time, measured / predicted."""
+    pred = row.prediction
+    if pred is None or pred.reason:
+        return [DASH, _time(row.median("step_time_s")), DASH, DASH]
+    peak = pred.compared_peak
+    ratios = [f"{what} {fmt(r, '.2f', suffix='x')}" for what, r in (("peak", pred.peak_ratio),
+                                                                     ("time", pred.step_time_ratio))]
+    return [format_bytes(peak) if number(peak) is not None else DASH, _time(row.median("step_time_s")),
+            _time(pred.step_time_s), ", ".join(ratios)]
+
+
+def _has_plan(rows: list[SummaryRow]) -> bool:
+    return any(r.prediction is not None for r in rows)
+
+
+def _cells(row: SummaryRow, *, invocations: bool, plan: bool = True) -> list[str]:
     et, sps = row.epoch_time_s, row.samples_per_s
     measured = number(row.cuda_peak_allocated_bytes) or number(row.measured_step_peak_bytes)
     cells = [
@@ -82,6 +107,7 @@ def _cells(row: SummaryRow, *, invocations: bool) -> list[str]:
         fmt(row.speedup_vs_fp32, ".2f", suffix="x") if number(row.speedup_vs_fp32) else DASH,
         fmt(row.memory_saving_vs_fp32, ".0f", scale=100, suffix="%"),
         format_bytes(measured) if measured else DASH,
+        *(_plan_cells(row) if plan else []),
         fmt(sps.median, ",.0f", suffix=_pct_spread(sps)) if sps and number(sps.median) else DASH,
         fmt(row.mfu, ".1f", scale=100, suffix=f"% of {row.matmul_dtype}") if number(row.mfu) else DASH,
         fmt(row.final_train_loss, ".4f"),
@@ -116,12 +142,13 @@ def columns(rows: Iterable[SummaryRow | dict[str, Any]]) -> list[str]:
     column."""
     rows = as_rows(rows)
     metric = next((r.metric for r in rows if r.metric), None)
+    base = COLUMNS if _has_plan(rows) else [c for c in COLUMNS if c not in PLAN_COLUMNS]
     if any(r.language_model for r in rows):
-        cols = [LM_COLUMNS.get(c, c) for c in COLUMNS]
+        cols = [LM_COLUMNS.get(c, c) for c in base]
     elif metric in METRIC_COLUMNS:
-        cols = [METRIC_COLUMNS[metric].get(c, c) for c in COLUMNS]
+        cols = [METRIC_COLUMNS[metric].get(c, c) for c in base]
     else:
-        cols = list(COLUMNS)
+        cols = list(base)
     return cols + [INVOCATION_COLUMN] if len(_invocations(rows)) > 1 else cols
 
 
@@ -131,8 +158,10 @@ def table(rows: Iterable[SummaryRow | dict[str, Any]]) -> str:
     cols = columns(rows)
     several = INVOCATION_COLUMN in cols
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(_cells(r, invocations=several)) + " |" for r in rows]
+    plan = _has_plan(rows)
+    lines += ["| " + " | ".join(_cells(r, invocations=several, plan=plan)) + " |" for r in rows]
     notes = [f"- {r.recipe} seed {f.seed}: FAILED — {f.reason}" for r in rows for f in r.failures]
+    notes += _plan_notes(rows)
     if several:
         *first, last = map(str, _invocations(rows))
         notes.append(f"- the rows come from invocations {', '.join(first)} and {last} of this bench (--resume; "
@@ -141,6 +170,22 @@ def table(rows: Iterable[SummaryRow | dict[str, Any]]) -> str:
         notes.append("- MFU above 100% means the peak matmul rate was under-measured (a busy machine while the "
                      "micro-benchmark ran?); rerun on a quiet machine or raise --peak-seconds")
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _plan_notes(rows: list[SummaryRow]) -> list[str]:
+    """One line per reason a prediction is missing, and what the plan columns compare."""
+    missing: dict[str, list[str]] = {}
+    for r in rows:
+        if r.prediction is not None and r.prediction.reason:
+            missing.setdefault(r.prediction.reason, []).append(r.recipe)
+    out = [f"- plan: no prediction for {', '.join(names)}: {why}" for why, names in missing.items()]
+    shown = next((r.prediction for r in rows if r.prediction is not None and not r.prediction.reason), None)
+    if shown is not None:
+        what = ("the step's peak above the resident state (VmHWM rise)"
+                if shown.peak_compared_with == "measured_step_peak_bytes" else "CUDA max allocated")
+        out.append(f"- plan: mixprec plan's prediction for target {shown.target} (traced under fake tensors before "
+                   f"the runs); measured / plan compares {what} and the median step time")
+    return out
 
 
 def _fmt_rate(x: float | None) -> str:

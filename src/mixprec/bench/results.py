@@ -22,7 +22,8 @@ from typing import Any
 from ..jsonio import to_jsonable
 from .parity import ParityResult
 
-__all__ = ["number", "ratio", "Spread", "Timing", "MemoryProbe", "RunResult", "Failure", "SummaryRow"]
+__all__ = ["number", "ratio", "Spread", "Timing", "MemoryProbe", "RunResult", "Failure", "Prediction",
+           "SummaryRow"]
 
 
 def number(x: Any) -> float | int | None:
@@ -272,6 +273,47 @@ def _parity(d: Any) -> ParityResult | None:
                         reason=_str(d.get("reason")) or "")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What ``mixprec plan`` predicted for one recipe of the bench (:mod:`mixprec.bench.predict`), and how the
+    measurement compares with it."""
+
+    target: str | None = None
+    """The plan's target (``cpu``: this machine with the bench's measured matmul peaks)."""
+    peak_bytes: int | None = None
+    """Predicted peak of the step, the resident state (parameters, optimizer state...) included."""
+    step_peak_bytes: int | None = None
+    """Predicted peak above the resident state (parameters, buffers, optimizer state, masters, the batch):
+    what the CPU probe's ``VmHWM`` rise measures."""
+    step_time_s: float | None = None
+    """Predicted time of one optimizer step (``--grad-accum`` micro-batches of forward and backward)."""
+    peak_compared_with: str | None = None
+    """The measured figure the peak is compared with: ``measured_step_peak_bytes`` (CPU, with
+    ``step_peak_bytes``) or ``cuda_peak_allocated_bytes`` (CUDA, with ``peak_bytes``)."""
+    peak_ratio: float | None = None
+    """Measured peak / predicted peak (set by the summary)."""
+    step_time_ratio: float | None = None
+    """Measured median step time / predicted step time (set by the summary)."""
+    reason: str | None = None
+    """Why there is no prediction (the model could not be traced, ``--no-plan``...)."""
+
+    @property
+    def compared_peak(self) -> int | None:
+        """The predicted figure the measured peak is compared with."""
+        return self.peak_bytes if self.peak_compared_with == "cuda_peak_allocated_bytes" else self.step_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Prediction | None:
+        if not isinstance(d, dict):
+            return None
+        kinds = {"target": _str, "peak_bytes": _int, "step_peak_bytes": _int, "step_time_s": number,
+                 "peak_compared_with": _str, "peak_ratio": number, "step_time_ratio": number, "reason": _str}
+        return _read(cls, d, kinds)
+
+
 _SPREADS = ("epoch_time_s", "raw_epoch_time_s", "step_time_s", "samples_per_s", "test_accuracy", "test_loss",
             "bits_per_char", "test_metric")
 _NUMBERS = ("memory_total_bytes", "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes",
@@ -357,6 +399,9 @@ class SummaryRow:
     """The main metric's median minus fp32's (in the metric's own units: accuracy as a fraction)."""
     parity: ParityResult | None = None
     """Convergence parity with fp32's seed band."""
+    prediction: Prediction | None = None
+    """The plan's prediction of its step peak and step time, and the measured/predicted ratios (None: the
+    bench ran with ``--no-plan``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -375,7 +420,7 @@ class SummaryRow:
                    matmul_dtype=_str(d.get("matmul_dtype")), task=_str(d.get("task")),
                    metric=_str(d.get("metric")),
                    language_model=d.get("language_model") if isinstance(d.get("language_model"), bool) else None,
-                   parity=_parity(d.get("parity")),
+                   parity=_parity(d.get("parity")), prediction=Prediction.from_dict(d.get("prediction")),
                    **{k: Spread.from_dict(d.get(k)) for k in _SPREADS}, **{k: number(d.get(k)) for k in _NUMBERS})
 
     def median(self, field: str) -> float | None:

@@ -19,8 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import ConfigError
-from ..validate import flag_name
-from .config import BENCH_FLAGS, RESUME_MAY_CHANGE, BenchConfig
+from .config import BENCH_FLAGS, RESUME_MAY_CHANGE, BenchConfig, bench_flag
 from .results import RunResult
 
 __all__ = ["Previous", "load_previous", "resume_config", "check_resume_changes", "changed_settings", "SCHEMA"]
@@ -112,8 +111,8 @@ def check_resume_changes(path: str, given: Iterable[str]) -> None:
     may not change."""
     for name in given:
         if name not in RESUME_MAY_CHANGE and name != "resume":
-            shown = "--no-plots" if name == "plots" else flag_name(name)
-            allowed = ", ".join("--no-plots" if n == "plots" else flag_name(n) for n in RESUME_MAY_CHANGE)
+            shown = bench_flag(name)
+            allowed = ", ".join(bench_flag(n) for n in RESUME_MAY_CHANGE)
             raise ConfigError(f"--resume {path}: {shown} cannot change in a resumed bench (the runs it keeps "
                               f"were measured with the folder's settings); it may change only {allowed} — drop "
                               f"{shown}, or start a new bench with --out")

@@ -2,7 +2,8 @@
 
 - :func:`~mixprec.bench.plan.plan` checks everything before any run (exit 2 at once, not after an hour).
 - :func:`~mixprec.bench.machine.measure_machine` counts the FLOPs and measures the peaks; the console
-  shows the plan and one preflight line per recipe.
+  shows the plan and one preflight line per recipe; :func:`~mixprec.bench.predict.predict` has ``mixprec
+  plan`` predict each recipe's step peak and step time (its own process; ``--no-plan`` skips it).
 - :func:`~mixprec.bench.runner.execute_matrix` runs each (recipe, repeat) in a fresh subprocess, one line
   per finished run.
 - :meth:`Session.report` prints the table and writes ``results.json``, ``results.md`` and the plots.
@@ -20,6 +21,7 @@ be written, 2 for usage errors (raised), 128 + the signal number when interrupte
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -31,6 +33,7 @@ from .console import announce, progress_line, say
 from .document import build_document, draw_plots, write_documents
 from .machine import Machine, measure_machine
 from .plan import Plan, plan
+from .predict import predict
 from .report import table
 from .results import RunResult
 from .resume import load_previous
@@ -52,6 +55,8 @@ class Session:
         """The final results.json document, once the report is written."""
         self.lock: OutputLock | None = None
         """This bench's hold on its folder: a second bench on a live folder is refused."""
+        self.predicting = False
+        """Whether the planner's process is running (before the first run)."""
 
     def run(self) -> int:
         """Plan, measure, run, report; the exit status (UsageError raised for exit 2). The folder stays
@@ -83,6 +88,9 @@ class Session:
             self.lock = OutputLock.acquire(self.plan.out_dir, command="mixprec bench")
         self.machine = measure_machine(self.plan)
         announce(self.plan, self.machine)
+        self.predicting = True
+        self.machine = dataclasses.replace(self.machine, prediction=predict(self.plan, self.machine, say=say))
+        self.predicting = False
         self.results = list(self.plan.kept)
         execute_matrix(self.plan.to_run, self.plan.out_dir, timeout=self.config.timeout, on_done=self.finished,
                        invocation=self.plan.invocation)
@@ -129,7 +137,9 @@ class Session:
             self.release()
             return 128 + sig
         ran = done - len(p.kept)  # finished in this invocation
-        if ran < len(p.to_run):
+        if self.predicting:
+            head += " while the planner predicted the recipes (before the first run), its process stopped"
+        elif ran < len(p.to_run):
             spec = p.to_run[ran]
             head += (f" during {spec.recipe} seed {spec.seed} (run {ran + 1} of {len(p.to_run)}"
                      + (" in this invocation" if p.kept else "") + "), its worker stopped")

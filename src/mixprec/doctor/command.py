@@ -6,7 +6,7 @@ import argparse
 
 from ..errors import ConfigError, OutputError
 from ..train.args import add_train_arguments, config_from_args
-from ..train.outputs import check_folder
+from ..train.outputs import OutputLock, check_folder
 from .block_formats import WHAT_IF_FORMATS, BlockFormatConfig
 
 __all__ = ["add_parser", "doctor_main"]
@@ -43,9 +43,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def doctor_main(args: argparse.Namespace) -> int:
-    from ..train.build import build_run
-    from .api import diagnose_run
-
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     if args.grad_accum != 1:
@@ -58,6 +55,20 @@ def doctor_main(args: argparse.Namespace) -> int:
     # --out is the doctor's folder here, not the trainer's checkpoint folder
     config = config_from_args(args, out=None, checkpoint_every=None, resume=None, metrics_json=None)
     check_folder(args.out, "--out")  # before the diagnosis: a file or a read-only place costs nothing
+    held = OutputLock.acquire(args.out, command="mixprec doctor")  # a second doctor (or a train) there is refused
+    try:
+        written = _diagnose(args, config, block_formats)
+    finally:
+        held.release()
+    print(f"\nwrote {', '.join(written)}")
+    return 0
+
+
+def _diagnose(args: argparse.Namespace, config, block_formats: BlockFormatConfig) -> list[str]:
+    """Build the run, observe it, print and write the report; the files written, in order."""
+    from ..train.build import build_run
+    from .api import diagnose_run
+
     r = build_run(config)
     print(f"mixprec doctor: observing {args.steps} steps of {config.model.name} on {r.data.name} "
           f"with {r.recipe.name} [{r.recipe.impl}] ...", flush=True)
@@ -72,5 +83,4 @@ def doctor_main(args: argparse.Namespace) -> int:
     except OutputError as e:  # a disk that filled up since the check: name the file, keep what was written
         kept = f"; written before it, intact: {', '.join(written)}" if written else "; nothing was written"
         raise OutputError(f"{e}{kept}") from None
-    print(f"\nwrote {', '.join(written)}")
-    return 0
+    return written

@@ -11,14 +11,13 @@
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from typing import Any
 
 import numpy as np
 
-from ..jsonio import write_bytes
+from ..jsonio import write_figure
 from .attribution import display_path
 from .ranges import BIN_MIN, Log2Histogram
 
@@ -87,15 +86,8 @@ def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int
     fig.colorbar(im, ax=ax, label="share of the layer's non-zero values")
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # leave the bottom 0.45 in for the legend
-    _save(fig, path)
+    write_figure(fig, path)
     return path
-
-
-def _save(fig, path: str) -> None:
-    """Render to memory, then write atomically: a full disk is an OutputError naming ``path``, never half a PNG."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    write_bytes(path, buf.getvalue())
 
 
 def range_heatmaps(report: Any, out_dir: str, head: str) -> list:
@@ -162,7 +154,7 @@ def _loss_scale_plot(path: str, report: Any, head: str) -> str | None:
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
     ax.set_title(f"{head}: loss scale and loss", fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    write_figure(fig, path)
     return path
 
 
@@ -179,7 +171,7 @@ def _lost_updates_plot(path: str, report: Any, head: str) -> str | None:
     ax.tick_params(axis="y", labelsize=7)
     ax.set_title(f"{head}: lost updates per layer", fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    write_figure(fig, path)
     return path
 
 
@@ -218,5 +210,5 @@ def _block_formats_plot(path: str, report: Any, head: str) -> str | None:
     ax.set_title(f"{head}: GEMM operands in each format (red: > {bf.config.flag_db:g} dB below the median)",
                  fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    write_figure(fig, path)
     return path

@@ -18,7 +18,7 @@ from .precision_map import PrecisionMap
 from .ranges import RangeProfile
 from .scale_history import ScaleHistory
 
-__all__ = ["DoctorReport", "GradientLoss"]
+__all__ = ["DoctorReport", "GradientLoss", "text_table"]
 
 
 @dataclasses.dataclass
@@ -78,7 +78,7 @@ def _binades(r) -> str:
     return "-" if not r else f"{r[0]}..{r[1]}"
 
 
-def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+def text_table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
     out = [indent + "  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip()]
     for r in rows:
@@ -186,19 +186,20 @@ class DoctorReport:
                  + (f" of batch {t['batch_size']}" if t.get("batch_size") else "")
                  + f", {t.get('params', 0):,} params, {t.get('device')}",
                  f"  {t.get('describe', '')}", ""]
-        lines += self._render_map() + [""]
-        lines += self._render_ranges() + [""]
-        lines += self._render_nonfinite() + [""]
-        lines += self._render_lost() + [""]
-        lines += self._render_history() + [""]
+        lines += self.render_map() + [""]
+        lines += self.render_ranges() + [""]
+        lines += self.render_nonfinite() + [""]
+        lines += self.render_lost() + [""]
+        lines += self.render_history() + [""]
         if self.block_formats is not None:
-            lines += self._render_blocks() + [""]
+            lines += self.render_blocks() + [""]
         lines.append("Recommendations")
         for r in self.recommendations():
             lines.append(f"  - {r['text']}")
         return "\n".join(lines)
 
-    def _render_map(self) -> list[str]:
+    # The sections of :meth:`render`, each a list of lines (public: ``mixprec.watch`` renders the shared ones).
+    def render_map(self) -> list[str]:
         lines = ["1. Precision map (step 0, observed at the dispatcher: forward, backward, optimizer step)"]
         pm = self.precision_map
         if pm is None:
@@ -226,7 +227,7 @@ class DoctorReport:
             lines.append("  casts: " + ", ".join(f"{k} x{n} ({b / 2**20:.2f} MiB)" for k, (n, b) in casts.items()))
         rows = [r for r in pm.rows if r.phase != "step" and r.flops]
         shown = rows[:40]
-        lines += _table(
+        lines += text_table(
             ["phase", "module", "op", "inputs -> outputs", "compute", "count", "MFLOP"],
             [[r.phase, display_path(r.module), r.op, f"{r.inputs} -> {r.outputs}", r.compute, str(r.count),
               f"{r.flops / 1e6:.2f}"] for r in shown])
@@ -240,7 +241,7 @@ class DoctorReport:
     def _fractions_text(f: dict[str, float]) -> str:
         return f"underflow {_pct(f['underflow'])}, subnormal {_pct(f['subnormal'])}, overflow {_pct(f['overflow'])}"
 
-    def _render_ranges(self) -> list[str]:
+    def render_ranges(self) -> list[str]:
         rp = self.ranges
         k = self.log2_scale
         lines = [f"2. Range profile (fp32 reference pass on each of {rp.steps} steps; binade e holds |x| in "
@@ -255,7 +256,7 @@ class DoctorReport:
                          _pct(a16.get("overflow")), _pct(e4.get("overflow")), _binades(r["gradient_binades"]),
                          _pct(g16.get("underflow")), _pct(g16.get("subnormal")), _pct(g16.get("overflow")),
                          _pct(e5.get("underflow"))])
-        lines += _table(["layer", "type", "act binades", "act>fp16", "act>e4m3", "grad binades",
+        lines += text_table(["layer", "type", "act binades", "act>fp16", "act>e4m3", "grad binades",
                          f"fp16 zero@2^{k}", "subnormal", "overflow", f"e5m2 zero@2^{k}"], rows)
         now = self.gradient_fractions("fp16")
         lines.append(f"  all gradients at the current loss scale 2^{k} = {self.loss_scale:g}: fp16 "
@@ -275,7 +276,7 @@ class DoctorReport:
                          "steps; underflow, or rounding that flips a ReLU or cancels a sum)")
         return lines
 
-    def _render_nonfinite(self) -> list[str]:
+    def render_nonfinite(self) -> list[str]:
         lines = ["3. First non-finite"]
         if not self.faults:
             lines.append(f"  none: every op of forward, backward and optimizer step was finite in all "
@@ -302,7 +303,7 @@ class DoctorReport:
                 lines.append(f"    fp32 = {{{fp32}}}: {tr['first_nonfinite'] or 'finite'}")
         return lines
 
-    def _render_lost(self) -> list[str]:
+    def render_lost(self) -> list[str]:
         lu = self.lost_updates
         if not lu.layers:
             return ["4. Lost updates (non-zero updates with low(w + d) == w)",
@@ -310,7 +311,7 @@ class DoctorReport:
         dtypes = sorted({layer.dtype for layer in lu.layers})
         lines = [f"4. Lost updates (non-zero updates with low(w + d) == w; the optimizer steps "
                  f"{'/'.join(dtypes)} tensors; {lu.steps} steps applied)"]
-        lines += _table(["layer", "dtype", "updated", "lost", "lost %", "median |d/w|"],
+        lines += text_table(["layer", "dtype", "updated", "lost", "lost %", "median |d/w|"],
                         [[display_path(layer.name), layer.dtype, f"{layer.updated:,}", f"{layer.lost:,}",
                           _pct(layer.lost_fraction),
                           "-" if layer.median_ratio is None else f"{layer.median_ratio:.2e}"]
@@ -325,7 +326,7 @@ class DoctorReport:
                          "rounded copies of them)")
         return lines
 
-    def _render_history(self) -> list[str]:
+    def render_history(self) -> list[str]:
         h = self.history
         sm = h.summary()
         causes = ", ".join(f"{k} x{v}" for k, v in sm["causes"].items()) or "none"
@@ -339,7 +340,7 @@ class DoctorReport:
         rows = [[str(r.step), f"{r.loss:.4f}", f"{r.scale:g}", "yes" if r.skipped else "",
                  (r.cause or "")[:110]] for r in shown]
         if rows:
-            lines += _table(["step", "loss", "scale", "skipped", "cause"], rows)
+            lines += text_table(["step", "loss", "scale", "skipped", "cause"], rows)
         if len(recs) > 12:
             lines.append(f"  (steps without events omitted; all {len(recs)} in doctor.json)")
         return lines
@@ -347,7 +348,7 @@ class DoctorReport:
     MAX_BLOCK_LAYERS = 12
     """Layers the block-format table shows (worst first); doctor.json has all."""
 
-    def _render_blocks(self) -> list[str]:
+    def render_blocks(self) -> list[str]:
         bf = self.block_formats
         cfg, fmts = bf.config, bf.config.formats
         lines = [f"6. Block formats, what-if (fp32 pass of {bf.steps} step(s): each linear layer's GEMM operands in "
@@ -368,13 +369,13 @@ class DoctorReport:
         for i, t in enumerate(("x", "w", "dy")):
             rows.append(["median" if i == 0 else "", "", t]
                         + ["-" if med[f][t] is None else f"{med[f][t]:.1f}" for f in fmts])
-        lines += _table(["layer", "in x out", "tensor"] + [SHORT[f] for f in fmts], rows)
+        lines += text_table(["layer", "in x out", "tensor"] + [SHORT[f] for f in fmts], rows)
         if len(bf.layers) > len(shown):
             lines.append(f"  ... {len(bf.layers) - len(shown)} more layers in doctor.json")
         lines += _not_applicable_lines(bf)
         totals = bf.format_totals()
         lines.append("  over every layer and operand:")
-        lines += _table(["format", "blocks clamped", "flushed to 0", "subnormal", "most flushed to 0"],
+        lines += text_table(["format", "blocks clamped", "flushed to 0", "subnormal", "most flushed to 0"],
                         [[SHORT[f], _pct(v["scale_clamped"]), _pct(v["underflow"]), _pct(v["subnormal"]),
                           "-" if not (w := v["most_underflow"]) or not w["underflow"] else
                           f"{w['layer']} {w['tensor']} ({w['gemm']}) {_pct(w['underflow'])}"]

@@ -27,7 +27,7 @@ from .roofline import StepTime, efficiency_for, step_time
 from .targets import Target, get_target
 from .trace import FakeModelSource, StepTrace, TraceError, trace_step
 
-__all__ = ["RecipePlan", "Plan", "plan", "PlanError"]
+__all__ = ["RecipePlan", "Plan", "plan", "PlanError", "Planner", "TaskLoss"]
 
 
 class PlanError(UsageError):
@@ -83,8 +83,11 @@ class Plan:
         return verdict(self)
 
     def to_dict(self) -> dict[str, Any]:
+        from .report import DEVICE_BRANCH_LIMIT
+
         return {"schema": "mixprec.plan/1", "target": self.target.to_dict(), "model": self.model,
                 "batch_size": self.batch_size, "traced": self.traced, "efficiency": self.efficiency_source,
+                "limits": [DEVICE_BRANCH_LIMIT] if self.target.kind != "cpu" else [],
                 "recipes": [r.to_dict() for r in self.recipes], "verdict": self.verdict()}
 
 
@@ -158,11 +161,11 @@ def plan(
         batch: instead of a batch from the config's data: ``(inputs, targets)``, ``(in_1, ..., targets)`` or a
             dict (the model contract, :mod:`mixprec.train.contract`).
         loss_fn, make_optimizer: an explicit loss ``(raw output, targets)`` and ``params -> optimizer``
-            (default: the config's loss -- else the model's own, else cross-entropy -- and optimizer).
+            (default: the config's ``--loss`` -- else the model's own, else the task's, resolved as train
+            resolves it: :class:`TaskLoss` -- and the config's optimizer).
         fallback_real: when the model cannot be traced under fake tensors, run the same step for real on the
             CPU on ``fallback_batch_size`` samples and scale what grows with the batch (instead of failing).
     """
-    from ..train.build import loss_from_config, optimizer_factory
     from ..train.config import TrainConfig
 
     precisions = [p.strip() for p in (precisions.split(",") if isinstance(precisions, str) else precisions)
@@ -171,57 +174,103 @@ def plan(
         raise PlanError("plan(precisions=[]): name at least one recipe, e.g. --precisions fp32,bf16-mixed")
     if isinstance(model, str):  # a model name or module:factory, as --model takes it
         flags["model"], model = model, None
-    (config := config or TrainConfig.from_flags(**flags)).validate()
-    tgt = get_target(target)
-    build, model_name, batch = _inputs(config, model, batch)
-    if loss_fn is None and config.model.loss != "cross-entropy":
-        loss_fn = loss_from_config(config.model)
-    make_optimizer = make_optimizer or optimizer_factory(config.optim)
+    planner = Planner(config=config or TrainConfig.from_flags(**flags), target=target, model=model, batch=batch,
+                      loss_fn=loss_fn, make_optimizer=make_optimizer)
     names = [_canonical(p) for p in precisions]
-    kw = dict(config=config, target=tgt, build=build, make_optimizer=make_optimizer, loss_fn=loss_fn)
     traced, scale = "fake", 1.0
     try:
-        results = _trace_all(names, batch, fake=True, **kw)
+        results = [planner.trace(name) for name in names]
     except TraceError as e:
         if not fallback_real:
             raise
-        small = _slice_batch(batch, fallback_batch_size)
-        results = [(_scaled(tr, len(batch)), notes + [f"traced for real on {len(small)} samples ({e}); what "
-                                                      "grows with the batch scaled to the asked batch"], tf)
-                   for tr, notes, tf in _trace_all(names, small, fake=False, **kw)]
-        traced, scale = "real", len(batch) / len(small)
-    plans = tuple(_recipe_plan(tr, tgt, tf32=tf, notes=notes, scaled_ops=scale) for tr, notes, tf in results)
-    return Plan(target=tgt, recipes=plans, model=model_name, batch_size=len(batch), traced=traced,
-                efficiency_source=efficiency_for(tgt).source)
+        small = _slice_batch(planner.batch, fallback_batch_size)
+        n = len(planner.batch)
+        results = [(_scaled(tr, n), notes + [f"traced for real on {len(small)} samples ({e}); what grows with the "
+                                             "batch scaled to the asked batch"], tf)
+                   for tr, notes, tf in planner.trace_real(names, small)]
+        traced, scale = "real", n / len(small)
+    plans = tuple(planner.recipe_plan(tr, tf32=tf, notes=notes, scaled_ops=scale) for tr, notes, tf in results)
+    return Plan(target=planner.target, recipes=plans, model=planner.model_name, batch_size=len(planner.batch),
+                traced=traced, efficiency_source=efficiency_for(planner.target).source)
 
 
-def _trace_all(names, batch, *, fake: bool, config, target, build, make_optimizer, loss_fn
-               ) -> list[tuple[StepTrace, list[str], bool]]:
-    """One trace per recipe, all from one model builder (fake, or real for ``--fallback-real``)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+class Planner:
+    """What every recipe of a plan shares, made once -- the target, the config, the model builder, the batch,
+    the loss and the optimizer factory, the fake mode -- and one trace per recipe (:meth:`trace`).
 
-    from ..train.build import cross_entropy
+    ``data``: the config's data, already loaded (bench passes its own), so that it is not loaded again.
+    """
 
-    fake_mode = FakeTensorMode() if fake else None
-    models = FakeModelSource(build, fake_mode)
-    out = []
-    for name in names:
-        recipe_config, notes = config.recipe.for_recipe(name)
-        tr = trace_step(recipe_config=recipe_config, target=target, models=models, fake_mode=fake_mode,
-                        batch=batch, make_optimizer=make_optimizer, loss_fn=loss_fn, default_loss=cross_entropy,
-                        clip_grad_norm=config.optim.clip_grad_norm)
-        out.append((tr, notes, _tf32(name)))
-    return out
+    def __init__(self, *, config, target: str | Target = "cpu", model=None, batch=None, loss_fn=None,
+                 make_optimizer=None, data=None) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from ..train.build import loss_from_config, optimizer_factory
+
+        config.validate()
+        self.config = config
+        self.target = get_target(target)
+        self.build, self.model_name, self.batch, data = _inputs(config, model, batch, data)
+        self.loss_fn = loss_fn or loss_from_config(config.model)
+        self.default_loss = TaskLoss(config, data, self.batch)
+        self.make_optimizer = make_optimizer or optimizer_factory(config.optim)
+        self.fake_mode = FakeTensorMode()
+        self.models = FakeModelSource(self.build, self.fake_mode)
+
+    def trace(self, name: str) -> tuple[StepTrace, list[str], bool]:
+        """``(trace, notes, tf32)`` of recipe ``name`` (canonical) under fake tensors; raises TraceError."""
+        return self._trace(name, self.batch, self.models, self.fake_mode)
+
+    def trace_real(self, names, batch) -> list[tuple[StepTrace, list[str], bool]]:
+        """Every recipe's step run for real on this CPU on ``batch`` (``--fallback-real``)."""
+        models = FakeModelSource(self.build, None)
+        return [self._trace(name, batch, models, None) for name in names]
+
+    def _trace(self, name, batch, models, fake_mode):
+        recipe_config, notes = self.config.recipe.for_recipe(name)
+        tr = trace_step(recipe_config=recipe_config, target=self.target, models=models, fake_mode=fake_mode,
+                        batch=batch, make_optimizer=self.make_optimizer, loss_fn=self.loss_fn,
+                        default_loss=self.default_loss, clip_grad_norm=self.config.optim.clip_grad_norm)
+        return tr, list(notes), _tf32(name)
+
+    def recipe_plan(self, trace: StepTrace, *, tf32: bool, notes: list[str], scaled_ops: float = 1.0) -> RecipePlan:
+        return _recipe_plan(trace, self.target, tf32=tf32, notes=notes, scaled_ops=scaled_ops)
 
 
-def _inputs(config, model, batch) -> tuple[Callable[[], nn.Module], str, Any]:
-    """The model builder (shared by every recipe), the model's name and the batch (the contract's Batch)."""
+class TaskLoss:
+    """The step's default loss, resolved as ``mixprec train`` resolves it (:mod:`mixprec.train.tasks`):
+    ``--task``, else the data source's task, else the task that the first traced output and the batch's real
+    targets imply (:func:`~mixprec.train.tasks.infer_task`: float targets train a regression with MSE, 0/1
+    targets with BCE, class indices with cross-entropy). The contract uses it only when ``--loss`` is auto and
+    the model returns no loss of its own (:func:`mixprec.train.contract.compute_loss`)."""
+
+    def __init__(self, config, data, batch) -> None:
+        self._asked = config.model.task
+        self._hint = getattr(data, "task", None) if data is not None else None
+        self._targets = batch.targets if isinstance(batch.targets, torch.Tensor) else None
+        self.task = None
+        """The :class:`~mixprec.train.tasks.Task`, once the first traced step has settled it."""
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from ..train.tasks import infer_task, make_task
+
+        if self.task is None:
+            with _disable_current_modes():  # the real targets' values are read outside the fake mode
+                name = self._asked if self._asked != "auto" else infer_task(logits, self._targets, hint=self._hint)
+                self.task = make_task(name, targets=self._targets)
+        return self.task.default_loss(logits, targets)
+
+
+def _inputs(config, model, batch, data=None) -> tuple[Callable[[], nn.Module], str, Any, Any]:
+    """The model builder (shared by every recipe), the model's name, the batch (the contract's Batch) and the
+    data source (None when both the model and the batch were given)."""
     from ..train.build import load_data, model_from_config
     from ..train.contract import as_batch
 
     seed = config.run.seed
-    data = None
-    if batch is None or model is None:
+    if data is None and (batch is None or model is None):
         data = load_data(config.data, seed=seed, block_size=config.model.block_size)
     if batch is None:
         loader = data.loader(config.optim.batch_size, seed=seed, rank=0, world_size=1, num_workers=0,
@@ -231,15 +280,15 @@ def _inputs(config, model, batch) -> tuple[Callable[[], nn.Module], str, Any]:
         import copy
 
         module = model
-        return (lambda: copy.deepcopy(module)), type(module).__name__, as_batch(batch)
+        return (lambda: copy.deepcopy(module)), type(module).__name__, as_batch(batch), data
     if callable(model):
-        return model, getattr(model, "__name__", type(model).__name__), as_batch(batch)
+        return model, getattr(model, "__name__", type(model).__name__), as_batch(batch), data
 
     def build() -> nn.Module:
         torch.manual_seed(seed)
         return model_from_config(config.model, data)
 
-    return build, config.model.name, as_batch(batch)
+    return build, config.model.name, as_batch(batch), data
 
 
 def _canonical(name: str) -> str:

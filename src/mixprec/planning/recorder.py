@@ -17,6 +17,11 @@ ops compute nothing and allocate nothing). For each op it records:
   attention and fused RNNs), the dtype of its first floating input (``fp8`` for ``_scaled_mm``), and the
   bytes it moves (inputs read plus outputs written; view ops move nothing). The roofline
   (:mod:`.roofline`) turns these into time on a target.
+
+A step dispatches tens of thousands of ops of a few dozen overloads, so what the recorder needs of an
+overload (its name, whether it is a view or mutates, whether a FLOP formula knows it) is worked out once
+(:func:`_op_info`) and the arguments are flattened once per op; the rest of a trace's time is
+``FakeTensorMode``'s own dispatch.
 """
 
 from __future__ import annotations
@@ -73,10 +78,6 @@ def dtype_bucket(func: Any, args: tuple) -> str:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             return _DTYPE_NAMES.get(a.dtype, str(a.dtype).replace("torch.", ""))
     return "other"
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class StepRecorder(TorchDispatchMode):
@@ -156,16 +157,73 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.seq += 1
-        self._op_name = func.overloadpacket.__name__
-        inputs = {id(a): a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        moves = not func.is_view and (outputs or func._schema.is_mutable)  # queries (prim::device) move nothing
-        nbytes = sum(_nbytes(t) for t in inputs.values()) if moves else 0
+        info = _op_info(func)
+        self._op_name = info.name
+        positional, keyword = _leaves(args, kwargs)
+        outputs = [out] if isinstance(out, torch.Tensor) else [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        moves = not info.is_view and (outputs or info.mutable)  # queries (prim::device) move nothing
+        nbytes = 0
+        if moves:
+            seen = set()
+            for a in (*positional, *keyword):
+                if isinstance(a, torch.Tensor) and id(a) not in seen:
+                    seen.add(id(a))
+                    nbytes += a.numel() * a.element_size()
         for t in outputs:
             self._storage_alloc(t)
             if moves:
-                nbytes += _nbytes(t)
+                nbytes += t.numel() * t.element_size()
         self._note_peak()
-        self.ops.append(OpRecord(name=func.overloadpacket.__name__, flops=op_flops(func, args, kwargs, out),
-                                 dtype=dtype_bucket(func, args), nbytes=nbytes, phase=self.phase))
+        flops = op_flops(func, args, kwargs, out) if info.may_have_flops else 0
+        self.ops.append(OpRecord(name=info.name, flops=flops, dtype=_bucket(info, positional), nbytes=nbytes,
+                                 phase=self.phase))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpInfo:
+    name: str
+    is_view: bool
+    mutable: bool
+    scaled_mm: bool
+    may_have_flops: bool
+    """Whether a FLOP formula (PyTorch's or mixprec's) knows the op; the others count 0 without asking."""
+
+
+_OP_INFO: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func) -> _OpInfo:
+    """What the recorder needs of an op overload, worked out once per overload (a step dispatches thousands
+    of ops of a few dozen kinds)."""
+    info = _OP_INFO.get(func)
+    if info is None:
+        from torch.utils import flop_counter as _fc
+
+        from ..flops import CUSTOM_FORMULAS
+
+        packet = func.overloadpacket
+        name = packet.__name__
+        info = _OP_INFO[func] = _OpInfo(name=name, is_view=func.is_view, mutable=func._schema.is_mutable,
+                                        scaled_mm=name.startswith("_scaled_mm"),
+                                        may_have_flops=packet in CUSTOM_FORMULAS or packet in _fc.flop_registry)
+    return info
+
+
+def _leaves(args: tuple, kwargs: dict) -> tuple[list, list]:
+    """The leaves of an op's positional and keyword arguments (the common flat case without pytree's walk)."""
+    if any(isinstance(a, (list, tuple, dict)) for a in args):
+        positional = tree_leaves(args)
+    else:
+        positional = list(args)
+    return positional, (tree_leaves(kwargs) if kwargs else [])
+
+
+def _bucket(info: _OpInfo, leaves: list) -> str:
+    """:func:`dtype_bucket` from the already flattened positional arguments."""
+    if info.scaled_mm:
+        return "fp8"
+    for a in leaves:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return _DTYPE_NAMES.get(a.dtype, str(a.dtype).replace("torch.", ""))
+    return "other"

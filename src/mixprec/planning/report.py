@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..jsonio import write_figure
 from ..jsonio import write_json as _write_json
 from .trace import AT_PEAK_CATEGORIES
 
-__all__ = ["format_plan", "verdict", "write_json", "plot_memory", "gib"]
+__all__ = ["format_plan", "verdict", "write_json", "plot_memory", "gib", "DEVICE_BRANCH_LIMIT"]
 
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "master_weights": "masters",
           "activations": "acts", "autocast_weight_copies": "ac copies", "fp8_buffers": "fp8", "buffers": "buffers",
           "temporary": "temp"}
+
+
+DEVICE_BRANCH_LIMIT = ("the step is traced on fake CPU tensors, so model code that branches on the device type "
+                       "(x.is_cuda, x.device.type == 'cuda', a CUDA-only kernel) takes its CPU branch")
+"""What a plan for a GPU target cannot see (also in the README's "Plan before you run")."""
 
 
 def gib(n: float) -> str:
@@ -39,7 +45,10 @@ def format_plan(p) -> str:
              f"{t.bandwidth / 1e9:.0f} GB/s; peaks " + ", ".join(f"{k} {v / 1e12:.3g}" for k, v in t.peak_flops.items())
              + " TFLOP/s)",
              f"  traced: {'under fake tensors' if p.traced == 'fake' else 'for real on a small batch, scaled'}; "
-             f"efficiency: {p.efficiency_source}", ""]
+             f"efficiency: {p.efficiency_source}"]
+    if t.kind != "cpu":
+        lines.append(f"  limit: {DEVICE_BRANCH_LIMIT}")
+    lines.append("")
     cats = [c for c in AT_PEAK_CATEGORIES if any(r.memory.get(c) for r in p.recipes)]
     head = f"{'recipe':22s}" + "".join(f"{_SHORT[c]:>11s}" for c in cats) + f"{'peak':>11s}{'max batch':>10s}{'step':>10s}"
     lines.append(head)
@@ -129,7 +138,7 @@ def plot_memory(p, path: str) -> str | None:
     ax.set_title(f"{p.model}, batch {p.batch_size}, on {p.target.name} ({gib(p.target.memory_bytes)})", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 

@@ -25,7 +25,8 @@ import torch
 from .. import hardware
 from ..errors import UsageError
 
-__all__ = ["Target", "TARGETS", "TargetError", "get_target", "measure_cpu", "measure_bandwidth"]
+__all__ = ["Target", "TARGETS", "TargetError", "get_target", "measure_cpu", "cpu_target", "measure_bandwidth",
+           "target_for_gpu"]
 
 T = 1e12
 
@@ -114,6 +115,19 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
 """The GPUs ``--target`` knows (``cpu`` is measured: :func:`measure_cpu`)."""
 
 
+_GPU_NAMES = (("H100", "h100-sxm"), ("H200", "h200"), ("B200", "b200"), ("A100", "a100-80gb"),
+              ("RTX 3090", "rtx3090"), ("RTX 4090", "rtx4090"), (" L4 ", "l4"))
+
+
+def target_for_gpu(device_name: str) -> Target | None:
+    """The table's entry for a GPU by its CUDA device name (``NVIDIA H100 80GB HBM3``), or None when the table
+    has no such GPU (an A100 40GB, an H100 PCIe or NVL are not the boards the table describes)."""
+    name = f" {device_name} "
+    if "PCIe" in name or "NVL" in name or "GH200" in name or ("A100" in name and "80GB" not in name):
+        return None
+    return next((TARGETS[key] for part, key in _GPU_NAMES if part in name), None)
+
+
 def known_targets() -> list[str]:
     return ["cpu", *TARGETS]
 
@@ -165,7 +179,14 @@ def measure_cpu(budget_s: float = 0.5) -> Target:
         peaks["bf16"] = measure_matmul_peak(torch.bfloat16, cpu, budget_s=budget_s)["flops_per_s"]
     if hardware.has_fast_fp16(cpu):
         peaks["fp16"] = measure_matmul_peak(torch.float16, cpu, budget_s=budget_s)["flops_per_s"]
+    return cpu_target(peaks, source=f"measured now on this machine ({torch.get_num_threads()} threads): "
+                                    "square-matmul peaks (bench's measure_matmul_peak), a 256 MiB copy, "
+                                    "/proc/meminfo MemTotal")
+
+
+def cpu_target(peak_flops: dict[str, float], *, source: str) -> Target:
+    """This machine with the matmul peaks given (``fp32`` at least; measured by :func:`measure_cpu`, or by a
+    bench in the same invocation), the bandwidth measured now and MemTotal."""
+    cpu = torch.device("cpu")
     return Target(name="cpu", description=hardware.describe_device(cpu), kind="cpu", memory_bytes=_mem_total(),
-                  peak_flops=peaks, bandwidth=measure_bandwidth(), launch_s=8e-6,
-                  source=f"measured now on this machine ({torch.get_num_threads()} threads): square-matmul peaks "
-                         "(bench's measure_matmul_peak), a 256 MiB copy, /proc/meminfo MemTotal")
+                  peak_flops=dict(peak_flops), bandwidth=measure_bandwidth(), launch_s=8e-6, source=source)

@@ -281,10 +281,10 @@ def trace_step(
         saved: list[tuple[Any, str]] = []
         tracker.on_save = lambda t, c: saved.append((rec.alloc_of(t), c))
         try:
-            with rec:
+            with rec, _replayed_scales(rec, fake_mode is not None):
                 _step(model, recipe, optimizer, fbatch, rec, tracker, autocast_for(model),
                       loss_fn=loss_fn, default_loss=default_loss, clip_grad_norm=clip_grad_norm)
-        except TraceError:
+        except UsageError:  # a TraceError, or the model contract's (targets that fit no task...)
             raise
         except Exception as e:  # noqa: BLE001 -- the model does something fake tensors cannot
             raise _trace_error(e, recipe.name) from None
@@ -304,6 +304,45 @@ def trace_step(
     return StepTrace(recipe=recipe.name, label=recipe.label, batch_size=len(batch), totals=totals,
                      at_peak=_at_peak(rec), peak_bytes=rec.peak, phase_peak=dict(rec.phase_peak),
                      batch_bytes=_batch_bytes(rec), ops=rec.ops, notes=notes, path=models.path)
+
+
+@contextlib.contextmanager
+def _replayed_scales(rec: StepRecorder, fake: bool) -> Iterator[None]:
+    """Trace each kind of FP8 scale computation once, then replay its ops.
+
+    :func:`mixprec.fp8._device_scale` (the scale from a 0-dim amax, about twenty 0-dim ops) depends only on
+    the dtypes, so every call of the same kind dispatches the same ops with the same shapes; under fake
+    tensors those dispatches were a third of an FP8 recipe's trace time. The first call of each kind runs and
+    is recorded; later ones append the same op records (same names, FLOPs, bytes and dtypes, in the current
+    phase) and get a fresh fake 0-dim fp32 output -- what the last op would have allocated. What is left out
+    is the 0-dim temporaries between those ops (a few bytes each, freed at once)."""
+    if not fake:
+        yield
+        return
+    from .. import fp8
+
+    real = fp8._device_scale
+    kinds: dict[tuple, list[OpRecord]] = {}
+
+    def scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+        key = (amax.dtype, tuple(amax.shape), fp8_dtype)
+        ops = kinds.get(key)
+        if ops is None or amax.dim() != 0:
+            start = len(rec.ops)
+            out = real(amax, fp8_dtype)
+            kinds[key] = rec.ops[start:]
+            return out
+        out = torch.empty((), dtype=torch.float32, device=amax.device)  # recorded as one op, replaced below
+        del rec.ops[-1]
+        rec.ops.extend(dataclasses.replace(op, phase=rec.phase) for op in ops)
+        rec.seq += len(ops) - 1
+        return out
+
+    fp8._device_scale = scale
+    try:
+        yield
+    finally:
+        fp8._device_scale = real
 
 
 def _recorder_with_residents(model, optimizer, recipe, fbatch) -> StepRecorder:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import WatchConfig, WatchError, check_watch_args
+from .config import WatchConfig, WatchError, check_watch_args, unwrap_model
 from .core import Watch
 
 __all__ = ["watch"]
@@ -48,4 +48,4 @@ def start(model: nn.Module, optimizer: Any, *, scaler: Any = None, driver: str =
     config = WatchConfig(**{k: (tuple(v) if k == "formats" else v) for k, v in settings.items()})
     config.validate()
     opt = check_watch_args(model, optimizer, scaler)
-    return Watch(model, opt, scaler=scaler, config=config, driver=driver, source=source)
+    return Watch(unwrap_model(model), opt, scaler=scaler, config=config, driver=driver, source=source)

@@ -16,7 +16,7 @@ from ..formats import get_format
 from ..validate import is_int, is_real
 from .scaler_state import scaler_kind
 
-__all__ = ["WatchConfig", "WatchError", "unwrap_optimizer", "check_watch_args"]
+__all__ = ["WatchConfig", "WatchError", "unwrap_model", "unwrap_optimizer", "check_watch_args"]
 
 
 class WatchError(UsageError):
@@ -94,6 +94,15 @@ def _check_writable(out: Any) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise WatchError(f"mixprec.watch(..., out={out!r}): {probe} is not writable by this process; pass a folder "
                          "the run can write into")
+
+
+def unwrap_model(model: Any) -> Any:
+    """The module inside ``DistributedDataParallel`` (and ``DataParallel``): the watch hooks, samples and replays
+    the rank's own module, so a replay of a step (or the doctor's fp32 search) runs no collective."""
+    seen = 0
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) and seen < 8:
+        model, seen = model.module, seen + 1
+    return model
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

@@ -21,8 +21,10 @@ list that is read in one go at the next sampled step. On an *unsampled* step the
 one small tensor:
 
 * no loss scaler (bf16, fp32): the finite flag of the step's gradients and loss, in the optimizer's step
-  pre-hook -- one ``_foreach_norm(grads, inf)`` on the device and one read of one bool. It is what lets the
-  watch stop a fault before the optimizer step mutates anything;
+  pre-hook -- one ``_foreach_norm(grads, 2)`` on the device, their global L2 norm stacked with the losses,
+  and one read of that small tensor (the norm is kept as the step's ``grad_l2``). It is what lets the watch
+  stop a fault before the optimizer step mutates anything. Only a step whose norm reads inf (an inf
+  gradient, or finite squares that overflow) reads once more, to tell the two apart exactly;
 * GradScaler, ShardedGradScaler or DynamicLossScaler: none. The scaler has read its own ``found_inf`` already
   and calls ``optimizer.step()`` only when it is finite, so the watch knows a skip without reading anything;
   only a fused optimizer (``_step_supports_amp_scaling``, which GradScaler steps even when skipping) costs one
@@ -57,7 +59,7 @@ from ..errors import NonFiniteError
 from .config import WatchConfig
 from .recorder import AutocastState, MicroBatch, localize, save_capture
 from .sample import InertHook, Sampler
-from .scaler_state import ScalerState, iteration_changed, read_scaler
+from .scaler_state import ScalerReader, ScalerState, iteration_changed
 
 __all__ = ["Watch"]
 
@@ -71,8 +73,8 @@ class _Step:
 
     index: int
     sampled: bool
-    scaler: ScalerState
-    """The scaler at the step's first forward."""
+    iteration: Any
+    """The scaler's iteration token at the step's first forward (:func:`.scaler_state.iteration_changed`)."""
     scale: torch.Tensor | float
     """The loss scale this step's backward uses (a device copy)."""
     batches: list[MicroBatch] = dataclasses.field(default_factory=list)
@@ -83,7 +85,7 @@ class _Step:
     applied: bool = False
     closure: bool = False
     nonfinite: bool | None = None
-    gmax: torch.Tensor | None = None
+    grad_l2: float | None = None
 
 
 @dataclasses.dataclass
@@ -93,7 +95,7 @@ class StepValues:
     step: int
     scale: Any
     loss: Any
-    grad_absmax: Any
+    grad_l2: Any
     grad_norm: Any
     skipped: bool
     nonfinite: bool | None
@@ -129,6 +131,13 @@ class Watch:
         self._compute_dtype: torch.dtype | None = None
         self._mb: MicroBatch | None = None
         self._closing = self.closed = False
+        self.reader = ScalerReader(scaler, optimizer)
+        stepped = [p for g in optimizer.param_groups for p in g["params"]]
+        self._dtensor = any(hasattr(p, "to_local") for p in stepped)
+        """Sharded (DTensor) parameters: local gradients, and the flag is reduced over the ranks."""
+        self._devices_differ = any(p.device != self.device for p in stepped)
+        self._norm_dtype = torch.float32 if any(p.dtype == torch.float16 for p in stepped) else None
+        """fp16 gradients' norms are taken in fp32 (an fp16 norm overflows at 65504)."""
         self.sampler = Sampler(model, optimizer, tuple(config.formats), config.lost_updates)
         from .output import Output
 
@@ -197,7 +206,8 @@ class Watch:
         return t.tolist()
 
     def _scaler(self) -> ScalerState:
-        return read_scaler(self.scaler, self.optimizer)
+        """The whole look at the scaler (reports, sampled steps, skips); unsampled steps use ``self.reader``."""
+        return self.reader.state()
 
     # -- events -------------------------------------------------------------------------------------
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -226,9 +236,10 @@ class Watch:
             st.closure = True  # the closure computes the gradients inside step(): see before_step()
             return
         self.before_step(in_step=True)
-        sc = self._scaler()
-        if st.sampled and not self.sampler.pre_done and not st.nonfinite and (sc.unscaled or not sc.enabled):
-            self.sampler.pre_update(optimizer)  # a fused optimizer's gradients are still scaled: not measured
+        if st.sampled and not self.sampler.pre_done and not st.nonfinite:
+            sc = self._scaler()
+            if sc.unscaled or not sc.enabled:
+                self.sampler.pre_update(optimizer)  # a fused optimizer's gradients are still scaled: not measured
 
     def _on_post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._open or self.open_step()
@@ -242,10 +253,12 @@ class Watch:
 
     # -- the step -----------------------------------------------------------------------------------
     def open_step(self) -> _Step:
-        sc = self._scaler()
+        r = self.reader
         sampled = self.step % self.config.every == 0
-        scale: torch.Tensor | float = sc.scale.detach().clone() if sc.scale is not None else sc.init_scale
-        st = self._open = _Step(self.step, sampled, sc, scale)
+        t = r.scale()
+        scale: torch.Tensor | float = t.detach().clone() if t is not None else (
+            self._scaler().init_scale if r.enabled else 1.0)
+        st = self._open = _Step(self.step, sampled, r.iteration(), scale)
         if sampled:
             value = self._read(scale, "sample") if isinstance(scale, torch.Tensor) else scale
             self.sampler.arm(round(math.log2(value)) if value > 0 else 0)
@@ -261,45 +274,74 @@ class Watch:
         if st.checked:
             return
         st.checked = True
-        sc = self._scaler()
-        if sc.enabled:
-            fused = sc.kind == "torch" and getattr(self.optimizer, "_step_supports_amp_scaling", False)
-            if in_step and fused:
+        r = self.reader
+        if r.enabled:
+            if in_step and r.fused:
                 found = getattr(self.optimizer, "found_inf", None)
-                found = found if found is not None else sc.found_inf
+                found = found if found is not None else r.found_inf()
                 st.nonfinite = found is not None and self._read(found, "check") > 0
             elif in_step:
                 st.nonfinite = False
         else:
             self._check_finite(st)
         if st.sampled:
+            sc = self._scaler()
             self.sampler.before_step(0 if not sc.enabled or sc.unscaled else self._log2(st.scale))
             if not sc.enabled and not st.nonfinite and not self.sampler.pre_done:
                 self.sampler.pre_update(self.optimizer)
 
     def _check_finite(self, st: _Step) -> None:
+        """The finite flag of a loop without a loss scaler: one fused pass over the gradients and one read.
+
+        ``_foreach_norm(grads, 2)`` (one multi-tensor kernel on a GPU, the vectorised 2-norm per tensor on a
+        CPU, where the inf-norm is not vectorised), their global L2 norm, stacked with the step's losses and
+        read in one go: all are finite iff no gradient or loss holds an inf or NaN -- except a finite gradient
+        whose squares overflow the norm's dtype, which also gives an inf norm. Such a step (rare) is checked
+        exactly with a second read. The norm is kept as the step's ``grad_l2``.
+        """
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        vals = [n.float().to(self.device) for n in torch._foreach_norm(grads, ord=math.inf)] if grads else []
-        if vals:
-            st.gmax = torch.stack(vals).max()
-        losses = [t.float().reshape(()) for t in st.model_losses + st.logged_losses]
-        if st.gmax is None and not losses:
+        if self._dtensor:
+            grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        losses = st.model_losses + st.logged_losses
+        if not grads and not losses:
             return
-        bad = ~torch.isfinite(torch.stack(([st.gmax] if st.gmax is not None else []) + losses)).all()
-        if self.world_size > 1 and any(hasattr(p, "to_local") for p in self.model.parameters()):
-            bad = bad.float()
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # sharded gradients: every rank must agree
-        st.nonfinite = bool(self._read(bad, "check"))
+        sharded = self._dtensor and self.world_size > 1
+        vals: list[torch.Tensor] = []
+        if grads:
+            norms = torch._foreach_norm(grads, 2, dtype=self._norm_dtype)
+            if self._devices_differ:
+                norms = [n.to(self.device) for n in norms]
+            total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+            total = total if total.dtype == torch.float32 else total.float()
+            vals.append(total.square() if sharded else total)
+        vals += [t.float().reshape(()) for t in losses]
+        both = torch.stack(vals) if len(vals) > 1 or sharded else vals[0]  # a copy where it is reduced
+        if sharded:  # every rank must agree: the sum of the squared shard norms, and of the losses
+            dist.all_reduce(both)
+        read = self._read(both, "check")
+        values = read if isinstance(read, list) else [read]
+        if grads and sharded:
+            values[0] = math.sqrt(values[0]) if values[0] >= 0 else values[0]
+        finite = all(math.isfinite(v) for v in values)
+        if grads:
+            st.grad_l2 = values[0]
+            if values[0] == math.inf and all(math.isfinite(v) for v in values[1:]):
+                finite = self._grads_finite(grads, sharded)  # an inf or squares that overflowed: tell them apart
+        st.nonfinite = not finite
         if st.nonfinite:
             self._on_nonfinite(st, scaled=False)
 
+    def _grads_finite(self, grads: list[torch.Tensor], sharded: bool) -> bool:
+        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all().float()
+        if sharded:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(self._read(ok, "check"))
+
     def _scaler_finished(self, st: _Step) -> bool:
         """The scaler ended the step's iteration without an applied optimizer step (a skip)."""
-        sc = self._scaler()
-        if st.applied or not sc.enabled:
+        if st.applied or not self.reader.enabled:
             return False
-        return iteration_changed(st.scaler.iteration, sc.iteration)
+        return iteration_changed(st.iteration, self.reader.iteration())
 
     def step_finished(self) -> bool:
         """A step is open and reached its optimizer step (checked, applied or skipped by the scaler)."""
@@ -311,12 +353,13 @@ class Watch:
         st, self._open = self._open, None
         if st is None:
             return
-        sc = self._scaler()
-        skipped = bool(st.nonfinite) if (st.applied and sc.enabled) else not st.applied
+        enabled = self.reader.enabled
+        skipped = bool(st.nonfinite) if (st.applied and enabled) else not st.applied
         losses = st.logged_losses or st.model_losses
-        rec = StepValues(st.index, st.scale, torch.stack(losses).mean() if losses else None, st.gmax, st.grad_norm,
-                         skipped, skipped if sc.enabled else st.nonfinite, st.sampled)
-        if not st.applied and not sc.enabled:
+        loss = (losses[0] if len(losses) == 1 else torch.stack(losses).mean()) if losses else None
+        rec = StepValues(st.index, st.scale, loss, st.grad_l2, st.grad_norm, skipped,
+                         skipped if enabled else st.nonfinite, st.sampled)
+        if not st.applied and not enabled:
             rec.cause = "no optimizer step"
         if self.last is not None:
             self.last.next_scale = st.scale  # the scale this step used is the one the last step left
@@ -327,8 +370,8 @@ class Watch:
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         self._open = st  # the triggers and the sample still belong to this step
         try:
-            if skipped and sc.enabled:
-                self._on_skipped(st, rec, sc)
+            if skipped and enabled:
+                self._on_skipped(st, rec, self._scaler())
             elif st.nonfinite and self.faults and self.faults[-1].step == st.index:
                 rec.cause = self.faults[-1].describe(short=True)
             if st.sampled:
@@ -414,7 +457,7 @@ class Watch:
         slots: list[tuple[StepValues, str]] = []
         tensors: list[torch.Tensor] = []
         for rec in ready:
-            for field in ("scale", "loss", "grad_absmax", "grad_norm", "next_scale"):
+            for field in ("scale", "loss", "grad_l2", "grad_norm", "next_scale"):
                 v = getattr(rec, field)
                 if isinstance(v, torch.Tensor):
                     slots.append((rec, field))

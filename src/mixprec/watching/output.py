@@ -11,8 +11,10 @@ Everything is written by rank 0 (captures by the rank that faulted), into ``out`
 * TensorBoard scalars under ``out/tensorboard`` (when the ``tensorboard`` package is installed).
 
 Under ``torch.distributed`` each rank watches its own shard; at samples and at close the ranks' range
-histograms, lost-update counts, triggers and counters are gathered (one ``all_gather_object``) and rank 0
-writes their sum. Triggers between samples are written by rank 0 from its own view.
+histograms, lost-update counts, triggers, fault analyses and counters are gathered (one ``all_gather_object``)
+and rank 0 writes their sum (the analyses in step order, so the first fault of any rank is the report's first
+fault; the counters are the ranks' maximum, with each rank's non-finite count in ``ranks_nonfinite``). Triggers
+between samples are written by rank 0 from its own view.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from .report import WatchReport, WatchHistory
 
 __all__ = ["Output", "CSV_FIELDS"]
 
-CSV_FIELDS = ("step", "loss", "loss_scale", "next_scale", "skipped", "nonfinite", "grad_absmax", "grad_norm",
+CSV_FIELDS = ("step", "loss", "loss_scale", "next_scale", "skipped", "nonfinite", "grad_l2", "grad_norm",
               "sampled", "cause")
 
 
@@ -68,7 +70,7 @@ class Output:
                              skipped=bool(v.skipped), cause=v.cause)
             self.history.add_step(rec, v.sampled)
             rows.append([v.step, loss, rec.scale, rec.next_scale, int(v.skipped),
-                         "" if v.nonfinite is None else int(v.nonfinite), _num(v.grad_absmax), _num(v.grad_norm),
+                         "" if v.nonfinite is None else int(v.nonfinite), _num(v.grad_l2), _num(v.grad_norm),
                          int(v.sampled), v.cause or ""])
             self._scalars(v, loss)
         if self.writes and rows:
@@ -86,7 +88,7 @@ class Output:
         if tb is None:
             return
         for name, x in (("loss", loss), ("loss_scale", float(v.scale)), ("skipped", float(v.skipped)),
-                        ("grad_absmax", _num(v.grad_absmax)), ("grad_norm", _num(v.grad_norm))):
+                        ("grad_l2", _num(v.grad_l2)), ("grad_norm", _num(v.grad_norm))):
             if isinstance(x, float) and math.isfinite(x):
                 tb.add_scalar(f"watch/{name}", x, v.step)
 
@@ -107,7 +109,7 @@ class Output:
         faults = list(w.faults)
         counters = {"skipped": w.skipped, "nonfinite_steps": w.nonfinite_steps}
         if collective and w.world_size > 1:
-            profile, lost, triggers, counters = _reduce(w, profile, lost, triggers, counters)
+            profile, lost, triggers, counters, faults = _reduce(w, profile, lost, triggers, counters, faults)
         self._series_from(w.sampler.samples)
         title, spec = self._title(), self._spec()
         last_scale = self.history.final_scale if self.history.total else float(
@@ -203,12 +205,13 @@ def _num(v: Any) -> Any:
     return float(v)
 
 
-def _reduce(w: Any, profile: RangeProfile, lost: LostUpdates, triggers: list, counters: dict) -> tuple:
-    """Sum the ranks' histograms and lost-update counts; collect their triggers (one all_gather_object)."""
+def _reduce(w: Any, profile: RangeProfile, lost: LostUpdates, triggers: list, counters: dict, faults: list) -> tuple:
+    """Sum the ranks' histograms and lost-update counts; collect their triggers and fault analyses (in step order,
+    rank 0 first within a step), the counters' max and each rank's non-finite count (one all_gather_object)."""
     mine = {"ranges": {lr.name: (lr.kind, [_hist_state(h) for h in (lr.activations, lr.grad_outputs, lr.grad_params)])
                        for lr in profile.layers},
             "lost": [(lu.name, lu.dtype, lu.updated, lu.lost, lu.unchanged) for lu in lost.layers],
-            "lost_steps": lost.steps, "triggers": triggers, "counters": counters}
+            "lost_steps": lost.steps, "triggers": triggers, "counters": counters, "faults": faults}
     every: list[Any] = [None] * w.world_size
     dist.all_gather_object(every, mine)
     layers: dict[str, LayerRanges] = {}
@@ -222,10 +225,11 @@ def _reduce(w: Any, profile: RangeProfile, lost: LostUpdates, triggers: list, co
             lu = updates.setdefault(name, LayerUpdates(name, dtype))
             lu.updated, lu.lost, lu.unchanged = lu.updated + upd, lu.lost + lo, lu.unchanged + unch
     merged_triggers = [t for part in every for t in part["triggers"]]
+    merged_faults = sorted((f for part in every for f in part["faults"]), key=lambda f: f.step)  # stable: by rank
     counters = {k: max(part["counters"][k] for part in every) for k in counters}
     counters["ranks_nonfinite"] = [part["counters"]["nonfinite_steps"] for part in every]
     profile = RangeProfile(layers=list(layers.values()), steps=profile.steps, formats=profile.formats)
-    return profile, LostUpdates(layers=list(updates.values()), steps=lost.steps), merged_triggers, counters
+    return profile, LostUpdates(layers=list(updates.values()), steps=lost.steps), merged_triggers, counters, merged_faults
 
 
 def _hist_state(h: Log2Histogram) -> tuple[list[int], int, int]:

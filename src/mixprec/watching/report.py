@@ -95,14 +95,14 @@ class WatchReport:
                  f"({w['samples']} sampled, every {w['every']}), {t.get('params', 0):,} params, {t.get('device')}",
                  f"  {t.get('describe', '')}", ""]
         lines += self._render_triggers() + [""]
-        ranges = doc._render_ranges()
+        ranges = doc.render_ranges()
         ranges[0] = (f"2. Range profile (the real step's values on each of {doc.ranges.steps} sampled steps, gradients "
                      "unscaled; binade e holds |x| in [2^e, 2^(e+1)); fp16 fits e <= 15, normal from e = -14, zero "
                      "below e = -26)")
         lines += ranges + [""]
-        lines += doc._render_nonfinite() + [""]
-        lines += doc._render_lost() + [""]
-        lines += doc._render_history() + [""]
+        lines += doc.render_nonfinite() + [""]
+        lines += doc.render_lost() + [""]
+        lines += doc.render_history() + [""]
         lines += self._render_norms() + [""]
         lines.append("Recommendations")
         lines += [f"  - {r['text']}" for r in doc.recommendations()]
@@ -130,7 +130,7 @@ class WatchReport:
         if last is None:
             return ["6. Gradient norms per layer: no sampled step reached the optimizer"]
         rows = [[display_path(r["layer"]), f"{r['grad_norm']:.3e}"] for r in last["layers"] if r["grad_norm"] is not None]
-        from ..doctor.report import _table
+        from ..doctor.report import text_table
 
-        return [f"6. Gradient norms per layer (unscaled ||g||_2 at sampled step {last['step']})"] + _table(
+        return [f"6. Gradient norms per layer (unscaled ||g||_2 at sampled step {last['step']})"] + text_table(
             ["layer", "grad norm"], rows)

@@ -139,12 +139,12 @@ class Sampler:
 
     def pre_update(self, optimizer: torch.optim.Optimizer) -> None:
         if self.monitor is not None:
-            self.monitor._pre(optimizer, (), {})
+            self.monitor.before_step(optimizer)
         self.pre_done = True
 
     def post_update(self, optimizer: torch.optim.Optimizer) -> None:
         if self.monitor is not None and self.pre_done:
-            self.monitor._post(optimizer, (), {})
+            self.monitor.after_step(optimizer)
 
     def finish(self, step: int, scale: float) -> dict[str, Any]:
         """After the step: unhook, fold the step into the totals, and return its record."""

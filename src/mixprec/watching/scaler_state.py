@@ -6,7 +6,9 @@ Besides the view's tensors (scale, found_inf), the watch needs to know when the 
 without calling ``optimizer.step()`` (a skipped step, which no optimizer hook sees): the view's
 :meth:`~mixprec.scaler_view.ScalerView.iteration` token, compared with :func:`iteration_changed`.
 
-Nothing here syncs: tensors are handed back as they are.
+Nothing here syncs: tensors are handed back as they are. :class:`ScalerReader` builds the view once (a
+scaler's kind and whether it is enabled never change) and offers the few reads an unsampled step needs
+without building a whole :class:`ScalerState`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from ..scaler_view import ScalerView
 
-__all__ = ["ScalerState", "scaler_kind", "read_scaler", "iteration_changed"]
+__all__ = ["ScalerState", "ScalerReader", "scaler_kind", "read_scaler", "iteration_changed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,36 @@ def read_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> ScalerState:
     found = view.found_inf(optimizer)
     fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
     return ScalerState(kind, True, scale, init, found, found is not None and not fused, view.iteration())
+
+
+class ScalerReader:
+    """One scaler, read for one optimizer: :meth:`state` (the whole look) and the per-step reads, cheap."""
+
+    __slots__ = ("scaler", "optimizer", "kind", "enabled", "fused", "_view")
+
+    def __init__(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        kind = scaler_kind(scaler)
+        self.scaler, self.optimizer = scaler, optimizer
+        self._view = ScalerView(scaler) if kind not in (None, "none") else None
+        self.enabled = self._view is not None and self._view.enabled
+        self.kind = kind if self.enabled else "none"
+        self.fused = self.kind == "torch" and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        """GradScaler steps a fused optimizer even when skipping (the kernel reads ``found_inf``)."""
+
+    def state(self) -> ScalerState:
+        return read_scaler(self.scaler, self.optimizer)
+
+    def scale(self) -> torch.Tensor | None:
+        """The scale tensor (None when disabled or before the first ``scale()``). No sync."""
+        return self._view.scale() if self.enabled else None
+
+    def iteration(self) -> Any:
+        """The view's iteration token (None when disabled). No sync."""
+        return self._view.iteration() if self.enabled else None
+
+    def found_inf(self) -> torch.Tensor | None:
+        """This iteration's inf check for the optimizer, or None. No sync."""
+        return self._view.found_inf(self.optimizer) if self.enabled else None
 
 
 def iteration_changed(before: Any, now: Any) -> bool:

@@ -1,0 +1,241 @@
+"""The plan's prediction beside the measurement: every bench checks ``mixprec plan``.
+
+Before the matrix, bench plans its recipes (:class:`mixprec.planning.api.Planner`: one step of each traced
+under fake tensors, the same config, data, recipe and batch as the runs) on the device the runs use --
+``cpu``: this machine, with the matmul peaks bench has just measured (so the plan costs no peak
+measurement of its own); a CUDA device: its entry in the plan's GPU table, when it has one -- and the
+report puts the predicted step peak and step time beside the measured ones, with the ratio
+measured / predicted (:class:`~mixprec.bench.results.Prediction` in each summary row; the whole plan of each
+recipe in ``results.json``'s ``prediction``).
+
+**Isolated like a run.** The planner runs the user's model code, so it runs in its own process
+(``python -m mixprec.bench.predict SPEC OUT``, log in ``OUT/logs/plan.log``) with a time limit, before the
+matrix (it never overlaps a timed run). It writes its result after every recipe, so a model that cannot
+be traced under fake tensors -- or that kills the process -- costs the predictions from that recipe on,
+never the bench: the recipes without one say why in one line. ``--no-plan`` turns it off.
+
+**What is compared.** Peak: on a CPU the probe measures what one step adds above the resident state
+(``VmHWM`` rise; parameters, buffers, optimizer state, masters and the batch exist before the step), so the
+prediction compared is the plan's peak less those (``step_peak_bytes``); on CUDA the trainer's
+``max_memory_allocated`` (resident included) against the plan's whole peak. Step time: the median timed
+step against the plan's roofline time, with ``--grad-accum K`` counted as K forward+backward passes and
+one optimizer phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..errors import OutputError, UsageError, one_line
+from ..jsonio import write_json
+from .results import Prediction
+
+__all__ = ["predict", "PREDICT_TIMEOUT_S", "main", "target_spec"]
+
+PREDICT_TIMEOUT_S = 300.0
+"""The planner's time limit when the bench has no ``--timeout`` (the bench's own limit otherwise)."""
+
+RESIDENT = ("parameters", "buffers", "optimizer_state", "master_weights")
+"""Categories that exist before a step (the CPU probe's baseline holds them, and the batch)."""
+
+
+def target_spec(device_type: str, device_name: str, peaks: dict[str, dict[str, Any]]) -> tuple[Any, str | None]:
+    """What the planner plans for: ``{"cpu": peak FLOP/s per dtype}`` (this machine, bench's peaks), a GPU
+    table name, or None and why not."""
+    if device_type == "cpu":
+        rates = {k: float(v["flops_per_s"]) for k, v in peaks.items()
+                 if k in ("fp32", "bf16", "fp16") and isinstance(v, dict) and v.get("flops_per_s")}
+        return ({"cpu": rates}, None) if "fp32" in rates else (None, "no fp32 peak was measured")
+    if device_type == "cuda":
+        from ..planning.targets import target_for_gpu
+
+        t = target_for_gpu(device_name)
+        if t is None:
+            return None, (f"mixprec plan has no table entry for {device_name} (it knows a100-80gb, h100-sxm, "
+                          "h200, b200, rtx3090, rtx4090, l4)")
+        return t.name, None
+    return None, f"mixprec plan has no target for a {device_type} device"
+
+
+def predict(p, machine, *, say=print) -> dict[str, Any] | None:
+    """Plan every recipe of bench plan ``p`` in a subprocess; the ``prediction`` section of results.json
+    (None with ``--no-plan``). Prints one line with the predictions and, where some are missing, one line
+    saying why."""
+    if not p.config.predict:
+        return None
+    t0 = time.perf_counter()
+    env = machine.env
+    target, why = target_spec(str(env.get("device", "cpu")).split(":")[0], str(env.get("device_name", "")),
+                              machine.peaks)
+    doc: dict[str, Any] = {"target": None, "recipes": {}}
+    if target is not None:
+        doc = _run(p, target)
+    doc["seconds"] = time.perf_counter() - t0
+    recipes = doc.setdefault("recipes", {})
+    for name in p.recipes:
+        if name not in recipes:
+            recipes[name] = {"reason": why or doc.get("died") or "not planned"}
+    got = [n for n in p.recipes if "step_time_s" in recipes[n]]
+    if got:
+        say(f"plan ({doc.get('target_name')}, {doc['seconds']:.1f} s): predicted step peak / step time: " + ", ".join(
+            f"{n} {_bytes(recipes[n]['step_peak_bytes'])} / {_seconds(recipes[n]['step_time_s'])}" for n in got))
+    missing = [n for n in p.recipes if n not in got]
+    if missing:
+        reasons = dict.fromkeys(recipes[n]["reason"] for n in missing)
+        say(f"plan: no prediction for {', '.join(missing)}: " + "; ".join(reasons))
+    return doc
+
+
+def predictions(doc: dict[str, Any] | None, device_type: str) -> dict[str, Prediction]:
+    """Each recipe's :class:`Prediction` from the ``prediction`` section (ratios not set yet)."""
+    if not isinstance(doc, dict):
+        return {}
+    compared = "cuda_peak_allocated_bytes" if device_type == "cuda" else "measured_step_peak_bytes"
+    out = {}
+    for name, r in (doc.get("recipes") or {}).items():
+        r = r if isinstance(r, dict) else {}
+        if "step_time_s" not in r:
+            out[name] = Prediction(target=doc.get("target_name"), reason=r.get("reason") or "not planned")
+        else:
+            out[name] = Prediction(target=doc.get("target_name"), peak_bytes=r.get("peak_bytes"),
+                                   step_peak_bytes=r.get("step_peak_bytes"), step_time_s=r.get("bench_step_time_s"),
+                                   peak_compared_with=compared)
+    return out
+
+
+def _bytes(n: Any) -> str:
+    from ..train.report import format_bytes
+
+    return format_bytes(n) if isinstance(n, (int, float)) else "?"
+
+
+def _seconds(s: Any) -> str:
+    if not isinstance(s, (int, float)):
+        return "?"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _run(p, target) -> dict[str, Any]:
+    """The planner's process: its result file, or what is known when it died."""
+    from .runner import _wait, failed_reason
+
+    runs, logs = os.path.join(p.out_dir, "runs"), os.path.join(p.out_dir, "logs")
+    spec_path, out_path, log_path = (os.path.join(runs, "plan.spec.json"), os.path.join(runs, "plan.json"),
+                                     os.path.join(logs, "plan.log"))
+    timeout = p.config.timeout or PREDICT_TIMEOUT_S
+    returncode = None
+    try:
+        os.makedirs(runs, exist_ok=True)
+        os.makedirs(logs, exist_ok=True)
+        write_json(spec_path, {"config": p.base.to_dict(), "precisions": list(p.recipes), "target": target})
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out_path)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "w", encoding="utf-8") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "mixprec.bench.predict", spec_path, out_path],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env)
+            returncode = _wait(proc, timeout)
+    except (OSError, OutputError) as e:
+        return {"recipes": {}, "died": f"the planner could not be run: {e}"}
+    try:
+        with open(out_path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        doc = {}
+    doc = doc if isinstance(doc, dict) else {}
+    if returncode != 0 or not doc.get("done"):
+        doc["died"] = (f"the planner's process ({os.path.relpath(log_path, p.out_dir)}) ended while planning "
+                       f"{doc.get('planning', 'its first recipe')}: "
+                       + failed_reason(returncode, log_path, timeout=timeout).replace(" (--timeout)", ""))
+    return doc
+
+
+# ------------------------------------------------------------------------------------- the planner's process
+
+def _target(spec: Any):
+    from ..planning.targets import cpu_target, get_target
+
+    if isinstance(spec, dict) and "cpu" in spec:
+        return cpu_target(spec["cpu"], source="this machine: the bench's peak matmul rates, measured in this "
+                                              "invocation, a 256 MiB copy, /proc/meminfo MemTotal")
+    return get_target(spec)
+
+
+def _recipe_doc(planner, name: str, accum: int) -> dict[str, Any]:
+    from ..planning.api import _canonical
+    from ..planning.roofline import step_time
+
+    tr, notes, tf32 = planner.trace(_canonical(name))
+    rp = planner.recipe_plan(tr, tf32=tf32, notes=notes)
+    resident = sum(rp.at_peak.get(c, 0) for c in RESIDENT) + _batch_bytes(planner.batch)
+    doc = rp.to_dict()
+    dtype_map = {"fp32": "tf32"} if tf32 and "tf32" in planner.target.peak_flops else {}
+    if accum > 1:  # K forward+backward passes, one optimizer phase
+        passes = step_time([o for o in tr.ops if o.phase in ("forward", "backward")], planner.target,
+                           dtype_map=dtype_map).total_s
+        rest = step_time([o for o in tr.ops if o.phase not in ("forward", "backward")], planner.target,
+                         dtype_map=dtype_map).total_s
+        doc["bench_step_time_s"] = accum * passes + rest
+    else:
+        doc["bench_step_time_s"] = rp.step_time_s
+    doc["step_peak_bytes"] = max(0, rp.peak_bytes - resident)
+    return doc
+
+
+def _batch_bytes(batch) -> int:
+    import torch
+
+    tensors = [*batch.args, *batch.kwargs.values(), batch.targets]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def run_planner(spec: dict[str, Any], out_path: str) -> None:
+    """Plan each recipe of ``spec`` in turn, writing ``out_path`` after each (see the module docstring)."""
+    from ..planning.api import Planner
+    from ..planning.roofline import efficiency_for
+    from ..train.config import TrainConfig
+
+    config = TrainConfig.from_dict(spec["config"])
+    doc: dict[str, Any] = {"recipes": {}, "done": False}
+    try:
+        target = _target(spec["target"])
+        doc.update(target_name=target.name, target=target.to_dict(), efficiency=efficiency_for(target).source)
+        write_json(out_path, doc)
+        planner = Planner(config=config, target=target)
+    except Exception as e:  # noqa: BLE001 -- every recipe then says why
+        doc["died"] = f"the planner could not start: {one_line(e)}"
+        doc["done"] = True
+        write_json(out_path, doc)
+        return
+    for name in spec["precisions"]:
+        doc["planning"] = name
+        write_json(out_path, doc)
+        try:
+            doc["recipes"][name] = _recipe_doc(planner, name, config.optim.grad_accum)
+        except UsageError as e:  # TraceError: the model does what fake tensors cannot; the contract's errors
+            doc["recipes"][name] = {"reason": str(e).split("; plan with --fallback-real")[0].splitlines()[0][:300]}
+        except Exception as e:  # noqa: BLE001
+            doc["recipes"][name] = {"reason": f"the planner failed: {one_line(e)}"}
+    doc.pop("planning", None)
+    doc["done"] = True
+    write_json(out_path, doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m mixprec.bench.predict SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        run_planner(json.load(f), argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
