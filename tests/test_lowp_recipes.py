@@ -405,3 +405,21 @@ def test_bench_compares_the_new_recipes_and_drops_options_where_they_do_not_appl
     for recipe in ("fp8-rowwise", "mxfp8", "mxfp4", "nvfp4"):
         assert f"| {recipe} |" in out
     assert "--fp4-hadamard does not apply" in out + err
+
+
+@pytest.mark.slow
+def test_a_resumed_stochastic_rounding_run_continues_each_layers_random_stream(cli, one_thread, tmp_path):
+    """nvfp4 --fp4-stochastic-rounding: each converted layer's generator is checkpointed with the recipe, so 2
+    steps + resume to 4 equal 4 steps straight bit for bit (a fresh generator would redraw step 1's numbers)."""
+    flags = ["--precision", "nvfp4", "--fp4-stochastic-rounding", *TINY, "--epochs", "2", "--progress", "off",
+             "--log-every", "0", "--device", "cpu", "--checkpoint-every", "1"]
+    code, _, err = cli("train", *flags, "--out", tmp_path / "straight")
+    assert code == 0, err
+    code, _, err = cli("train", *flags, "--max-steps", "2", "--out", tmp_path / "split")
+    assert code == 0, err
+    code, _, err = cli("train", "--resume", tmp_path / "split", "--max-steps", "none")
+    assert code == 0, err
+    a, b = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in ("straight", "split"))
+    assert a["global_step"] == b["global_step"] == 4
+    assert a["recipe"]["rounding_generators"]  # the converted layer(s), by module name
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

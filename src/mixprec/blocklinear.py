@@ -327,14 +327,15 @@ class BlockLinear(nn.Linear):
         new.train(linear.training)
         return new
 
-    def _rng(self) -> torch.Generator | None:
+    def rounding_generator(self) -> torch.Generator | None:
         """The stochastic-rounding generator, made on the weight's device at first use (seeded per layer)."""
         if self.recipe.stochastic_rounding and (self.generator is None or self.generator.device != self.weight.device):
             self.generator = torch.Generator(device=self.weight.device).manual_seed(self._seed)
         return self.generator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return block_linear(x, self.weight, self.bias, self.recipe, emulate=self.emulate, generator=self._rng())
+        return block_linear(x, self.weight, self.bias, self.recipe, emulate=self.emulate,
+                            generator=self.rounding_generator())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, emulate={self.emulate}"

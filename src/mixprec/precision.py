@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import hardware, recipe_text
+from .blocklinear import BlockLinear
 from .errors import NonFiniteError, RecipeError
 from .fp8_impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
 from .gemm_recipes import linear_recipe
@@ -382,6 +383,7 @@ class Recipe:
             "impl": self.impl,
             "scaler": self.scaler.state_dict(),
             "master": None if self.master is None else self.master.state_dict(),
+            "rounding_generators": {name: g.get_state() for name, g in self._rounding_generators().items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -389,6 +391,18 @@ class Recipe:
             self.scaler.load_state_dict(state["scaler"])
         if state.get("master") is not None and self.master is not None:
             self.master.load_state_dict(state["master"])
+        mine = self._rounding_generators()
+        for name, gen_state in (state.get("rounding_generators") or {}).items():
+            if name in mine:  # a checkpoint of this recipe: every stochastic-rounding layer continues its stream
+                mine[name].set_state(gen_state)
+
+    def _rounding_generators(self) -> dict[str, torch.Generator]:
+        """The stochastic-rounding generators of the converted layers (``--fp4-stochastic-rounding``), by module
+        name, made now if no step has run yet: a resumed run draws the numbers the uninterrupted one would."""
+        if self._model is None:
+            return {}
+        return {name: m.rounding_generator() for name, m in self._model.named_modules()
+                if isinstance(m, BlockLinear) and m.recipe.stochastic_rounding}
 
     # -- reporting -----------------------------------------------------------------------------------
     def hardware_facts(self) -> HardwareFacts:
