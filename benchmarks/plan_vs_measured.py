@@ -20,8 +20,8 @@ For the built-in models (mlp, cnn, transformer) and two user models (tests/userp
 
 ``--calibrate`` measures real step times of *other* models (the MLP at widths 256/1024/2048, depth 2-4; the CNN
 at 16 and 32 channels; batch 128; fp32 and bf16-mixed), traces the same steps, and fits the cpu target's
-efficiency factors (GEMM efficiency per dtype, bandwidth efficiency) by non-negative least squares on
-``measured = sum over ops of roofline terms / factor``, prints the ``CPU_EFFICIENCY = ...`` line to paste
+efficiency factors (GEMM efficiency per dtype, bandwidth efficiency, the host time every op adds) by
+non-negative least squares on ``measured = sum over ops of roofline terms / factor + ops x overhead``, prints the ``CPU_EFFICIENCY = ...`` line to paste
 into ``src/mixprec/planning/roofline.py`` (replacing the starting guess), and uses the fit for the
 comparison that follows in the same run. ``--quick`` checks the whole path on one small model, one batch
 and few steps (its numbers mean nothing).
@@ -124,17 +124,17 @@ def table(rows: list[dict]) -> str:
 
 
 def calibrate(quick: bool = False) -> dict:
-    """Fit CPU_EFFICIENCY on calibration models (not the checked ones): measured = sum_d G_d/e_d + M/e_m;
+    """Fit CPU_EFFICIENCY on calibration models (not the checked ones): measured = sum_d G_d/e_d + M/e_m + n*t_op
+    (G_d: the GEMMs' FLOPs in dtype d over its peak, M: the other ops' bytes over the bandwidth, n: the ops);
     the fit replaces CPU_EFFICIENCY in this process and the line to paste is printed."""
     import numpy as np
 
     import mixprec.planning.api as api
     import mixprec.planning.roofline as roofline
     from mixprec.planning import get_target
-    from mixprec.planning.roofline import Efficiency, step_time
+    from mixprec.planning.roofline import Efficiency
 
     target = get_target("cpu")
-    unit = Efficiency(gemm={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, memory=1.0, default=1.0)
     configs = [("mlp", dict(width=w, depth=d)) for w, d in ((256, 2), (1024, 3), (2048, 4))]
     configs += [("cnn", dict(channels=c)) for c in (16, 32)]
     if quick:
@@ -156,12 +156,17 @@ def calibrate(quick: bool = False) -> dict:
             for name, tr in captured.items():
                 _, _, measured = _measure(model, name, 128, timing=True, **flags)
                 gemm = {d: 0.0 for d in ("fp32", "bf16")}
+                moved = n_ops = 0
                 for op in tr.ops:
+                    if op.nbytes == 0 and op.flops == 0:
+                        continue  # views: no kernel, as step_time counts them
+                    n_ops += 1
                     if op.flops:
                         d = "bf16" if op.dtype in ("bf16", "fp16", "fp8") else "fp32"
                         gemm[d] += op.flops / target.peak(d)
-                rest = step_time([o for o in tr.ops if not o.flops], target, unit).total_s
-                rows.append([gemm["fp32"], gemm["bf16"], rest])
+                    else:
+                        moved += op.nbytes / target.bandwidth
+                rows.append([gemm["fp32"], gemm["bf16"], moved, n_ops])
                 ys.append(measured)
     finally:
         api.trace_step = real
@@ -169,7 +174,7 @@ def calibrate(quick: bool = False) -> dict:
 
     inv, _ = nnls(np.array(rows), np.array(ys))
     fit = {"fp32": float(1 / inv[0]) if inv[0] else None, "bf16": float(1 / inv[1]) if inv[1] else None,
-           "memory": float(1 / inv[2]) if inv[2] else None}
+           "memory": float(1 / inv[2]) if inv[2] else None, "op_overhead_s": float(inv[3])}
     print("fitted efficiency factors:", fit)
     for k, v in fit.items():
         if v is None:
@@ -178,12 +183,14 @@ def calibrate(quick: bool = False) -> dict:
     gemm = {"fp32": fit["fp32"] or old.gemm["fp32"], "bf16": fit["bf16"] or old.gemm["bf16"]}
     gemm["fp16"] = gemm["bf16"]
     memory = fit["memory"] or old.memory
+    overhead = fit["op_overhead_s"]
     source = (f"fitted by benchmarks/plan_vs_measured.py --calibrate on {target.description}, "
               f"{time.strftime('%Y-%m-%d')} (MLP and CNN steps at batch 128, fp32 and bf16-mixed)")
-    roofline.CPU_EFFICIENCY = Efficiency(gemm=gemm, memory=memory, source=source)
+    roofline.CPU_EFFICIENCY = Efficiency(gemm=gemm, memory=memory, op_overhead_s=overhead, source=source)
     print("paste into src/mixprec/planning/roofline.py (replacing CPU_EFFICIENCY = ...):")
     print(f"CPU_EFFICIENCY = Efficiency(gemm={{\"fp32\": {gemm['fp32']:.3g}, \"bf16\": {gemm['bf16']:.3g}, "
           f"\"fp16\": {gemm['fp16']:.3g}}}, memory={memory:.3g},\n"
+          f"                            op_overhead_s={overhead:.3g},\n"
           f"                            source={source!r})")
     return fit
 

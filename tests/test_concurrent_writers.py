@@ -27,7 +27,7 @@ TINY = ["--dataset", "synthetic", "--synthetic-train", "32", "--synthetic-test",
         "--width", "8", "--depth", "1", "--batch-size", "16", "--progress", "off", "--log-every", "0"]
 BENCH = ["--dataset", "synthetic", "--synthetic-train", "16", "--synthetic-test", "8", "--model", "mlp",
          "--width", "8", "--depth", "1", "--batch-size", "8", "--epochs", "1", "--warmup-steps", "1",
-         "--peak-seconds", "0.05", "--no-plots"]
+         "--peak-seconds", "0.05", "--no-plots", "--no-plan"]
 
 
 class Holder:

@@ -180,7 +180,8 @@ def test_bench_mfu_counts_the_lstm_and_lists_unknown_layers(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["bench", "--model", f"{LSTM_PY}:model_with_opaque_layer", "--dataset", f"{LSTM_PY}:data",
                  "--precisions", "fp32", "--repeats", "1", "--batch-size", "32", "--max-steps", "4",
-                 "--warmup-steps", "1", "--peak-seconds", "0.1", "--no-plots", "--device", "cpu", "--out", str(out)])
+                 "--warmup-steps", "1", "--peak-seconds", "0.1", "--no-plots", "--no-plan", "--device", "cpu",
+                 "--out", str(out)])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     doc = json.loads((out / "results.json").read_text())

@@ -264,7 +264,7 @@ def test_bench_on_a_llama_names_the_tasks_metric(corpus, tmp_path):
     code = main(["bench", "--precisions", "fp32,bf16-mixed", "--repeats", "1", "--model", f"{M_FILE}:llama",
                  "--dataset", "text", "--data-path", corpus, "--block-size", "16", "--limit-test", "16",
                  "--batch-size", "8", "--max-steps", "4", "--epochs", "1", "--warmup-steps", "1",
-                 "--peak-seconds", "0.05", "--device", "cpu", "--no-plots", "--out", str(out)])
+                 "--peak-seconds", "0.05", "--device", "cpu", "--no-plots", "--no-plan", "--out", str(out)])
     doc = json.loads((out / "results.json").read_text())
     assert code == 0, [r.get("reason") for r in doc["runs"]]
     for row in doc["summary"]:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 BENCH = ["--dataset", "synthetic", "--synthetic-train", "16", "--synthetic-test", "8", "--model", "mlp",
          "--width", "8", "--depth", "1", "--batch-size", "8", "--epochs", "1", "--warmup-steps", "1",
-         "--peak-seconds", "0.05", "--no-plots"]
+         "--peak-seconds", "0.05", "--no-plots", "--no-plan"]
 TRAIN = ["--dataset", "synthetic", "--synthetic-train", "16", "--synthetic-test", "8", "--model", "mlp",
          "--width", "8", "--depth", "1", "--batch-size", "8", "--epochs", "1", "--progress", "off"]
 

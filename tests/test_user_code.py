@@ -151,7 +151,7 @@ def test_fit_refuses_lambdas_for_code_other_processes_must_import():
 def test_bench_runs_user_code_in_its_workers(cli, tmp_path):
     code, out, err = cli("bench", "--model", TRANSFORMER, "--dataset", DATASETS, "--precisions", "fp32,bf16-mixed",
                          "--repeats", "1", "--batch-size", "64", "--max-steps", "6", "--warmup-steps", "1",
-                         "--no-plots", "--out", tmp_path / "b")
+                         "--no-plots", "--no-plan", "--out", tmp_path / "b")
     assert code == 0, out + err
     doc = json.loads((tmp_path / "b" / "results.json").read_text())
     assert [r["status"] for r in doc["runs"]] == ["ok", "ok"]

@@ -1,11 +1,13 @@
 """Step time on a target from the traced ops: a roofline with efficiency factors.
 
-Each op of the traced step takes ``max(compute, memory, launch)``: ``compute = FLOPs / (peak[dtype] *
+Each op of the traced step takes ``max(compute, memory, launch) + overhead``: ``compute = FLOPs / (peak[dtype] *
 gemm_efficiency[dtype])`` for the ops with FLOPs (matmuls, convolutions, attention: the GEMMs), at the peak
 of the dtype they run in (:class:`~.targets.Target`); ``memory = bytes moved / (bandwidth *
 memory_efficiency)`` for every op (elementwise ops, norms, casts, the optimizer's update are bandwidth-bound);
-``launch`` is the target's least time per op (kernel launch on a GPU, eager dispatch on a CPU). View ops
-cost nothing. The step time is the sum: eager PyTorch runs one op after another.
+``launch`` is the target's least time per op (a GPU's kernel launch; 0 on the cpu target), and ``overhead``
+the host time each op adds before its kernel (:attr:`Efficiency.op_overhead_s`: eager dispatch, which a CPU
+pays in line and a GPU hides behind its queue, so 0 there). View ops cost nothing. The step time is the sum:
+eager PyTorch runs one op after another.
 
 The efficiency factors say how close real kernels come to the datasheet. **GPU targets** use fixed factors
 (:data:`GPU_EFFICIENCY`): large cuBLAS GEMMs reach about 70% of the dense tensor-core peak in bf16/fp16 and
@@ -13,9 +15,10 @@ somewhat less in FP8, and streaming kernels about 80% of the bandwidth -- figure
 are not calibrated here (no GPU). **The cpu target** uses :data:`CPU_EFFICIENCY`, to be fitted by
 ``benchmarks/plan_vs_measured.py --calibrate``: it measures real step times of calibration models (the MLP
 at several widths and depths, the CNN at two widths, fp32 and bf16-mixed), traces the same steps, and solves
-for the factors by non-negative least squares. The models it checks the plan on are others. Until it has
-been run on a quiet machine the values below are a starting guess, and the cpu target's step times are
-rough.
+for the factors by non-negative least squares. The models it checks the plan on are others. The values below
+were fitted on the Intel Xeon VM the benchmarks ran on: there the calibration steps are dominated by the host
+time per op (eager dispatch, autograd and the trainer's Python), and a bf16 GEMM factor
+could not be separated from it, so bf16's stays a guess; on another CPU rerun the calibration.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class Efficiency:
     memory: float
     """Fraction of the bandwidth a bandwidth-bound op reaches."""
     default: float = 0.5
+    op_overhead_s: float = 0.0
+    """Host time every op adds on top of its roofline time: eager dispatch (Python, the dispatcher, autograd's
+    bookkeeping) runs before each CPU kernel, so on a CPU it adds up; a GPU's kernels run asynchronously behind
+    it (0: the target's ``launch_s`` floor stands for it there)."""
     source: str = ""
 
     def for_dtype(self, dtype: str) -> float:
@@ -46,9 +53,12 @@ class Efficiency:
 GPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.85, "tf32": 0.7, "bf16": 0.7, "fp16": 0.7, "fp8": 0.6}, memory=0.8,
                             source="assumed for GPUs (typical of large cuBLAS GEMMs and streaming kernels; "
                                    "not calibrated here)")
-CPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.6, "bf16": 0.35, "fp16": 0.35}, memory=0.5,
-                            source="starting guess for the cpu target, to be replaced by benchmarks/"
-                                   "plan_vs_measured.py --calibrate on a quiet machine")
+CPU_EFFICIENCY = Efficiency(gemm={"fp32": 1.07, "bf16": 0.35, "fp16": 0.35}, memory=0.24,
+                            op_overhead_s=0.000144,
+                            source="fitted by benchmarks/plan_vs_measured.py --calibrate on an Intel Xeon "
+                                   "(Sapphire Rapids, 2 cores, AVX512-BF16/FP16, AMX), 2026-12-02 (MLP and CNN "
+                                   "steps at batch 128, fp32 and bf16-mixed); bf16's GEMM factor could not be "
+                                   "fitted (those steps are dispatch-bound) and keeps the starting guess")
 
 
 def efficiency_for(target: Target) -> Efficiency:
@@ -64,6 +74,8 @@ class StepTime:
     """Ops with FLOPs (at their compute, memory or launch bound, whichever is larger)."""
     memory_s: float
     """Ops without FLOPs (bandwidth or launch)."""
+    overhead_s: float
+    """Every op's host overhead (:attr:`Efficiency.op_overhead_s`; 0 on GPU targets)."""
     ops: int
     flops_by_dtype: dict[str, int]
 
@@ -92,4 +104,6 @@ def step_time(ops: list[OpRecord], target: Target, efficiency: Efficiency | None
             gemm += max(op.flops / (target.peak(dt) * eff.for_dtype(dt)), t_mem, target.launch_s)
         else:
             mem += max(t_mem, target.launch_s)
-    return StepTime(total_s=gemm + mem, gemm_s=gemm, memory_s=mem, ops=n, flops_by_dtype=flops)
+    overhead = n * eff.op_overhead_s
+    return StepTime(total_s=gemm + mem + overhead, gemm_s=gemm, memory_s=mem, overhead_s=overhead, ops=n,
+                    flops_by_dtype=flops)

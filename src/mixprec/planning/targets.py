@@ -54,7 +54,8 @@ class Target:
     source: str
     """Where the figures come from."""
     launch_s: float = 4e-6
-    """Least time one op takes (kernel launch and eager-mode dispatch), the roofline's floor per op."""
+    """Least time one op takes (a GPU kernel's launch), the roofline's floor per op; the cpu target has none,
+    its per-op dispatch is the calibrated ``Efficiency.op_overhead_s`` added to every op instead."""
 
     @property
     def fp8_matmul(self) -> bool:
@@ -189,4 +190,4 @@ def cpu_target(peak_flops: dict[str, float], *, source: str) -> Target:
     bench in the same invocation), the bandwidth measured now and MemTotal."""
     cpu = torch.device("cpu")
     return Target(name="cpu", description=hardware.describe_device(cpu), kind="cpu", memory_bytes=_mem_total(),
-                  peak_flops=dict(peak_flops), bandwidth=measure_bandwidth(), launch_s=8e-6, source=source)
+                  peak_flops=dict(peak_flops), bandwidth=measure_bandwidth(), launch_s=0.0, source=source)
