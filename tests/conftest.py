@@ -13,6 +13,21 @@ FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def spawn_two(worker, *args, timeout: float, what: str) -> None:
+    """Run ``worker(rank, *args)`` in 2 spawned processes; kill both and fail the test after ``timeout`` s."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.time() + timeout
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what} did not finish in {timeout:g} s")
+
+
 def run_cli_subprocess(*args, timeout=300, env=None):
     """Run `python -m mixprec ARGS` in a fresh interpreter; returns CompletedProcess (text)."""
     e = dict(os.environ)

@@ -38,7 +38,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, spawn_two
 from mixprec.train.config import TrainConfig
 from mixprec.train.build import build_run
 from mixprec.train.loop import train
@@ -369,16 +369,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_inf_on_one_rank_skips_on_every_rank_and_checks_catch_divergence(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.time() + 240
-    while not ctx.join(timeout=1):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process worker did not finish in 240 s")
+    spawn_two(_worker, _free_port(), str(tmp_path), timeout=240, what="the 2-process worker")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     for key in ("ddp-native", "ddp-scratch", "fsdp-native", "fsdp-scratch"):
         t0, t1 = r0[key]["trace"], r1[key]["trace"]

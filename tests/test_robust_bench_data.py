@@ -216,8 +216,9 @@ def _pid_alive(pid: int) -> bool:
     return "zombie" not in state
 
 
-def _workers_for(out) -> list[int]:
-    """Live ``mixprec.bench.worker`` processes working for the bench whose --out is ``out`` (from /proc)."""
+def _workers_for(out, module: str = "mixprec.bench.worker") -> list[int]:
+    """Live ``module`` processes (a worker, or the planner ``mixprec.bench.predict``) working for the bench whose
+    --out is ``out`` (from /proc)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -227,7 +228,7 @@ def _workers_for(out) -> list[int]:
                 cmd = f.read().decode(errors="replace")
         except OSError:
             continue
-        if "mixprec.bench.worker" in cmd and str(out) in cmd and _pid_alive(int(entry)):
+        if module in cmd and str(out) in cmd and _pid_alive(int(entry)):
             pids.append(int(entry))
     return pids
 
@@ -314,3 +315,35 @@ def test_out_that_is_a_file_exits_2_and_leaves_it_alone(cli, tmp_path):
     assert snapshot(tmp_path) == before
 
 
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc to find the planner")
+def test_a_killed_bench_takes_its_hanging_planner_with_it(tmp_path):
+    """bench plans its recipes in a child process before the runs; a model that hangs under tracing keeps the
+    child busy, and a SIGKILLed bench cannot stop it: the planner ends itself when its parent is gone."""
+    out = tmp_path / "b"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
+    args = [a for a in TINY if a != "--no-plan"]
+    proc = subprocess.Popen([sys.executable, "-m", "mixprec", "bench", *args, "--model", HANGS_IN_BF16,
+                             "--precisions", "fp32,bf16-mixed", "--repeats", "1", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    log = out / "logs" / "plan.log"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "hanging on purpose" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.1)
+        planners = _workers_for(out, "mixprec.bench.predict")
+        assert len(planners) == 1, "the planner never reached the hanging forward"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _pid_alive(planners[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _pid_alive(planners[0]), "the planner outlived its bench"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in _workers_for(out, "mixprec.bench.predict"):
+            os.kill(w, signal.SIGKILL)

@@ -380,20 +380,13 @@ def _ddp_worker(rank: int, port: int, tmp: str) -> None:
 @pytest.mark.slow
 def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path):
     import socket
-    import time
 
-    import torch.multiprocessing as mp
+    from conftest import spawn_two
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.start_processes(_ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.time() + 60
-    while not ctx.join(timeout=1):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process watch did not finish in 60 s")
+    spawn_two(_ddp_worker, port, str(tmp_path), timeout=60, what="the 2-process watch")
     local = [json.loads((tmp_path / f"local{r}.json").read_text()) for r in (0, 1)]
     rep = json.loads((tmp_path / "out0" / "watch.json").read_text())
     # only rank 0 writes the reports; a faulting rank writes its own capture, nothing else

@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -227,11 +228,26 @@ def run_planner(spec: dict[str, Any], out_path: str) -> None:
     write_json(out_path, doc)
 
 
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process when the bench that started it is gone (SIGKILL leaves it no time to stop us): a
+    prediction nobody waits for is worth nothing, and a model that hangs under tracing would run forever."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="mixprec-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print("usage: python -m mixprec.bench.predict SPEC.json OUT.json", file=sys.stderr)
         return 2
+    _exit_with_parent()
     with open(argv[0], encoding="utf-8") as f:
         run_planner(json.load(f), argv[1])
     return 0
