@@ -14,7 +14,7 @@ def test_gpt_on_fortunes_low_precision_matches_fp32(cli, tmp_path):
     out = tmp_path / "b"
     code, stdout, err = cli("bench", "--model", "gpt", "--dataset", "text", "--n-layers", "2", "--n-heads", "4",
                             "--d-model", "64", "--block-size", "32", "--batch-size", "32", "--optimizer", "adamw",
-                            "--lr", "1e-3", "--max-steps", "120", "--limit-test", "256", "--warmup-steps", "3",
+                            "--lr", "1e-3", "--max-steps", "80", "--limit-test", "128", "--warmup-steps", "3",
                             "--precisions", "fp32,bf16-mixed,fp16-mixed", "--repeats", "2", "--no-plots",
                             "--peak-seconds", "0.2", "--no-plan", "--out", out)
     assert code == 0, stdout + err
