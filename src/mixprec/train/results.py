@@ -77,8 +77,23 @@ def _task_of_old(d: Mapping[str, Any]) -> dict[str, Any]:
     return {"task": "lm" if lm else "classify", "metric": "test_loss" if lm else "test_accuracy"}
 
 
+class _TaskRecord(_Record):
+    """A record that names its ``task`` and the ``metric`` key holding the task's main metric (fields of the
+    dataclasses below)."""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Any:
+        """As :meth:`_Record.from_dict`; a record written before records named their task gets one."""
+        return cls(**{**_task_of_old(d), **d})
+
+    @property
+    def main(self) -> float | None:
+        """The value of the task's main metric."""
+        return getattr(self, self.metric)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EpochRecord(_Record):
+class EpochRecord(_TaskRecord):
     """One epoch of training and its evaluation."""
 
     _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = _TASK_FIELDS
@@ -129,18 +144,10 @@ class EpochRecord(_Record):
     memory: dict[str, Any] | None
     """The memory sample of one step (:meth:`mixprec.memory.MemoryReport.to_dict`), or None."""
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> EpochRecord:
-        return cls(**{**_task_of_old(d), **d})
-
-    @property
-    def main(self) -> float | None:
-        """The value of the task's main metric."""
-        return getattr(self, self.metric)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EvalRecord(_Record):
+class EvalRecord(_TaskRecord):
     """One ``--eval-every`` evaluation of the test split, mid-epoch or not; its metrics as in
     :class:`EpochRecord`."""
 
@@ -175,18 +182,10 @@ class EvalRecord(_Record):
     eval_time_s: float
     """Wall time of the evaluation (left out of the epoch's time and step times)."""
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> EvalRecord:
-        return cls(**{**_task_of_old(d), **d})
-
-    @property
-    def main(self) -> float | None:
-        """The value of the task's main metric."""
-        return getattr(self, self.metric)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunSummary(_Record):
+class RunSummary(_TaskRecord):
     """The run in one row: the summary table, ``--metrics-json``'s ``summary`` and bench's rows read it."""
 
     _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = _TASK_FIELDS
@@ -237,14 +236,6 @@ class RunSummary(_Record):
     compile_time_s: float | None = None
     """Seconds ``--compile`` spent compiling before the first timed step; None without it."""
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RunSummary:
-        return cls(**{**_task_of_old(d), **d})
-
-    @property
-    def main(self) -> float | None:
-        """The value of the task's main metric."""
-        return getattr(self, self.metric)
 
     @classmethod
     def from_history(cls, history: list[EpochRecord], *, stopped: str | None, skipped_steps: int,
