@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from conftest import ROOT
-from mixprec import hardware
 from mixprec.bench import BenchConfig, compare, measure, parity, runner, worker
 from mixprec.bench.command import config_from_args
 from mixprec.bench.config import RESUME_MAY_CHANGE
@@ -134,9 +133,8 @@ def test_every_column_present(bench):
     lines = out.splitlines()
     i = lines.index(header)
     rows = lines[i + 2:i + 5]
-    # --amp-impl auto: native, except fp16 on a CPU without fast fp16 kernels (then the scratch autocast)
-    fp16 = "fp16-mixed" if hardware.has_fast_fp16(CPU) else "fp16-mixed (scratch)"
-    assert [r.split("|")[1].strip() for r in rows] == ["fp32", "bf16-mixed", fp16]
+    # --amp-impl auto: native, except fp16 on a CPU (then the scratch autocast, emulating fp16)
+    assert [r.split("|")[1].strip() for r in rows] == ["fp32", "bf16-mixed", "fp16-mixed (scratch)"]
     for r in rows:
         assert len(r.strip("|").split("|")) == len(COLUMNS)
     fp32_cells = [c.strip() for c in rows[0].strip("|").split("|")]
@@ -286,12 +284,9 @@ def test_per_run_logs_and_preflight(bench):
     lines = [ln for ln in out.splitlines() if ln.startswith("preflight: ")]
     assert [ln.split()[1].rstrip(":") for ln in lines] == ["fp32", "bf16-mixed", "fp16-mixed"]
     fp16 = doc["preflight"][2]
-    # the line says how fp16 runs on this CPU: its own kernels, or (auto picks scratch) emulated in fp32
-    if hardware.has_fast_fp16(CPU):
-        assert fp16["line"].startswith("fp16-mixed [native]: fast fp16 matmuls on this CPU") and fp16["fast"]
-    else:
-        assert fp16["line"].startswith("fp16-mixed [scratch]: ") and "fp16 is EMULATED" in fp16["line"]
-        assert fp16["matmul_dtype"] == "fp32" and not fp16["fast"]
+    # the line says how fp16 runs on this CPU: auto picks scratch, emulated in fp32
+    assert fp16["line"].startswith("fp16-mixed [scratch]: ") and "fp16 is EMULATED" in fp16["line"]
+    assert fp16["matmul_dtype"] == "fp32" and not fp16["fast"]
     assert "peak matmul rate measured now:" in out and "model FLOPs per step:" in out
 
 

@@ -68,7 +68,7 @@ class Overflowing(nn.Module):
 def _as_on_a_cpu_without_fast_fp16(monkeypatch):
     """What `--amp-impl auto` does on a CPU without fast fp16 kernels (the scratch autocast emulating fp16),
     on any machine."""
-    monkeypatch.setattr(hardware, "has_fast_fp16", lambda device: False)
+    monkeypatch.setattr(hardware, "has_fast_fp16_training", lambda device: False)
 
 
 @pytest.mark.parametrize("impl", ["emulated", "native"])
@@ -385,7 +385,7 @@ def test_precision_map_scratch_autocast_agrees_with_native(model, precision):
         assert {"_log_softmax", "nll_loss_forward"} <= set(native.kept_fp32())
     else:  # fp16: scratch emulates it on CPUs without fast fp16 kernels, and the map says so
         assert not native.emulated
-        assert scratch.emulated == (not hardware.has_fast_fp16(torch.device("cpu")))
+        assert scratch.emulated == (not hardware.has_fast_fp16_training(torch.device("cpu")))
     _no_global_state_left()
 
 

@@ -41,22 +41,33 @@ def test_contradictions():
         build_recipe("bf16-mixed", amp_impl="cuda")
 
 
-@pytest.mark.parametrize("fast_fp16", [True, False])
-def test_auto_impl_picks_emulated_scratch_for_fp16_on_cpu_without_fast_fp16(fast_fp16, monkeypatch):
+@pytest.mark.parametrize("fast_fp16_matmuls", [True, False], ids=["avx512-fp16-cpu", "cpu-without-fast-fp16"])
+def test_auto_impl_picks_emulated_scratch_for_fp16_on_any_cpu(fast_fp16_matmuls, monkeypatch):
+    """Even a CPU with fast fp16 matmuls (AVX512-FP16) gets emulation: torch's CPU fp16 convolution backward is a
+    slow path there; native fp16 stays available and its line says so."""
     from mixprec import hardware
 
-    monkeypatch.setattr(hardware, "has_fast_fp16", lambda device: fast_fp16)
+    monkeypatch.setattr(hardware, "has_fast_fp16", lambda device: fast_fp16_matmuls)
     r = build_recipe("amp", device="cpu")
-    if fast_fp16:
-        assert r.impl == "native" and not r.emulate and "EMULATED" not in r.describe()
-    else:
-        assert r.impl == "scratch" and r.emulate
-        assert "EMULATED" in r.describe() and r.hardware_facts().matmul_dtype == "fp32"
+    assert r.impl == "scratch" and r.emulate
+    assert "EMULATED" in r.describe() and r.hardware_facts().matmul_dtype == "fp32"
     assert build_recipe("bf16-mixed", device="cpu").impl == "native"
     native = build_recipe("amp", device="cpu", amp_impl="native")
     assert not native.emulate and "EMULATED" not in native.describe()
-    scratch = build_recipe("amp", device="cpu", amp_impl="scratch")
-    assert scratch.emulate == (not fast_fp16)
+    if fast_fp16_matmuls:
+        assert "fp16 convolution backward is a slow path" in native.describe()
+    else:
+        assert "WARNING" in native.describe()
+    assert build_recipe("amp", device="cpu", amp_impl="scratch").emulate
+
+
+def test_auto_impl_is_native_where_fp16_steps_are_fast(monkeypatch):
+    from mixprec import hardware
+
+    monkeypatch.setattr(hardware, "has_fast_fp16_training", lambda device: True)
+    r = build_recipe("amp", device="cpu")
+    assert r.impl == "native" and not r.emulate
+    assert not build_recipe("amp", device="cpu", amp_impl="scratch").emulate
 
 
 # What each recipe's description must state, written out here (not read from the spec): the params a

@@ -109,14 +109,14 @@ def mechanism(recipe: str, impl: str) -> str:
     if e.compute is None:
         return "none"
     if impl == "auto":
-        return "scratch" if e.compute == F16 and not hardware.has_fast_fp16(CPU) else "native"
+        return "scratch" if e.compute == F16 and not hardware.has_fast_fp16_training(CPU) else "native"
     return impl
 
 
 def emulated(recipe: str, impl: str) -> bool:
     """Emulated fp16: fp32 tensors holding fp16 values (mixprec's autocast on a CPU without fast fp16)."""
     return (mechanism(recipe, impl) == "scratch" and EXPECTED[recipe].compute == F16
-            and not hardware.has_fast_fp16(CPU))
+            and not hardware.has_fast_fp16_training(CPU))
 
 
 @dataclasses.dataclass
@@ -168,7 +168,7 @@ def test_recipe_trains_with_its_own_numerics(one_thread, recipe, model, impl):
 def test_fp16_recipes_on_either_kind_of_cpu(one_thread, monkeypatch, recipe, fast_fp16, impl):
     """Whichever CPU runs the suite, both of its answers: fast fp16 kernels (auto -> torch.autocast in real
     fp16) and none (auto -> mixprec's autocast emulating fp16: fp32 tensors holding fp16 values)."""
-    monkeypatch.setattr(hardware, "has_fast_fp16", lambda device: fast_fp16)
+    monkeypatch.setattr(hardware, "has_fast_fp16_training", lambda device: fast_fp16)
     assert mechanism(recipe, "auto") == ("native" if fast_fp16 else "scratch")
     assert emulated(recipe, "scratch") == (not fast_fp16)
     check_facts(recipe, "mlp", impl)

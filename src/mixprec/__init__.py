@@ -19,7 +19,7 @@ Pieces:
   round-to-nearest-even (bit-identical to PyTorch's casts) or unbiased stochastic rounding.
 - :mod:`mixprec.policy` / :mod:`mixprec.autocast` — which ops run low, which stay fp32, which promote; a
   from-scratch autocast (a ``TorchFunctionMode``) whose per-op dtypes match ``torch.autocast``, with
-  per-module fp32 overrides and fp16 emulation for CPUs without fast fp16.
+  per-module fp32 overrides and fp16 emulation for CPUs.
 - :mod:`mixprec.scaler` — :class:`DynamicLossScaler`: GradScaler-exact by default, plus hysteresis,
   bounds, and a found_inf all-reduce across ranks; :class:`ScalerConfig`, the settings and their defaults.
 - :mod:`mixprec.scaler_view` — :class:`ScalerView`: the state of any of the three loss scalers

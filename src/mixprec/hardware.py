@@ -25,6 +25,7 @@ __all__ = [
     "device_name",
     "has_fast_bf16",
     "has_fast_fp16",
+    "has_fast_fp16_training",
     "has_fp8_matmul",
     "has_lowp_units",
     "has_mx_matmul",
@@ -81,6 +82,15 @@ def has_fast_fp16(device: torch.device) -> bool:
         return True
     flags = cpu_flags()
     return bool({"avx512_fp16", "amx_fp16"} & flags)
+
+
+def has_fast_fp16_training(device: torch.device) -> bool:
+    """Whether whole fp16 training steps run fast in real fp16 on ``device`` (what ``--amp-impl auto`` and the
+    scratch engine's fp16 emulation decide on): CUDA GPUs, and not a CPU — even one with AVX512-FP16/AMX-FP16,
+    whose fp16 *matmuls* are fast (:func:`has_fast_fp16`): PyTorch's CPU fp16 convolution backward takes a slow
+    path and its other fp16 ops lose to fp32 arithmetic on fp16-rounded values (benchmarks/README.md:
+    ``conv_fp16.py``, ``scratch_vs_native.py``)."""
+    return device.type not in ("cpu",)
 
 
 def has_tf32(device: torch.device) -> bool:

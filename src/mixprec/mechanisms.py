@@ -9,7 +9,7 @@ is skipped, and what it cannot do (options it cannot honour,
   (``ShardedGradScaler`` across processes). Fast kernels, compiles; fp16 runs PyTorch's real fp16 kernels.
 - :class:`ScratchMechanism` (``scratch``): mixprec's :mod:`mixprec.autocast` +
   :class:`~mixprec.scaler.DynamicLossScaler`. Per-module fp32 overrides (``--keep-fp32``), scaler
-  hysteresis, and fp16 *emulation* (fp16 values, fp32 arithmetic) on CPUs without fast fp16 kernels.
+  hysteresis, and fp16 *emulation* (fp16 values, fp32 arithmetic) on CPUs.
 
 Master weights are always mixprec's (:mod:`mixprec.master`, PyTorch has no native equivalent). The FP8/FP4
 linear layers are a second, independent strategy (:mod:`mixprec.fp8_impls`, ``--fp8-impl scratch|torchao``):
@@ -44,7 +44,7 @@ class Mechanism:
         keep_fp32: module names or types the user asked to keep in fp32.
         device: where the run trains.
         world_size: processes in the run (their scalers must agree on every skip).
-        emulate_fp16: the device has no fast fp16 kernels (a mechanism may emulate fp16 there).
+        emulate_fp16: real fp16 steps are slow on the device (a mechanism may emulate fp16 there).
     """
 
     name: ClassVar[str]
@@ -128,8 +128,8 @@ class NativeMechanism(Mechanism):
 
 
 class ScratchMechanism(Mechanism):
-    """mixprec's autocast + :class:`~mixprec.scaler.DynamicLossScaler`; emulates fp16 where the device has
-    no fast fp16 kernels (PyTorch's own fp16 kernels there are a slow scalar fallback)."""
+    """mixprec's autocast + :class:`~mixprec.scaler.DynamicLossScaler`; emulates fp16 where whole fp16 steps are
+    slow in real fp16 (every CPU: :func:`mixprec.hardware.has_fast_fp16_training`)."""
 
     name = "scratch"
     autocast_words = "mixprec autocast"
@@ -183,7 +183,8 @@ AMP_IMPLS: tuple[str, ...] = ("auto", *MECHANISMS)
 
 
 def auto_mechanism(spec: RecipeSpec, device: torch.device) -> str:
-    """What ``--amp-impl auto`` picks: native, except fp16 compute on a device without fast fp16 kernels,
-    which gets the scratch autocast's emulation (PyTorch's CPU fp16 GEMM there is a scalar fallback)."""
-    slow_fp16 = spec.compute_dtype == torch.float16 and not hardware.has_fast_fp16(device)
+    """What ``--amp-impl auto`` picks: native, except fp16 compute on a CPU, which gets the scratch autocast's
+    emulation (:func:`mixprec.hardware.has_fast_fp16_training`: without AVX512-FP16 PyTorch's CPU fp16 GEMM is a
+    scalar fallback; with it the fp16 convolution backward still is a slow path)."""
+    slow_fp16 = spec.compute_dtype == torch.float16 and not hardware.has_fast_fp16_training(device)
     return ScratchMechanism.name if slow_fp16 else NativeMechanism.name

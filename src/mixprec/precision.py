@@ -17,9 +17,9 @@ combinations) in :mod:`mixprec.recipes`; the mechanism behind the autocast and s
 one strategy object per recipe; the recipe's words (:meth:`Recipe.describe`, the hardware notes, remedies)
 in :mod:`mixprec.recipe_text`. This module joins them: :class:`RecipeConfig` (what a run asks for),
 :func:`build_recipe` (device and mechanism resolved, contradictions refused) and :class:`Recipe` (dtypes,
-master weights, TF32, FSDP policy, the step). ``auto`` picks native, except fp16 on a CPU without fast fp16
-kernels, where it picks scratch with emulation (fp16 values, fp32 arithmetic) because PyTorch's CPU fp16
-GEMM fallback is far slower than fp32.
+master weights, TF32, FSDP policy, the step). ``auto`` picks native, except fp16 on a CPU, where it picks scratch
+with emulation (fp16 values, fp32 arithmetic) because PyTorch's CPU fp16 kernels are slower (the GEMM a scalar
+fallback without AVX512-FP16, the convolution backward a slow path with it).
 """
 
 from __future__ import annotations
@@ -459,10 +459,10 @@ def _matmul_facts(spec: RecipeSpec, dev: torch.device, emulate: bool, fp8: Fp8Im
         if dev.type == "cuda":
             return "bf16", True, "bf16-gpu"
         return ("bf16", True, "bf16-cpu") if hardware.has_fast_bf16(dev) else ("bf16", False, "bf16-slow")
-    if hardware.has_fast_fp16(dev):
-        return "fp16", True, "fp16-gpu" if dev.type == "cuda" else "fp16-cpu"
     if emulate:
         return "fp32", False, "fp16-emulated"
+    if hardware.has_fast_fp16(dev):
+        return "fp16", True, "fp16-gpu" if dev.type == "cuda" else "fp16-cpu"
     return "fp16", False, "fp16-slow"
 
 
@@ -492,7 +492,7 @@ def build_recipe(
 
     ``amp_impl``: a name in :data:`mixprec.mechanisms.MECHANISMS` (``native``: torch.autocast + GradScaler;
     ``scratch``: mixprec's engine), or ``auto`` (:func:`mixprec.mechanisms.auto_mechanism`: native, except
-    fp16 on a CPU without fast fp16, which gets scratch emulation).
+    fp16 on a CPU, which gets scratch emulation).
     """
     if isinstance(recipe, str):
         options = {k: v for k, v in options.items() if v is not None}
@@ -515,7 +515,7 @@ def build_recipe(
         if for_target:  # GradScaler("cuda") on a machine without CUDA warns that it disables itself
             warnings.simplefilter("ignore", UserWarning)
         mechanism = MECHANISMS[impl](spec, scaler=recipe.scaler, keep_fp32=tuple(recipe.keep_fp32), device=device,
-                                     world_size=world_size, emulate_fp16=not hardware.has_fast_fp16(device))
+                                     world_size=world_size, emulate_fp16=not hardware.has_fast_fp16_training(device))
         _refuse_contradictions(spec, recipe, device, query_device=not for_target)
         mechanism.refuse_options()
         fp8 = _fp8_impl(spec, recipe, device, impl, seed, for_target=for_target)

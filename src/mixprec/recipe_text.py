@@ -37,9 +37,12 @@ HARDWARE_NOTES: dict[str, str] = {
     "bf16-slow": ("this CPU has no native bf16 matmul instructions (no AVX512-BF16/AMX-BF16: {where}); bf16 "
                   "matmuls are converted in software and likely SLOWER than fp32"),
     "fp16-gpu": "fp16 tensor cores",
-    "fp16-cpu": "fast fp16 matmuls on this CPU ({where})",
-    "fp16-emulated": (_NO_FAST_FP16 + ", so fp16 is EMULATED: operands and results rounded to fp16, arithmetic "
-                      "in fp32 (fp16 numerics at fp32 speed); MFU is measured against the fp32 peak"),
+    "fp16-cpu": ("fast fp16 matmuls on this CPU ({where}), but PyTorch's CPU fp16 convolution backward is a slow "
+                 "path, many times slower than fp32 on CNNs — --amp-impl auto emulates fp16 instead"),
+    "fp16-emulated": ("PyTorch's fp16 kernels are slow on a CPU ({where}; without AVX512-FP16/AMX-FP16 its fp16 "
+                      "matmuls are a scalar fallback, with them its fp16 convolution backward still is), so fp16 is "
+                      "EMULATED: operands and results rounded to fp16, arithmetic in fp32 (fp16 numerics at fp32 "
+                      "speed); MFU is measured against the fp32 peak"),
     "fp16-slow": ("WARNING: " + _NO_FAST_FP16 + "; native fp16 matmuls are a scalar fallback, many times slower "
                   "than fp32 — use --amp-impl scratch or auto (emulated fp16) or bf16-mixed"),
 }

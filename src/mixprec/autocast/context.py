@@ -99,7 +99,7 @@ class autocast:  # noqa: N801 -- named like torch.autocast, which it replaces
         policy: the cast policy; default ``default_policy(device_type, dtype)``, i.e. what
             ``torch.autocast`` does on that device.
         emulate: round low-list ops' operands and results to ``dtype`` but compute and store in
-            fp32 (low-precision numerics at fp32 speed; for fp16 on CPUs without fast fp16).
+            fp32 (low-precision numerics at fp32 speed; for fp16 on CPUs).
         keep_fp32: modules whose ops run in fp32: qualified names in ``model`` ("head"),
             module classes (``nn.LayerNorm``) or class names ("LayerNorm").
         model: the module that ``keep_fp32`` names refer to.

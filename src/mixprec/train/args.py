@@ -98,7 +98,7 @@ def _recipe_arguments(add: _Flags, with_precision: bool) -> None:
         add("--precision", metavar="RECIPE", help=f"precision recipe: {recipes}")
     add("--amp-impl", choices=AMP_IMPLS,
         help="mechanism: native torch.autocast + GradScaler, mixprec's scratch engine, or auto (native, except "
-             "emulated fp16 on CPUs without fast fp16)")
+             "emulated fp16 on CPUs)")
     add("--init-scale", type=float, help="initial loss scale")
     add("--growth-factor", type=float, help="loss-scale growth factor")
     add("--backoff-factor", type=float, help="loss-scale backoff factor")

@@ -5,7 +5,7 @@ shapes (its backward above all; the measurements are in benchmarks/README.md): u
 the whole bf16-mixed transformer step barely faster than fp32 although its matmuls ran much faster. So on the
 CPU a bf16 q/k/v is attended in fp32 and the result cast back: the softmax and the two small batched matmuls
 cost less in fp32 than the bf16 kernel's overhead, and the numerics are better, not worse. fp16 is left as it
-is (emulated with fp32 carriers on CPUs without fast fp16, or the native kernels). Elsewhere (CUDA) attention
+is (emulated with fp32 carriers on CPUs under --amp-impl auto, or the native kernels). Elsewhere (CUDA) attention
 runs in the input dtype, as autocast wants.
 The choice is made here, below both autocasts (torch's and mixprec's), so a doctor precision map shows it.
 """
