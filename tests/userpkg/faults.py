@@ -2,8 +2,10 @@
 
 Each is the built-in MLP (width 512, depth 2) whose forward misbehaves as soon as its logits come out in
 one low-precision dtype, so one matrix holds recipes that succeed (fp32, the other dtype) and one that
-fails, under native and scratch autocast alike (both give fp16 logits under fp16-mixed). The fault fires
-inside the bench's worker process; the parent builds only the fp32 reference run, which never fires.
+fails, under native and scratch autocast alike: native gives fp16 logits under fp16-mixed; mixprec's autocast
+emulating fp16 (``--amp-impl auto`` on a CPU) gives fp32 logits holding fp16 values, so its dtype counts too.
+The fault fires inside the bench's worker process; the parent builds only the fp32 reference run, which never
+fires.
 """
 
 import os
@@ -12,6 +14,7 @@ import time
 import torch
 from torch import nn
 
+from mixprec.autocast import autocast_dtype, is_autocast_active
 from mixprec.train.models import build_model
 
 
@@ -22,7 +25,7 @@ class Faulty(nn.Module):
 
     def forward(self, x):
         y = self.inner(x)
-        if y.dtype == self.dtype:
+        if y.dtype == self.dtype or (is_autocast_active() and autocast_dtype() == self.dtype):
             self.fault()
         return y
 
