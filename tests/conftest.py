@@ -9,8 +9,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
-# Keep tests deterministic and light on a shared 2-core machine.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread, here and in every process a test starts (bench workers and its planner, torchrun ranks,
+# `python -m mixprec` subprocesses inherit OMP_NUM_THREADS): the suite's models are tiny, so a second thread buys
+# little even on an idle machine, while on a busy one (CI neighbours, a shared 2-core VM) OpenMP's spinning threads
+# made each process several times slower. Set OMP_NUM_THREADS before pytest to run the children otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 def spawn_two(worker, *args, timeout: float, what: str) -> None:
