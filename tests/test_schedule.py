@@ -269,7 +269,8 @@ def test_stopped_and_resumed_between_evals_is_bit_identical(tmp_path, case):
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 def test_fsdp_with_a_user_optimizer_and_a_schedule_resumes_bit_identically(tmp_path):
     """2 ranks, FSDP2 (the factory gets DTensor shards), cosine with warmup: stopped mid-epoch 2 and resumed
-    vs never stopped."""
+    vs never stopped. Also the suite's FSDP resume of a stateful optimizer (tests/test_distributed.py has the
+    stateless one): the full state dicts in last.pt end bit-identical, optimizer state included."""
     from test_distributed import _assert_identical, _model, _torchrun
 
     args = ["--dataset", "digits", "--model", "mlp", "--width", "32", "--depth", "1", "--batch-size", "32",
@@ -279,6 +280,8 @@ def test_fsdp_with_a_user_optimizer_and_a_schedule_resumes_bit_identically(tmp_p
     full, part = tmp_path / "full", tmp_path / "part"
     _torchrun(*args, "--out", full)
     _torchrun(*args, "--out", part, "--max-steps", 30)  # 23 steps per epoch on 2 ranks
+    ck = torch.load(part / "last.pt", weights_only=True)
+    assert (ck["epoch"], ck["batch"], ck["global_step"], ck["world_size"]) == (1, 7, 30, 2)  # mid-epoch 2
     r = _torchrun(*args, "--out", part, "--resume", part, "--max-steps", "none")
     assert "resumed from" in r.stdout
     _assert_identical(_model(full), _model(part))
