@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Iterable
@@ -58,12 +59,17 @@ RATIO_FLOOR = 1e-3
 """RMS a tensor needs at the first step for its update-to-weight ratio to be judged (module docstring)."""
 
 
+@functools.lru_cache(maxsize=32)
+def _init_parameters(opt_cls: type) -> Any:
+    return inspect.signature(opt_cls.__init__).parameters
+
+
 def same_optimizer(opt_cls: type, params: Any, hyper: dict[str, Any]) -> torch.optim.Optimizer:
     """``opt_cls(params, **hyper)`` with only the hyper-parameters its constructor accepts.
 
     ``optimizer.defaults`` can hold keys the constructor does not take (AdamW's ``decoupled_weight_decay``).
     """
-    accepted = inspect.signature(opt_cls.__init__).parameters
+    accepted = _init_parameters(opt_cls)
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         hyper = {k: v for k, v in hyper.items() if k in accepted}
     return opt_cls(params, **{k: v for k, v in hyper.items() if k != "fused"})

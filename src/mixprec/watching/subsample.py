@@ -28,9 +28,9 @@ flight recorder replays the step exactly.
 
 Binning
 -------
-All subsamples of one step are binned together on the device: one concatenation, one float64 view (fp32
-subnormals are normal float64 numbers, so the biased float64 exponent is the exact binade of every fp32
-value), one ``bincount`` over (segment, exponent), and one host read for the whole step.
+Each subsample is copied as float64 (fp32 subnormals are normal float64 numbers, so the biased float64
+exponent is the exact binade of every fp32 value) and turned in place into its exponent plus an offset per
+tensor; at the end of the step one ``bincount`` over all of them and one host read give every histogram.
 """
 
 from __future__ import annotations
@@ -109,9 +109,15 @@ class HistogramBatch:
         if not t.is_floating_point() or not t.numel():
             return
         s = stride_for(t, self.limit)
-        sub = flat_sample(t, s).to(torch.float32, copy=True)
+        sub = flat_sample(t, s)
+        if sub.dtype == torch.float64:
+            sub = sub.float()  # binned as float32 values, as Log2Histogram.add does
+        e = sub.to(torch.float64, copy=True).view(torch.int64)  # fp32 subnormals are normal here: exact binades
+        e >>= 52
+        e &= _F64_EXP - 1
+        e += len(self.keys) * _F64_EXP  # this tensor's row of the step's one bincount
         self.keys.append(key)
-        self._subs.append(sub)
+        self._subs.append(e)
         self._strides.append(s)
         self._extremes.append(torch.stack(torch.aminmax(t)).float() if s > 1 else None)
         self.elements += t.numel()
@@ -126,21 +132,22 @@ class HistogramBatch:
             return []
         dev = self._subs[0].device
         n = len(self.keys)
-        seg = torch.repeat_interleave(torch.arange(n, device=dev) * _F64_EXP,
-                                      torch.tensor([s.numel() for s in self._subs], device=dev))
-        bits = torch.cat(self._subs).double().view(torch.int64)
-        exp = ((bits >> 52) & (_F64_EXP - 1)) + seg
-        c = torch.bincount(exp, minlength=n * _F64_EXP).view(n, _F64_EXP)
-        c = c * torch.tensor(self._strides, device=dev, dtype=torch.int64).unsqueeze(1)
+        c = torch.bincount(torch.cat(self._subs), minlength=n * _F64_EXP).view(n, _F64_EXP)
+        if any(s > 1 for s in self._strides):
+            c = c * torch.tensor(self._strides, device=dev, dtype=torch.int64).unsqueeze(1)
         cols = torch.cat([c[:, _LO:_HI + 1], c[:, :1], c[:, -1:]], dim=1)  # binades, zeros, non-finite
-        ext = [e if e is not None else torch.zeros(2, device=dev) for e in self._extremes]
-        both = torch.cat([cols.double().flatten(), torch.cat(ext).double()]).cpu()  # the step's one read
+        parts = [cols.double().flatten()]
+        wide = [(i, e) for i, e in enumerate(self._extremes) if e is not None]
+        if wide:
+            parts.append(torch.cat([e for _, e in wide]).double())
+        both = torch.cat(parts).cpu()  # the step's one read
         rows = both[: n * (_NB + 2)].view(n, _NB + 2).to(torch.int64)
-        extremes = both[n * (_NB + 2):].view(n, 2).tolist()
+        extremes = dict(zip((i for i, _ in wide), both[n * (_NB + 2):].view(-1, 2).tolist()))
+        tail = rows[:, _NB:].tolist()
         out = []
         for i, key in enumerate(self.keys):
-            h = Log2Histogram(counts=rows[i, :_NB].clone(), zeros=int(rows[i, _NB]), nonfinite=int(rows[i, _NB + 1]))
-            if self._strides[i] > 1:
+            h = Log2Histogram(counts=rows[i, :_NB].clone(), zeros=tail[i][0], nonfinite=tail[i][1])
+            if i in extremes:
                 _exact_extremes(h, *extremes[i])
             out.append((key, h))
         self._subs, self._extremes = [], []
