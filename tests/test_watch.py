@@ -188,31 +188,61 @@ def test_syncs_added_per_unsampled_step(monkeypatch, scaled, added):
     assert [b - a for a, b in zip(plain[1:], watched[1:])] == [added] * (len(plain) - 1)
 
 
-@pytest.mark.parametrize("case", ["huge-finite", "inf-gradient"])
-def test_finite_check_tells_an_overflowing_norm_from_an_inf_gradient(case):
-    """No scaler: the flag is the gradients' L2 norm; gradients near 1e25 are finite but their squares overflow
-    fp32 (the norm reads inf), so the step is checked exactly with one more read -- and is not a fault; a
-    gradient that is inf (a planted backward overflow, finite loss) is."""
+@pytest.mark.parametrize("case", ["huge-finite", "inf-gradient", "nan-gradient"])
+def test_finite_check_tells_an_overflowing_reduction_from_a_nonfinite_gradient(case):
+    """No scaler: the flag is one reduction of the gradients (sums on unsampled steps, L2 norms on sampled ones);
+    gradients of 3e38 are finite but their sum and squares overflow fp32 (the reduction reads inf), so the step is
+    checked exactly with one more read -- and is not a fault; an inf or NaN gradient (finite loss) is."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    data = batches(3, fault_at=2 if case == "inf-gradient" else None, mode=BACKWARD)
-    norms = []
-    with mixprec.watch(model, opt, every=100, plots=False, localize=False) as w:
-        for x, y in data:
+    bad = 2  # the step whose gradients are changed (step 2: sampled with every=2; step 1 and 3 are not)
+    reads = []
+    with mixprec.watch(model, opt, every=2, plots=False, localize=False) as w:
+        for i, (x, y) in enumerate(batches(4)):
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(model(x).float(), y)
-            (loss * (1e25 if case == "huge-finite" else 1.0)).backward()
+                nn.functional.cross_entropy(model(x).float(), y).backward()
+            if case == "huge-finite" and i >= 1:
+                for p in model.parameters():
+                    p.grad.fill_(3e38)
+            elif i == bad:
+                model.head.weight.grad[0, 0] = math.inf if case == "inf-gradient" else math.nan
+            before = w.host_reads["check"]
             opt.step()
-            norms.append(w.last.grad_l2)
-    assert norms[2] == math.inf and all(0 < n < math.inf for n in norms[:2]) == (case == "inf-gradient")
+            reads.append(w.host_reads["check"] - before)
     if case == "huge-finite":
         assert w.nonfinite_steps == 0 and not w.triggers
-        assert w.host_reads["check"] == 2 * 3  # the norm, then the exact check, on every step
-    else:
-        assert w.nonfinite_steps == 1 and w.triggers[0]["step"] == 2
-        assert w.host_reads["check"] == 3 + 1  # only the inf step reads twice
+        assert reads == [1, 2, 2, 2]  # the reduction, then the exact check, on every step with huge gradients
+        assert w.last.grad_l2 is None  # unsampled: no norm taken
+    else:  # (the update makes the weights non-finite: the step after is a fault too)
+        assert w.triggers[0]["step"] == bad and w._first_nonfinite == bad
+        assert reads[:3] == [1, 1, 2]  # the faulty step reads twice, the clean ones once
+
+
+def test_unsampled_finite_check_catches_a_fault_in_any_gradient():
+    """The unsampled check sums large gradients and norms small ones: a NaN in either kind is caught; a large
+    gradient whose sum overflows fp32 (3e38 everywhere) is re-checked exactly and is not a fault."""
+    from mixprec.watching import core
+
+    for which in ("big", "small", "big-huge"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 3))  # 65536-element weight: summed
+        assert model[0].weight.numel() >= core._SUM_AT > model[1].weight.numel()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with mixprec.watch(model, opt, every=100, plots=False, localize=False) as w:
+            for i in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 256)).sum().backward()
+                if i == 2 and which == "big-huge":
+                    model[0].weight.grad.fill_(3e38)
+                elif i == 2:
+                    (model[0] if which == "big" else model[1]).weight.grad[1, 1] = math.nan
+                opt.step()
+        if which == "big-huge":
+            assert w.nonfinite_steps == 0 and w.host_reads["check"] == 3 + 1  # step 0 sampled; step 2 twice
+        else:
+            assert w.nonfinite_steps == 1 and w.triggers[0]["step"] == 2, which
 
 
 def _state(model, opt):

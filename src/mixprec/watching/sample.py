@@ -153,6 +153,11 @@ class Sampler:
                                        for n in ns]).square().sum())
             self._pending_norms = (list(by_layer), torch.stack(sq).sqrt(), grads_log2_scale)
 
+    @property
+    def step_norms(self) -> dict[str, float]:
+        """The last sampled step's per-layer gradient norms (unscaled)."""
+        return self._norms
+
     def pre_update(self, optimizer: torch.optim.Optimizer) -> None:
         if self.monitor is not None:
             self.monitor.before_step(optimizer)
