@@ -443,3 +443,101 @@ def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path):
     assert fault["step"] == 3 and fault["classification"] == "forward overflow" and fault["event"]["module"] == "boost"
     assert rep["watch"]["ranks_nonfinite"] == [local[0]["nonfinite_steps"], local[1]["nonfinite_steps"]] == [1, 1]
     assert rep["watch"]["world_size"] == 2 and rep["watch"]["steps"] == 4
+
+
+# ------------------------------------------------------------------------------------------ subsampled sampled steps
+
+
+def _edge_values(n, g, dtype=torch.float32):
+    t = torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g).float()
+    t[::7] = 0.0
+    t[3] = 1e-40  # an fp32 subnormal
+    t[5], t[6] = math.inf, math.nan
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_subsample_of_a_tensor_under_the_limit_equals_the_whole_histogram(dtype):
+    from mixprec.doctor.ranges import Log2Histogram
+    from mixprec.watching.subsample import HistogramBatch
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [_edge_values(r * c, g, dtype).reshape(r, c).t() for r, c in ((2, 5), (20, 25), (64, 64))]  # non-contiguous too
+    batch = HistogramBatch(limit=4096)
+    for i, t in enumerate(tensors):
+        batch.add(i, t)
+    for (i, got), t in zip(batch.read(), tensors):
+        want = Log2Histogram()
+        want.add(t)
+        assert torch.equal(got.counts, want.counts) and (got.zeros, got.nonfinite) == (want.zeros, want.nonfinite)
+
+
+def test_subsample_of_a_large_tensor_keeps_the_exact_top_binade_and_nonfinite_presence():
+    from mixprec.doctor.ranges import Log2Histogram
+    from mixprec.watching.subsample import HistogramBatch, flat_sample, stride_for
+
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(512, 784, generator=g)
+    s = stride_for(t, 4096)
+    assert s > 1 and math.gcd(s, 784) == 1
+    assert {int(i) % 784 for i in torch.arange(t.numel())[::s]} == set(range(784))  # every column is visited
+    t.view(-1)[s * 10 + 1] = 1e30  # off the subsample's positions
+    big = t.clone()
+    big.view(-1)[s * 20 + 3] = math.inf
+    batch = HistogramBatch(limit=4096)
+    batch.add("one huge value", t)
+    batch.add("one inf", big)
+    (_, h), (_, hi) = batch.read()
+    whole = Log2Histogram()
+    whole.add(t)
+    assert h.binade_range()[1] == whole.binade_range()[1] == 99  # 1e30 is in [2**99, 2**100)
+    assert h.fractions("fp16")["overflow"] > 0 and whole.fractions("fp16")["overflow"] > 0
+    assert not flat_sample(big, s).isinf().any() and hi.nonfinite >= 1 and h.nonfinite == 0
+    # the rest is an estimate: each sampled element stands for s elements
+    assert abs(h.total - t.numel()) <= s
+    for fmt in ("fp16", "fp8_e4m3"):
+        for k in (0, 8):
+            est, exact = h.fractions(fmt, k), whole.fractions(fmt, k)
+            assert all(abs(est[key] - exact[key]) < 0.02 for key in exact), (fmt, k, est, exact)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_lost_updates_on_a_subsample_are_the_whole_steps_positions(opt_cls):
+    """An elementwise optimizer's shadow step over a subsample gives exactly the subsample of the whole shadow
+    step (state included); the lost-update fraction is close to the whole tensor's, a small tensor is whole."""
+    from mixprec.doctor.lost_updates import LostUpdateMonitor
+    from mixprec.watching.subsample import flat_sample, stride_for
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 3)).to(torch.bfloat16)
+    opt = opt_cls(model.parameters(), lr=1e-3, **({"momentum": 0.9} if opt_cls is torch.optim.SGD else {}))
+    names = {id(p): n for n, p in model.named_parameters()}
+    for _ in range(2):  # the state exists after one step
+        opt.zero_grad()
+        model(torch.randn(8, 300).bfloat16()).float().pow(2).mean().backward()
+        opt.step()
+    opt.zero_grad()
+    model(torch.randn(8, 300).bfloat16()).float().pow(2).mean().backward()
+    whole = LostUpdateMonitor(opt, names)._shadow_updates(opt)
+    part = LostUpdateMonitor(opt, names, max_elements=1000)._shadow_updates(opt)
+    for (p, _, dw, n), (q, view, dp, m) in zip(whole, part):
+        s = stride_for(p, 1000)
+        assert p is q and n == m == p.numel() and torch.equal(flat_sample(dw.view_as(p), s), dp)
+        assert (s == 1) == (p.numel() <= 1000)
+    monitors = [LostUpdateMonitor(opt, names), LostUpdateMonitor(opt, names, max_elements=1000)]
+    for mon in monitors:
+        mon.before_step(opt)
+    opt.step()
+    for mon in monitors:
+        mon.after_step(opt)
+    a, b = (mon.result().layers for mon in monitors)
+    assert a[0].examined == a[0].elements == b[0].elements > b[0].examined  # the big layer: subsampled
+    assert (a[1].examined, a[1].updated, a[1].lost) == (b[1].examined, b[1].updated, b[1].lost)  # small: whole
+    assert abs(a[0].lost_fraction - b[0].lost_fraction) < 0.05 and a[0].lost_fraction > 0.05
+
+
+def test_watch_json_states_the_sample_size(tmp_path):
+    _, rep, _, _ = _run(tmp_path, steps=2, fault_at=None, sample_elements=32)
+    s = rep["watch"]["sampling"]
+    assert s["sample_elements"] == 32 and s["histogram_elements_binned"] < s["histogram_elements"]
+    assert 0 < s["lost_update_elements_examined"] < s["lost_update_elements"]
