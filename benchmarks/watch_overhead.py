@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
+import mixprec.watching.subsample
 from mixprec.precision import resolve_recipe
 from mixprec.train.build import build_run
 from mixprec.train.config import TrainConfig
@@ -109,7 +110,7 @@ def measure(model_name: str, recipe: str, args) -> dict:
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         step, scaler = _loop(m, opt, recipe, device)
         w = None if every is None else mixprec.watch(m, opt, scaler=scaler, every=every, plots=False,
-                                                      tensorboard=False)
+                                                      tensorboard=False, sample_elements=args.sample_elements)
         return step, w
 
     plain, _ = make(None)
@@ -154,7 +155,7 @@ def measure(model_name: str, recipe: str, args) -> dict:
     added = (_count_syncs(quiet, batches, n) - _count_syncs(plain2, batches, n)) / n
     wq.close()
     return {"model": model_name, "recipe": recipe, "params": sum(p.numel() for p in init.parameters()),
-            "batch_size": args.batch_size, "every": args.every,
+            "batch_size": args.batch_size, "every": args.every, "sample_elements": args.sample_elements,
             "step_ms": {k: 1e3 * statistics.median(v) for k, v in per_round.items()},
             "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
             "unsampled_ratio": statistics.median(unsampled_ratios),
@@ -174,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--sample-steps", type=int, default=10, help="steps timed for the cost of a sampled step")
     p.add_argument("--sync-steps", type=int, default=20, help="unsampled steps whose syncs are counted")
+    p.add_argument("--sample-elements", type=int, default=mixprec.watching.subsample.DEFAULT_SAMPLE_ELEMENTS,
+                   help="the watch's sample_elements (0: sampled steps read every tensor whole)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="smoke run: every=5, 2 rounds, tiny counts")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
