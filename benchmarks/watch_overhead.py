@@ -21,7 +21,9 @@ mode (every ``.item()``/``bool()``/``float()`` is an ``aten._local_scalar_dense`
 watched minus plain over the same steps.
 
 Run on a quiet machine, from the repository root: ``PYTHONPATH=src python benchmarks/watch_overhead.py
---json watch_overhead.json`` (``--device cuda`` on a GPU), ``--quick`` for a smoke run.
+--json watch_overhead.json`` (``--device cuda`` on a GPU), ``--quick`` for a smoke run. On a loaded CPU-only
+machine ``--threads 1 --clock cpu`` times the process's CPU time instead of the wall clock (ratios only; a
+shared core still stretches both sides).
 """
 
 from __future__ import annotations
@@ -117,13 +119,15 @@ def measure(model_name: str, recipe: str, args) -> dict:
     watched, w = make(args.every)
     unsampled, wu = make(10**9)
 
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
     def timed(fn, n: int) -> float:
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         for i in range(n):
             fn(*batches[i % len(batches)])
         _sync(device)
-        return (time.perf_counter() - t0) / n
+        return (clock() - t0) / n
 
     timed(plain, args.warmup)
     timed(watched, args.warmup)
@@ -177,15 +181,22 @@ def main(argv=None) -> int:
     p.add_argument("--sync-steps", type=int, default=20, help="unsampled steps whose syncs are counted")
     p.add_argument("--sample-elements", type=int, default=mixprec.watching.subsample.DEFAULT_SAMPLE_ELEMENTS,
                    help="the watch's sample_elements (0: sampled steps read every tensor whole)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: perf_counter (a quiet machine); cpu: the process's CPU time, for a loaded CPU-only "
+                        "machine with --threads 1 (other processes' load then stretches it much less)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="smoke run: every=5, 2 rounds, tiny counts")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.every, args.rounds, args.warmup, args.sample_steps, args.sync_steps = 5, 2, 2, 2, 3
         args.batch_size, args.batches = 16, 4
     print(f"# mixprec.watch overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"device {args.device}, every={args.every}")
+          f"device {args.device}, every={args.every}, {torch.get_num_threads()} threads, {args.clock} clock, "
+          f"sample_elements={args.sample_elements}")
     print("| model | recipe | plain step | watched step | ratio (median) | min..max | unsampled only | "
           "one sampled step | syncs added / unsampled step |")
     print("|---|---|---|---|---|---|---|---|---|")
