@@ -15,11 +15,12 @@ For the built-in models (mlp, cnn, transformer) and two user models (tests/userp
 - the step's peak above the resident state: the plan's ``peak - (parameters + buffers + optimizer state +
   masters)`` vs bench's measured probe (:func:`mixprec.bench.measure.probe_step_memory`: VmHWM after
   clear_refs, glibc in mmap mode) -- within 25%;
-- ``--timing``: the bf16-mixed / fp32 step-time ratio, predicted vs measured (median of timed steps), within
+- ``--timing``: the bf16-mixed / fp32 step-time ratio, predicted vs measured (fp32 and bf16-mixed taking turns, median of per-round ratios), within
   25%. Timing needs a quiet machine; a loaded one gives meaningless times.
 
-``--calibrate`` measures real step times of *other* models (the MLP at widths 256/1024/2048, depth 2-4; the CNN
-at 16 and 32 channels; batch 128; fp32 and bf16-mixed), traces the same steps, and fits the cpu target's
+``--calibrate`` measures real step times of *other* models (:data:`CALIBRATION`: residual CNNs with batch norm,
+a GRU, an MLP-Mixer, an LSTM and two GPTs on the fortunes text -- benchmarks/calibration_models.py and
+tests/userpkg; fp32 and bf16-mixed), traces the same steps, and fits the cpu target's
 efficiency factors (GEMM efficiency per dtype, bandwidth efficiency, the host time every op adds) by
 non-negative least squares on ``measured = sum over ops of roofline terms / factor + ops x overhead``, prints the ``CPU_EFFICIENCY = ...`` line to paste
 into ``src/mixprec/planning/roofline.py`` (replacing the starting guess), and uses the fit for the
@@ -43,35 +44,59 @@ CHECKED = ["mlp", "cnn", "transformer", "tests.userpkg.factories:cnn", "tests.us
 FLAGS = dict(dataset="digits", optimizer="adamw", lr=1e-3)
 
 
-STEPS = 20
-"""Timed steps per measurement (the first 3 dropped); ``--quick`` lowers it."""
+ROUNDS, STEPS = 9, 4
+"""Timing: rounds of ``STEPS`` steps per recipe, fp32 and bf16-mixed taking turns (the order swapped every round)
+after warm-up; a recipe's step time is the median over rounds, the measured ratio the median of per-round
+ratios (as benchmarks/overhead.py measures). ``--quick`` lowers them."""
 
 
-def _measure(model: str, precision: str, batch: int, *, timing: bool, steps: int | None = None, **flags):
-    from mixprec.bench.measure import probe_step_memory
-    from mixprec.memory import SavedTensorTracker, static_memory
+def _build(model: str, precision: str, batch: int, **flags):
     from mixprec.train.build import build_run
     from mixprec.train.config import TrainConfig
     from mixprec.train.step import train_step
 
     run = build_run(TrainConfig.from_flags(model=model, precision=precision, batch_size=batch, device="cpu",
                                            **{**FLAGS, **flags}))
-    xb, yb = next(iter(run.train_loader))
-    train_step(run.ctx, xb, yb)
+    batch0 = next(iter(run.train_loader))
+    train_step(run.ctx, *batch0)
+    return run, batch0
+
+
+def _memory(run, batch0):
+    """bench's exact accounting of a steady-state step and its measured step peak."""
+    from mixprec.bench.measure import probe_step_memory
+    from mixprec.memory import SavedTensorTracker, static_memory
+    from mixprec.train.step import train_step
+
     tracker = SavedTensorTracker(exclude=run.model.parameters())
-    train_step(run.ctx, xb, yb, tracker=tracker)
+    train_step(run.ctx, *batch0, tracker=tracker)
     exact = static_memory(run.model, run.optimizer, run.recipe.master).add_saved(tracker)
-    step_s = None
-    if timing:
-        with run.recipe.run_context():
-            times = []
-            for _ in range(steps or STEPS):
-                t0 = time.perf_counter()
-                train_step(run.ctx, xb, yb)
-                times.append(time.perf_counter() - t0)
-        step_s = statistics.median(times[3:])
-    probe = probe_step_memory(run, xb, yb)
-    return exact, probe.step_peak_bytes, step_s
+    return exact, probe_step_memory(run, *batch0).step_peak_bytes
+
+
+def _time_turn(run, batch0, steps: int) -> float:
+    from mixprec.train.step import train_step
+
+    with run.recipe.run_context():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            train_step(run.ctx, *batch0)
+        return (time.perf_counter() - t0) / steps
+
+
+def _time_pair(built: dict, rounds: int | None = None, steps: int | None = None) -> tuple[dict, float]:
+    """``({recipe: median step time}, median of per-round bf16-mixed/fp32 ratios)`` of the runs in ``built``
+    (``{recipe: (run, batch)}``, fp32 and bf16-mixed), taking turns."""
+    rounds, steps = rounds or ROUNDS, steps or STEPS
+    names = list(built)
+    for name in names:  # warm-up
+        _time_turn(*built[name], steps)
+    per = {n: [] for n in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            per[name].append(_time_turn(*built[name], steps))
+    ratios = [b / f for f, b in zip(per["fp32"], per["bf16-mixed"])]
+    return {n: statistics.median(v) for n, v in per.items()}, statistics.median(ratios)
 
 
 def _plan(model, precisions, batch, target, **flags):
@@ -88,22 +113,23 @@ def compare(timing: bool, batches=(64, 256), models=CHECKED) -> list[dict]:
     for model in models:
         for b in batches:
             p = _plan(model, "fp32,bf16-mixed", b, target)
-            times = {}
+            built = {r.recipe: _build(model, r.recipe, b) for r in p.recipes}
+            measured, ratio = _time_pair(built) if timing else ({}, None)
             for r in p.recipes:
-                exact, step_peak, step_s = _measure(model, r.recipe, b, timing=timing)
+                exact, step_peak = _memory(*built[r.recipe])
                 resident = sum(r.memory[c] for c in ("parameters", "buffers", "optimizer_state", "master_weights"))
                 saved_p = sum(r.memory[c] for c in ("activations", "autocast_weight_copies", "fp8_buffers"))
                 saved_m = exact.activations + exact.autocast_weight_copies + exact.fp8_buffers
-                times[r.recipe] = (r.step_time_s, step_s)
                 rows.append(dict(
                     model=model, batch=b, recipe=r.recipe,
                     static_exact=all(r.memory[c] == getattr(exact, c) for c in
                                      ("parameters", "gradients", "optimizer_state", "master_weights")),
                     saved_pred=saved_p, saved_meas=saved_m, peak_pred=r.peak_bytes - resident, peak_meas=step_peak,
-                    time_pred=r.step_time_s, time_meas=step_s))
+                    time_pred=r.step_time_s, time_meas=measured.get(r.recipe)))
             if timing:
-                (pf, mf), (pb, mb) = times["fp32"], times["bf16-mixed"]
-                rows[-1]["ratio_pred"], rows[-1]["ratio_meas"] = pb / pf, mb / mf
+                pred = {r.recipe: r.step_time_s for r in p.recipes}
+                rows[-1]["ratio_pred"], rows[-1]["ratio_meas"] = pred["bf16-mixed"] / pred["fp32"], ratio
+            del built
     return rows
 
 
@@ -113,14 +139,38 @@ def _pct(a, b):
 
 def table(rows: list[dict]) -> str:
     out = ["| model | batch | recipe | params/grads/optim/masters | saved pred / meas (MiB) | Δ | step peak pred / "
-           "meas (MiB) | Δ | bf16/fp32 time ratio pred / meas |", "|---|---|---|---|---|---|---|---|---|"]
+           "meas (MiB) | Δ | step time pred / meas (ms) | bf16/fp32 time ratio pred / meas | Δ |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    within = []
     for r in rows:
-        ratio = (f"{r['ratio_pred']:.2f} / {r['ratio_meas']:.2f}" if "ratio_pred" in r else "")
+        ratio = delta = ""
+        if r.get("ratio_meas"):
+            ratio, delta = f"{r['ratio_pred']:.2f} / {r['ratio_meas']:.2f}", _pct(r["ratio_pred"], r["ratio_meas"])
+            within.append(abs(r["ratio_pred"] - r["ratio_meas"]) <= 0.25 * r["ratio_meas"])
+        times = f"{r['time_pred'] * 1e3:.1f} / {r['time_meas'] * 1e3:.1f}" if r.get("time_meas") else ""
         peak_meas = f"{r['peak_meas'] / 2**20:.2f}" if r["peak_meas"] else "n/a"
         out.append(f"| {r['model']} | {r['batch']} | {r['recipe']} | {'exact' if r['static_exact'] else 'DIFFER'} | "
                    f"{r['saved_pred'] / 2**20:.2f} / {r['saved_meas'] / 2**20:.2f} | {_pct(r['saved_pred'], r['saved_meas'])} | "
-                   f"{r['peak_pred'] / 2**20:.2f} / {peak_meas} | {_pct(r['peak_pred'], r['peak_meas'])} | {ratio} |")
+                   f"{r['peak_pred'] / 2**20:.2f} / {peak_meas} | {_pct(r['peak_pred'], r['peak_meas'])} | {times} | "
+                   f"{ratio} | {delta} |")
+    if within:
+        out.append(f"\nbf16-mixed/fp32 step-time ratio within 25% of the measured one: {sum(within)} of {len(within)}")
     return "\n".join(out)
+
+
+CALIBRATION = [
+    ("benchmarks.calibration_models:resnet", {}),
+    ("benchmarks.calibration_models:wide_resnet", {}),
+    ("benchmarks.calibration_models:gru", {}),
+    ("benchmarks.calibration_models:mixer", {}),
+    ("tests.userpkg.lstm:model", dict(dataset="tests.userpkg.lstm:data")),
+    ("gpt", dict(dataset="text", data_path="/usr/share/games/fortunes/fortunes", d_model=128, n_layers=2,
+                 n_heads=4, block_size=64)),
+    ("gpt", dict(dataset="text", data_path="/usr/share/games/fortunes/fortunes", d_model=256, n_layers=4,
+                 n_heads=4, block_size=128)),
+]
+"""Calibration steps (model, flags), at batch 128 (the GPTs at 32 sequences): families other than the checked
+ones -- residual CNNs with batch norm, a GRU, an MLP-Mixer, an LSTM, two GPTs on the fortunes text."""
 
 
 def calibrate(quick: bool = False) -> dict:
@@ -135,10 +185,7 @@ def calibrate(quick: bool = False) -> dict:
     from mixprec.planning.roofline import Efficiency
 
     target = get_target("cpu")
-    configs = [("mlp", dict(width=w, depth=d)) for w, d in ((256, 2), (1024, 3), (2048, 4))]
-    configs += [("cnn", dict(channels=c)) for c in (16, 32)]
-    if quick:
-        configs = [("mlp", dict(width=256, depth=2)), ("mlp", dict(width=1024, depth=3))]
+    configs = CALIBRATION[:2] if quick else CALIBRATION
     rows, ys = [], []
     captured = {}
     real = api.trace_step
@@ -151,10 +198,13 @@ def calibrate(quick: bool = False) -> dict:
     api.trace_step = spy
     try:
         for model, flags in configs:
+            batch = 32 if model == "gpt" else 128
             captured.clear()
-            _plan(model, "fp32,bf16-mixed", 128, target, **flags)
+            _plan(model, "fp32,bf16-mixed", batch, target, **flags)
+            built = {name: _build(model, name, batch, **flags) for name in captured}
+            measured, _ = _time_pair(built)
+            del built
             for name, tr in captured.items():
-                _, _, measured = _measure(model, name, 128, timing=True, **flags)
                 gemm = {d: 0.0 for d in ("fp32", "bf16")}
                 moved = n_ops = 0
                 for op in tr.ops:
@@ -167,7 +217,9 @@ def calibrate(quick: bool = False) -> dict:
                     else:
                         moved += op.nbytes / target.bandwidth
                 rows.append([gemm["fp32"], gemm["bf16"], moved, n_ops])
-                ys.append(measured)
+                ys.append(measured[name])
+                print(f"calibration: {model} {flags or ''} {name}: {measured[name] * 1e3:.2f} ms, {n_ops} ops",
+                      flush=True)
     finally:
         api.trace_step = real
     from scipy.optimize import nnls
@@ -185,7 +237,8 @@ def calibrate(quick: bool = False) -> dict:
     memory = fit["memory"] or old.memory
     overhead = fit["op_overhead_s"]
     source = (f"fitted by benchmarks/plan_vs_measured.py --calibrate on {target.description}, "
-              f"{time.strftime('%Y-%m-%d')} (MLP and CNN steps at batch 128, fp32 and bf16-mixed)")
+              f"{time.strftime('%Y-%m-%d')} (fp32 and bf16-mixed steps of residual CNNs, a GRU, an MLP-Mixer, an "
+              "LSTM and two GPTs: other families than the checked models)")
     roofline.CPU_EFFICIENCY = Efficiency(gemm=gemm, memory=memory, op_overhead_s=overhead, source=source)
     print("paste into src/mixprec/planning/roofline.py (replacing CPU_EFFICIENCY = ...):")
     print(f"CPU_EFFICIENCY = Efficiency(gemm={{\"fp32\": {gemm['fp32']:.3g}, \"bf16\": {gemm['bf16']:.3g}, "
@@ -202,12 +255,12 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--models", default=",".join(CHECKED), help="the checked models (comma-separated)")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke test of the whole path: mlp only, batch 64, 5 timed steps, 2 calibration models")
+                    help="a smoke test of the whole path: mlp only, batch 64, 3 rounds of 2 steps, 2 calibration models")
     args = ap.parse_args(argv)
-    global STEPS
+    global ROUNDS, STEPS
     batches, models = tuple(int(b) for b in args.batches.split(",")), args.models.split(",")
     if args.quick:
-        STEPS, batches, models = 6, (64,), ["mlp"]
+        ROUNDS, STEPS, batches, models = 3, 2, (64,), ["mlp"]
     torch.manual_seed(0)
     if args.calibrate:
         calibrate(args.quick)

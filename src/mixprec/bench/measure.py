@@ -17,13 +17,24 @@ a *measured* peak of one training step, taken after the timed run is over so it 
   next step reuses them without the RSS moving and a naive "RSS during the step minus RSS before" reads
   far too low. So the probe (1) switches glibc to ``mmap`` for every allocation of 64 KiB or
   more (``mallopt(M_MMAP_THRESHOLD, 65536)``, what ``MALLOC_MMAP_THRESHOLD_=65536`` does at start-up),
-  so freed tensors go back to the kernel at once; (2) frees the gradients and calls ``malloc_trim(0)``;
+  so freed tensors go back to the kernel at once; (2) frees the gradients and calls ``malloc_trim(0)``,
+  then *plugs the heap*: the threshold only applies to memory glibc must get from the kernel, and a large
+  request is served from a free chunk of the heap first -- and the run before the probe (under glibc's own,
+  dynamic threshold, which rises to 32 MiB) leaves such chunks. ``malloc_trim`` releases their pages, so a
+  step's tensor placed there faults them in again, but its free keeps them: the step's RSS then only grows,
+  and ``VmHWM`` reads the memory the step *touched*, not its peak (on a small step, far above it). So
+  every free heap chunk of 64 KiB or more is allocated (not touched) before the baseline and freed after
+  the step;
   (3) reads ``VmRSS`` as the baseline and writes ``5`` to ``/proc/self/clear_refs``, which resets the
   high-water mark ``VmHWM`` to the current RSS; (4) runs one training step; (5) reads ``VmHWM``.
   ``VmHWM - baseline`` is what one step adds at its peak: saved activations, gradients, and the
   temporaries the exact accounting does not count (activation gradients during backward, kernel
   workspace), so it reads somewhat *above* activations + gradients, never far below them
   (``tests/test_bench.py`` checks the bounds). Linux only; elsewhere it is reported as unavailable.
+  Its granularity: tensors under 64 KiB still live in the heap, where they may reuse pages that are already
+  resident (the probe reads less than they hold) and free chunks smaller than 64 KiB can merge into larger
+  ones during the step; every mmap'd tensor costs whole 4 KiB pages; and kernels' workspace is counted only
+  where it is touched. These matter on a step whose peak is a few megabytes, not on a large one.
 - CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the step, minus what was
   allocated before it.
 
@@ -107,6 +118,27 @@ def _libc():
         return None
 
 
+def _plug_heap(libc, threshold: int = MMAP_THRESHOLD_BYTES, limit: int = 4096) -> list[int]:
+    """Occupy every free chunk of at least ``threshold`` bytes in this thread's malloc heap (see the module
+    docstring); returns the pointers, to ``free`` after the probe. A chunk glibc serves by ``mmap`` (flag 2 in
+    its size word) means no free heap chunk of that size is left: it is freed at once and the size halves."""
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    word = ctypes.sizeof(ctypes.c_size_t)
+    plugs: list[int] = []
+    size = 1 << 30
+    while size >= threshold and len(plugs) < limit:
+        p = libc.malloc(size)
+        if p and not ctypes.c_size_t.from_address(p - word).value & 2:  # IS_MMAPPED clear: a heap chunk
+            plugs.append(p)
+            continue
+        if p:
+            libc.free(p)
+        size //= 2
+    return plugs
+
+
 def _reset_hwm() -> bool:
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
@@ -141,8 +173,11 @@ def probe_step_memory(run, *batch: Any, repeats: int = 2) -> MemoryProbe:
             torch.cuda.reset_peak_memory_stats(device)
         else:
             libc.malloc_trim(0)
+            plugs = _plug_heap(libc)
             base = _proc_status("VmRSS")
             if not _reset_hwm() or _proc_status("VmHWM") > base + MMAP_THRESHOLD_BYTES * 16:
+                for p in plugs:
+                    libc.free(p)
                 return MemoryProbe(reason="cannot reset VmHWM (/proc/self/clear_refs not writable)")
         tracker = SavedTensorTracker(exclude=run.model.parameters())
         train_step(run.ctx, *batch, tracker=tracker)
@@ -151,6 +186,8 @@ def probe_step_memory(run, *batch: Any, repeats: int = 2) -> MemoryProbe:
             peak = torch.cuda.max_memory_allocated(device) - base
         else:
             peak = _proc_status("VmHWM") - base
+            for p in plugs:
+                libc.free(p)
         activations, grads = tracker.nbytes, static_memory(run.model, run.optimizer, run.recipe.master).gradients
         best = peak if best is None else max(best, peak)
     return MemoryProbe(

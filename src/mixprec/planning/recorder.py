@@ -87,8 +87,11 @@ class StepRecorder(TorchDispatchMode):
     is kept apart (:attr:`phase_peak`) because they scale differently with the batch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, workspace=None) -> None:
         super().__init__()
+        self._workspace = workspace
+        """``(op name, positional args, outputs) -> bytes`` a kernel allocates and frees inside the op
+        (:func:`.workspace.cpu_workspace` for the cpu target; None: no workspace term)."""
         self.phase = "setup"
         self.seq = 0
         self.live = 0
@@ -96,6 +99,9 @@ class StepRecorder(TorchDispatchMode):
         self.peak_seq = -1
         self.phase_peak: dict[str, int] = {}
         self.phase_peak_seq: dict[str, int] = {}
+        self.peak_workspace = 0
+        """Kernel workspace alive at the peak (in no storage: counted as temporary)."""
+        self.phase_peak_workspace: dict[str, int] = {}
         self.allocs: list[Alloc] = []
         self.ops: list[OpRecord] = []
         self._by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -141,12 +147,14 @@ class StepRecorder(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):
             return None
 
-    def _note_peak(self) -> None:
-        if self.live > self.peak:
-            self.peak, self.peak_seq = self.live, self.seq
-        if self.live > self.phase_peak.get(self.phase, -1):
-            self.phase_peak[self.phase] = self.live
+    def _note_peak(self, workspace: int = 0) -> None:
+        live = self.live + workspace
+        if live > self.peak:
+            self.peak, self.peak_seq, self.peak_workspace = live, self.seq, workspace
+        if live > self.phase_peak.get(self.phase, -1):
+            self.phase_peak[self.phase] = live
             self.phase_peak_seq[self.phase] = self.seq
+            self.phase_peak_workspace[self.phase] = workspace
 
     def live_at(self, seq: int) -> list[Alloc]:
         """Storages alive at event ``seq`` (the counter moves on at every op and every free)."""
@@ -173,7 +181,7 @@ class StepRecorder(TorchDispatchMode):
             self._storage_alloc(t)
             if moves:
                 nbytes += t.numel() * t.element_size()
-        self._note_peak()
+        self._note_peak(self._workspace(info.name, positional, outputs) if self._workspace is not None else 0)
         flops = op_flops(func, args, kwargs, out) if info.may_have_flops else 0
         self.ops.append(OpRecord(name=info.name, flops=flops, dtype=_bucket(info, positional), nbytes=nbytes,
                                  phase=self.phase))

@@ -31,7 +31,8 @@ value on the host take the branch a healthy step takes:
 gradients, optimizer state and fp32 masters by :func:`mixprec.memory.static_memory`; what autograd saves by
 :class:`mixprec.memory.SavedTensorTracker` (activations, autocast weight copies, FP8 buffers); buffers; and
 **temporary**: everything else alive at the step's peak (activation gradients, kernel outputs not yet freed,
-the optimizer's foreach intermediates, FP8 transposes in backward), from :class:`.recorder.StepRecorder`.
+the optimizer's foreach intermediates, FP8 transposes in backward), from :class:`.recorder.StepRecorder`;
+on the ``cpu`` target also the workspace a kernel allocates and frees inside an op (:mod:`.workspace`).
 
 **Building the model under fake tensors.** The model is built with its parameters fake when its
 initialisation allows (Hugging Face models do); initialisation that reads values (``nn.init.trunc_normal_``
@@ -59,6 +60,7 @@ from ..errors import UsageError, one_line
 from ..memory import CATEGORIES, SavedTensorTracker, static_memory
 from ..precision import Recipe, build_recipe
 from .recorder import OpRecord, StepRecorder
+from .workspace import cpu_workspace
 from .targets import Target
 
 __all__ = ["TraceError", "StepTrace", "FakeModelSource", "trace_step", "recipe_for_target", "AT_PEAK_CATEGORIES"]
@@ -275,7 +277,7 @@ def trace_step(
         _warm_optimizer(optimizer)
         fbatch = _fake_batch(batch, fake_mode)
         optimizer_state = static_memory(model, optimizer, recipe.master).optimizer_state
-        rec = _recorder_with_residents(model, optimizer, recipe, fbatch)
+        rec = _recorder_with_residents(model, optimizer, recipe, fbatch, target)
         params = list(model.parameters())
         tracker = SavedTensorTracker(exclude=params)
         saved: list[tuple[Any, str]] = []
@@ -345,8 +347,8 @@ def _replayed_scales(rec: StepRecorder, fake: bool) -> Iterator[None]:
         fp8._device_scale = real
 
 
-def _recorder_with_residents(model, optimizer, recipe, fbatch) -> StepRecorder:
-    rec = StepRecorder()
+def _recorder_with_residents(model, optimizer, recipe, fbatch, target: Target) -> StepRecorder:
+    rec = StepRecorder(workspace=cpu_workspace if target.kind == "cpu" else None)  # see .workspace
     rec.register(model.parameters(), "parameters")
     rec.register(model.buffers(), "buffers")
     rec.register((v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
@@ -388,16 +390,19 @@ def _at_peak(rec: StepRecorder) -> dict[str, int]:
     out = dict.fromkeys(AT_PEAK_CATEGORIES, 0)
     for a in rec.live_at(rec.peak_seq):
         out[a.category or "temporary"] += a.nbytes
+    out["temporary"] += rec.peak_workspace  # a kernel's own workspace (cpu target, .workspace)
     return out
 
 
 def _batch_bytes(rec: StepRecorder) -> dict[str, int]:
     """Per phase, the bytes alive at its peak that grow with the batch: activations, and temporaries outside
-    the optimizer step (whose temporaries are parameter-sized)."""
+    the optimizer step (whose temporaries are parameter-sized), kernel workspace included there (it follows the
+    activations' sizes)."""
     out = {}
     for phase, seq in rec.phase_peak_seq.items():
-        out[phase] = sum(a.nbytes for a in rec.live_at(seq) if (a.category or "temporary") == "activations"
-                         or (a.category is None and phase != "optimizer"))
+        workspace = rec.phase_peak_workspace.get(phase, 0) if phase != "optimizer" else 0
+        out[phase] = workspace + sum(a.nbytes for a in rec.live_at(seq) if (a.category or "temporary") == "activations"
+                                     or (a.category is None and phase != "optimizer"))
     return out
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from ..errors import ConfigError
 from .checkpoint import LAST, resolve_checkpoint_path
 from .config import RunConfig
+from .report import write_line
 
 __all__ = ["check_outputs", "check_folder", "OutputLock", "LOCK_NAME"]
 
@@ -163,7 +164,7 @@ class OutputLock:
             fd, note = _take(folder, command, flag)
             _HELD[key] = state = [fd, 1, os.getpid()]
         if note:
-            print(f"mixprec: note: {note}", file=sys.stderr, flush=True)
+            write_line(sys.stderr, f"mixprec: note: {note}")
         return cls(folder, state)
 
     def release(self) -> None:
