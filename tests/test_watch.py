@@ -460,7 +460,8 @@ def test_subsample_of_a_tensor_under_the_limit_equals_the_whole_histogram(dtype)
     from mixprec.watching.subsample import HistogramBatch
 
     g = torch.Generator().manual_seed(0)
-    tensors = [_edge_values(r * c, g, dtype).reshape(r, c).t() for r, c in ((2, 5), (20, 25), (64, 64))]  # non-contiguous too
+    # transposed: non-contiguous too
+    tensors = [_edge_values(r * c, g, dtype).reshape(r, c).t() for r, c in ((2, 5), (20, 25), (64, 64))]
     batch = HistogramBatch(limit=4096)
     for i, t in enumerate(tensors):
         batch.add(i, t)

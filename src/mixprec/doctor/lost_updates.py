@@ -185,7 +185,8 @@ class LostUpdateMonitor:
             h.remove()
         self._handles.clear()
 
-    def _shadow_updates(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    def _shadow_updates(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor, int]]:
         """(param, its positions read, Δ, elements) for each param with a gradient: the update an all-fp32
         optimizer would make, on the whole param or (``max_elements``) on its subsample."""
         if self.max_elements is not None:
@@ -207,7 +208,8 @@ class LostUpdateMonitor:
             sopt.step()
         return [(p, p.detach(), s - b, p.numel()) for (p, s), b in zip(pairs, before) if p.grad is not None]
 
-    def _shadow_subsample(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    def _shadow_subsample(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, int]]:
         """The shadow step over fp32 copies of each tensor's subsample, its gradient's and its state's (the
         same positions); scalar state (``step``) is copied."""
         from ..watching.subsample import flat_sample, stride_for

@@ -11,16 +11,21 @@ loss function is needed and nothing of the step is repeated. What this sees is t
 that overflowed is counted as non-finite, one that underflowed as a zero, where the doctor's fp32 pass sees
 their true magnitudes. Gradients of a scaled loss carry the loss scale ``2**k``; they are counted ``k``
 binades lower (exact for the power-of-two scales GradScaler and DynamicLossScaler use), so the histograms
-hold true magnitudes and the report projects them at the current scale, as doctor.json does.
+hold true magnitudes and the report projects them at the current scale, as doctor.json does. A tensor of
+more than ``sample_elements`` elements is counted from a fixed strided subsample (:mod:`.subsample`: fractions
+are estimates, the largest magnitude and non-finite presence exact); the step's tensors are binned together
+at the end of the step, with one host read.
 
 Lost updates
 ------------
 The doctor's :class:`~mixprec.doctor.lost_updates.LostUpdateMonitor` (a shadow fp32 step over copies of the
-stepped tensors, then ``low(w + Δ) == w``), driven by the watch's own step hooks on sampled steps only.
+stepped tensors, then ``low(w + Δ) == w``), driven by the watch's own step hooks on sampled steps only, on the
+same subsample of each large tensor (``max_elements``; elementwise optimizers only).
 
 Gradient norms
 --------------
-Per layer, ``||g||_2`` of its parameters' gradients (unscaled), with one ``_foreach_norm`` and one host read.
+Per layer, ``||g||_2`` of its parameters' gradients (unscaled): the finite check's per-gradient norms where it
+took them (no loss scaler), else one ``_foreach_norm`` per layer; one host read at the end of the step.
 """
 
 from __future__ import annotations

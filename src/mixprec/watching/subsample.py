@@ -17,8 +17,8 @@ counts times ``s`` -- estimates of the whole tensor's, with fractions good to ab
 
 Exact despite the subsample
 ---------------------------
-One ``aminmax`` pass over the whole tensor (no bool tensors: on a CPU they cost ~10x a reduction) gives the
-largest magnitude exactly when all values are finite, and tells whether any value is not (the max and min
+One ``aminmax`` pass over the whole tensor (no bool tensors: on a CPU they are far slower than a reduction)
+gives the largest magnitude exactly when all values are finite, and tells whether any value is not (the max and min
 propagate NaN and inf). The histogram is then corrected so that its top binade is the exact one (the binade
 of the largest value counts at least 1), so "does anything overflow format F at scale 2**k" is answered
 exactly; and a tensor holding a non-finite value counts at least one even if the subsample missed it.
