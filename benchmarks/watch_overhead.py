@@ -21,7 +21,9 @@ mode (every ``.item()``/``bool()``/``float()`` is an ``aten._local_scalar_dense`
 watched minus plain over the same steps.
 
 Run on a quiet machine, from the repository root: ``PYTHONPATH=src python benchmarks/watch_overhead.py
---json watch_overhead.json`` (``--device cuda`` on a GPU), ``--quick`` for a smoke run.
+--json watch_overhead.json`` (``--device cuda`` on a GPU), ``--quick`` for a smoke run. On a loaded CPU-only
+machine ``--threads 1 --clock cpu`` times the process's CPU time instead of the wall clock (ratios only; a
+shared core still stretches both sides).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
+import mixprec.watching.subsample
 from mixprec.precision import resolve_recipe
 from mixprec.train.build import build_run
 from mixprec.train.config import TrainConfig
@@ -109,20 +112,22 @@ def measure(model_name: str, recipe: str, args) -> dict:
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         step, scaler = _loop(m, opt, recipe, device)
         w = None if every is None else mixprec.watch(m, opt, scaler=scaler, every=every, plots=False,
-                                                      tensorboard=False)
+                                                      tensorboard=False, sample_elements=args.sample_elements)
         return step, w
 
     plain, _ = make(None)
     watched, w = make(args.every)
     unsampled, wu = make(10**9)
 
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
     def timed(fn, n: int) -> float:
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         for i in range(n):
             fn(*batches[i % len(batches)])
         _sync(device)
-        return (time.perf_counter() - t0) / n
+        return (clock() - t0) / n
 
     timed(plain, args.warmup)
     timed(watched, args.warmup)
@@ -154,7 +159,7 @@ def measure(model_name: str, recipe: str, args) -> dict:
     added = (_count_syncs(quiet, batches, n) - _count_syncs(plain2, batches, n)) / n
     wq.close()
     return {"model": model_name, "recipe": recipe, "params": sum(p.numel() for p in init.parameters()),
-            "batch_size": args.batch_size, "every": args.every,
+            "batch_size": args.batch_size, "every": args.every, "sample_elements": args.sample_elements,
             "step_ms": {k: 1e3 * statistics.median(v) for k, v in per_round.items()},
             "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
             "unsampled_ratio": statistics.median(unsampled_ratios),
@@ -174,15 +179,24 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--sample-steps", type=int, default=10, help="steps timed for the cost of a sampled step")
     p.add_argument("--sync-steps", type=int, default=20, help="unsampled steps whose syncs are counted")
+    p.add_argument("--sample-elements", type=int, default=mixprec.watching.subsample.DEFAULT_SAMPLE_ELEMENTS,
+                   help="the watch's sample_elements (0: sampled steps read every tensor whole)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: perf_counter (a quiet machine); cpu: the process's CPU time, for a loaded CPU-only "
+                        "machine with --threads 1 (other processes' load then stretches it much less)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="smoke run: every=5, 2 rounds, tiny counts")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.every, args.rounds, args.warmup, args.sample_steps, args.sync_steps = 5, 2, 2, 2, 3
         args.batch_size, args.batches = 16, 4
     print(f"# mixprec.watch overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"device {args.device}, every={args.every}")
+          f"device {args.device}, every={args.every}, {torch.get_num_threads()} threads, {args.clock} clock, "
+          f"sample_elements={args.sample_elements}")
     print("| model | recipe | plain step | watched step | ratio (median) | min..max | unsampled only | "
           "one sampled step | syncs added / unsampled step |")
     print("|---|---|---|---|---|---|---|---|---|")

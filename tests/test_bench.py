@@ -248,9 +248,12 @@ def test_quality_and_parity_columns(bench):
 @pytest.mark.slow
 def test_memory_accounting_and_honest_cpu_peak(bench):
     """The measured step peak (VmHWM after clear_refs, glibc mmap threshold 64 KiB, malloc_trim) agrees
-    with the exact accounting of the same step: never below 0.9 x (activations + gradients), and at most
-    2 x that + 1 MiB — the excess being temporaries the accounting does not count (activation gradients
-    during backward; under bf16 autocast also the bf16 weight gradients before their cast to fp32)."""
+    with the exact accounting of the same step: never below the larger of the activations saved for backward
+    (all alive when the forward ends) and the gradients (all alive when the backward ends) — activations are
+    freed during the backward while gradients appear, so the peak may be below their sum — and at most
+    2 x (activations + gradients) + 1 MiB, the excess being temporaries the accounting does not count
+    (activation gradients during backward; under bf16 autocast also the bf16 weight gradients before their
+    cast to fp32)."""
     _, _, _, doc = bench
     for name in ("fp32", "bf16-mixed"):
         row = _row(doc, name)
@@ -265,7 +268,8 @@ def test_memory_accounting_and_honest_cpu_peak(bench):
             exact = probe["exact_activations_plus_gradients"]
             saved = sum(mem[k] for k in SAVED_CATEGORIES)  # the probe's "activations": all saved for backward
             assert exact["gradients"] == mem["gradients"] and exact["activations"] == saved
-            assert 0.9 * exact["total"] <= probe["step_peak_bytes"] <= 2 * exact["total"] + MIB, (name, probe)
+            lower = max(exact["activations"], exact["gradients"])
+            assert lower <= probe["step_peak_bytes"] <= 2 * exact["total"] + MIB, (name, probe)
 
 
 @pytest.mark.slow

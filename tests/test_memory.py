@@ -103,3 +103,47 @@ def test_memory_report_total_includes_the_split_categories():
 
     rep = MemoryReport(parameters=1, activations=2, autocast_weight_copies=4, fp8_buffers=8)
     assert rep.total == 15 and set(CATEGORIES) <= set(rep.to_dict())
+
+
+def test_the_probes_heap_plug_takes_free_heap_chunks_so_large_tensors_are_mmapped():
+    """bench.measure._plug_heap: free heap chunks left by earlier allocations would serve a large tensor from
+    pages already resident (VmHWM would not see it); after the plug a threshold-sized malloc is mmapped."""
+    import ctypes
+
+    import pytest
+
+    from mixprec.bench import measure
+
+    libc = measure._libc()
+    if libc is None:
+        pytest.skip("needs glibc")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    word = ctypes.sizeof(ctypes.c_size_t)
+
+    def mmapped(p):
+        return bool(ctypes.c_size_t.from_address(p - word).value & 2)
+
+    def heap_hole_then_malloc(plug: bool) -> bool:
+        libc.mallopt(measure._M_MMAP_THRESHOLD, 32 << 20)  # large chunks from the heap, as before the probe
+        big = [libc.malloc(1 << 20) for _ in range(3)]
+        fences = [libc.malloc(64) for _ in range(3)]  # keep the freed chunks apart from the heap's top
+        for p in big:
+            libc.free(p)
+        libc.mallopt(measure._M_MMAP_THRESHOLD, measure.MMAP_THRESHOLD_BYTES)
+        plugs = measure._plug_heap(libc) if plug else []
+        try:
+            assert all(not mmapped(p) for p in plugs)
+            p = libc.malloc(measure.MMAP_THRESHOLD_BYTES)
+            result = mmapped(p)
+            libc.free(p)
+            return result
+        finally:
+            for p in plugs + fences:
+                libc.free(p)
+
+    try:
+        assert not heap_hole_then_malloc(plug=False)  # the trap the plug exists for
+        assert heap_hole_then_malloc(plug=True)
+    finally:
+        libc.mallopt(measure._M_MMAP_THRESHOLD, 128 * 1024)  # glibc's initial threshold, for the tests after

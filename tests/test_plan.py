@@ -283,3 +283,42 @@ def test_a_cuda_device_name_finds_its_table_entry_or_none():
         assert target_for_gpu(name).name == key, name
     for other in ("NVIDIA L40S", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "NVIDIA GH200 480GB", "Tesla T4"):
         assert target_for_gpu(other) is None, other
+
+
+def test_cpu_kernel_workspace_follows_the_operands():
+    """planning.workspace: batch-norm backward's input-sized temporary; channels-last max-pool backward's
+    contiguous copies of the indices and the input gradient (a contiguous input needs none)."""
+    from mixprec.planning.workspace import cpu_workspace
+
+    x = torch.randn(4, 3, 8, 8)
+    assert cpu_workspace("native_batch_norm_backward", [torch.randn(4, 3, 8, 8), x], []) == x.numel() * 4
+    assert cpu_workspace("native_batch_norm_backward", [x, x.bfloat16()], []) == x.numel() * 2
+    idx = torch.zeros(4, 3, 4, 4, dtype=torch.int64)
+    cl = x.to(memory_format=torch.channels_last)
+    assert cpu_workspace("max_pool2d_with_indices_backward", [torch.randn(4, 3, 4, 4), cl, [2, 2], idx], []) \
+        == idx.numel() * 8 + x.numel() * 4
+    assert cpu_workspace("max_pool2d_with_indices_backward", [torch.randn(4, 3, 4, 4), x, [2, 2], idx], []) == 0
+    assert cpu_workspace("mm", [x, x], []) == 0
+
+
+def test_the_recorders_peak_counts_a_kernels_workspace_while_its_op_runs():
+    """A step whose peak is batch norm's backward: with the cpu target's workspace the peak grows by exactly the
+    copy of the batch norm's input; without it (GPU targets) the same step peaks lower."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mixprec.planning.recorder import StepRecorder
+    from mixprec.planning.workspace import cpu_workspace
+
+    peaks = {}
+    for name, ws in (("cpu", cpu_workspace), ("gpu", None)):
+        with FakeTensorMode():
+            model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+            x = torch.randn(256, 1, 8, 8)
+            rec = StepRecorder(workspace=ws)
+            with rec:
+                model(x).sum().backward()
+            peaks[name] = (rec.peak, rec.peak_workspace)
+    bn_input = 256 * 32 * 8 * 8 * 4
+    assert peaks["cpu"][1] == bn_input and peaks["gpu"][1] == 0
+    assert peaks["gpu"][0] < peaks["cpu"][0] <= peaks["gpu"][0] + bn_input

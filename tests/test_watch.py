@@ -188,31 +188,59 @@ def test_syncs_added_per_unsampled_step(monkeypatch, scaled, added):
     assert [b - a for a, b in zip(plain[1:], watched[1:])] == [added] * (len(plain) - 1)
 
 
-@pytest.mark.parametrize("case", ["huge-finite", "inf-gradient"])
-def test_finite_check_tells_an_overflowing_norm_from_an_inf_gradient(case):
-    """No scaler: the flag is the gradients' L2 norm; gradients near 1e25 are finite but their squares overflow
-    fp32 (the norm reads inf), so the step is checked exactly with one more read -- and is not a fault; a
-    gradient that is inf (a planted backward overflow, finite loss) is."""
+@pytest.mark.parametrize("case", ["huge-finite", "inf-gradient", "nan-gradient"])
+def test_finite_check_tells_an_overflowing_reduction_from_a_nonfinite_gradient(case):
+    """No scaler: the flag is the gradients' L2 norm (sampled and unsampled steps); gradients of 3e38 are finite
+    but their squares overflow fp32 (the norm reads inf), so the step is checked exactly with one more read -- and
+    is not a fault; an inf or NaN gradient (finite loss) is."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    data = batches(3, fault_at=2 if case == "inf-gradient" else None, mode=BACKWARD)
-    norms = []
-    with mixprec.watch(model, opt, every=100, plots=False, localize=False) as w:
-        for x, y in data:
+    bad = 2  # the step whose gradients are changed (step 2: sampled with every=2; step 1 and 3 are not)
+    reads = []
+    with mixprec.watch(model, opt, every=2, plots=False, localize=False) as w:
+        for i, (x, y) in enumerate(batches(4)):
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(model(x).float(), y)
-            (loss * (1e25 if case == "huge-finite" else 1.0)).backward()
+                nn.functional.cross_entropy(model(x).float(), y).backward()
+            if case == "huge-finite" and i >= 1:
+                for p in model.parameters():
+                    p.grad.fill_(3e38)
+            elif i == bad:
+                model.head.weight.grad[0, 0] = math.inf if case == "inf-gradient" else math.nan
+            before = w.host_reads["check"]
             opt.step()
-            norms.append(w.last.grad_l2)
-    assert norms[2] == math.inf and all(0 < n < math.inf for n in norms[:2]) == (case == "inf-gradient")
+            reads.append(w.host_reads["check"] - before)
     if case == "huge-finite":
         assert w.nonfinite_steps == 0 and not w.triggers
-        assert w.host_reads["check"] == 2 * 3  # the norm, then the exact check, on every step
-    else:
-        assert w.nonfinite_steps == 1 and w.triggers[0]["step"] == 2
-        assert w.host_reads["check"] == 3 + 1  # only the inf step reads twice
+        assert reads == [1, 2, 2, 2]  # the reduction, then the exact check, on every step with huge gradients
+        assert w.last.grad_l2 == math.inf
+    else:  # (the update makes the weights non-finite: the step after is a fault too)
+        assert w.triggers[0]["step"] == bad and w._first_nonfinite == bad
+        # an inf norm is re-checked (it could be finite squares overflowing), a NaN norm is a fault outright
+        assert reads[:3] == [1, 1, 2 if case == "inf-gradient" else 1]
+
+
+def test_unsampled_finite_check_catches_a_fault_in_any_gradient():
+    """On unsampled steps: a NaN in a large or a small gradient is caught; a large gradient whose norm overflows
+    fp32 (3e38 everywhere) is re-checked exactly and is not a fault."""
+    for which in ("big", "small", "big-huge"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with mixprec.watch(model, opt, every=100, plots=False, localize=False) as w:
+            for i in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 256)).sum().backward()
+                if i == 2 and which == "big-huge":
+                    model[0].weight.grad.fill_(3e38)
+                elif i == 2:
+                    (model[0] if which == "big" else model[1]).weight.grad[1, 1] = math.nan
+                opt.step()
+        if which == "big-huge":
+            assert w.nonfinite_steps == 0 and w.host_reads["check"] == 3 + 1  # step 0 sampled; step 2 twice
+        else:
+            assert w.nonfinite_steps == 1 and w.triggers[0]["step"] == 2, which
 
 
 def _state(model, opt):
@@ -413,3 +441,102 @@ def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path):
     assert fault["step"] == 3 and fault["classification"] == "forward overflow" and fault["event"]["module"] == "boost"
     assert rep["watch"]["ranks_nonfinite"] == [local[0]["nonfinite_steps"], local[1]["nonfinite_steps"]] == [1, 1]
     assert rep["watch"]["world_size"] == 2 and rep["watch"]["steps"] == 4
+
+
+# ------------------------------------------------------------------------------------------ subsampled sampled steps
+
+
+def _edge_values(n, g, dtype=torch.float32):
+    t = torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g).float()
+    t[::7] = 0.0
+    t[3] = 1e-40  # an fp32 subnormal
+    t[5], t[6] = math.inf, math.nan
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_subsample_of_a_tensor_under_the_limit_equals_the_whole_histogram(dtype):
+    from mixprec.doctor.ranges import Log2Histogram
+    from mixprec.watching.subsample import HistogramBatch
+
+    g = torch.Generator().manual_seed(0)
+    # transposed: non-contiguous too
+    tensors = [_edge_values(r * c, g, dtype).reshape(r, c).t() for r, c in ((2, 5), (20, 25), (64, 64))]
+    batch = HistogramBatch(limit=4096)
+    for i, t in enumerate(tensors):
+        batch.add(i, t)
+    for (i, got), t in zip(batch.read(), tensors):
+        want = Log2Histogram()
+        want.add(t)
+        assert torch.equal(got.counts, want.counts) and (got.zeros, got.nonfinite) == (want.zeros, want.nonfinite)
+
+
+def test_subsample_of_a_large_tensor_keeps_the_exact_top_binade_and_nonfinite_presence():
+    from mixprec.doctor.ranges import Log2Histogram
+    from mixprec.watching.subsample import HistogramBatch, flat_sample, stride_for
+
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(512, 784, generator=g)
+    s = stride_for(t, 4096)
+    assert s > 1 and math.gcd(s, 784) == 1
+    assert {int(i) % 784 for i in torch.arange(t.numel())[::s]} == set(range(784))  # every column is visited
+    t.view(-1)[s * 10 + 1] = 1e30  # off the subsample's positions
+    big = t.clone()
+    big.view(-1)[s * 20 + 3] = math.inf
+    batch = HistogramBatch(limit=4096)
+    batch.add("one huge value", t)
+    batch.add("one inf", big)
+    (_, h), (_, hi) = batch.read()
+    whole = Log2Histogram()
+    whole.add(t)
+    assert h.binade_range()[1] == whole.binade_range()[1] == 99  # 1e30 is in [2**99, 2**100)
+    assert h.fractions("fp16")["overflow"] > 0 and whole.fractions("fp16")["overflow"] > 0
+    assert not flat_sample(big, s).isinf().any() and hi.nonfinite >= 1 and h.nonfinite == 0
+    # the rest is an estimate: each sampled element stands for s elements
+    assert abs(h.total - t.numel()) <= s
+    for fmt in ("fp16", "fp8_e4m3"):
+        for k in (0, 8):
+            est, exact = h.fractions(fmt, k), whole.fractions(fmt, k)
+            assert all(abs(est[key] - exact[key]) < 0.02 for key in exact), (fmt, k, est, exact)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_lost_updates_on_a_subsample_are_the_whole_steps_positions(opt_cls):
+    """An elementwise optimizer's shadow step over a subsample gives exactly the subsample of the whole shadow
+    step (state included); the lost-update fraction is close to the whole tensor's, a small tensor is whole."""
+    from mixprec.doctor.lost_updates import LostUpdateMonitor
+    from mixprec.watching.subsample import flat_sample, stride_for
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 3)).to(torch.bfloat16)
+    opt = opt_cls(model.parameters(), lr=1e-3, **({"momentum": 0.9} if opt_cls is torch.optim.SGD else {}))
+    names = {id(p): n for n, p in model.named_parameters()}
+    for _ in range(2):  # the state exists after one step
+        opt.zero_grad()
+        model(torch.randn(8, 300).bfloat16()).float().pow(2).mean().backward()
+        opt.step()
+    opt.zero_grad()
+    model(torch.randn(8, 300).bfloat16()).float().pow(2).mean().backward()
+    whole = LostUpdateMonitor(opt, names)._shadow_updates(opt)
+    part = LostUpdateMonitor(opt, names, max_elements=1000)._shadow_updates(opt)
+    for (p, _, dw, n), (q, view, dp, m) in zip(whole, part):
+        s = stride_for(p, 1000)
+        assert p is q and n == m == p.numel() and torch.equal(flat_sample(dw.view_as(p), s), dp)
+        assert (s == 1) == (p.numel() <= 1000)
+    monitors = [LostUpdateMonitor(opt, names), LostUpdateMonitor(opt, names, max_elements=1000)]
+    for mon in monitors:
+        mon.before_step(opt)
+    opt.step()
+    for mon in monitors:
+        mon.after_step(opt)
+    a, b = (mon.result().layers for mon in monitors)
+    assert a[0].examined == a[0].elements == b[0].elements > b[0].examined  # the big layer: subsampled
+    assert (a[1].examined, a[1].updated, a[1].lost) == (b[1].examined, b[1].updated, b[1].lost)  # small: whole
+    assert abs(a[0].lost_fraction - b[0].lost_fraction) < 0.05 and a[0].lost_fraction > 0.05
+
+
+def test_watch_json_states_the_sample_size(tmp_path):
+    _, rep, _, _ = _run(tmp_path, steps=2, fault_at=None, sample_elements=32)
+    s = rep["watch"]["sampling"]
+    assert s["sample_elements"] == 32 and s["histogram_elements_binned"] < s["histogram_elements"]
+    assert 0 < s["lost_update_elements_examined"] < s["lost_update_elements"]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Iterable
@@ -58,12 +59,17 @@ RATIO_FLOOR = 1e-3
 """RMS a tensor needs at the first step for its update-to-weight ratio to be judged (module docstring)."""
 
 
+@functools.lru_cache(maxsize=32)
+def _init_parameters(opt_cls: type) -> Any:
+    return inspect.signature(opt_cls.__init__).parameters
+
+
 def same_optimizer(opt_cls: type, params: Any, hyper: dict[str, Any]) -> torch.optim.Optimizer:
     """``opt_cls(params, **hyper)`` with only the hyper-parameters its constructor accepts.
 
     ``optimizer.defaults`` can hold keys the constructor does not take (AdamW's ``decoupled_weight_decay``).
     """
-    accepted = inspect.signature(opt_cls.__init__).parameters
+    accepted = _init_parameters(opt_cls)
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         hyper = {k: v for k, v in hyper.items() if k in accepted}
     return opt_cls(params, **{k: v for k, v in hyper.items() if k != "fused"})
@@ -84,6 +90,10 @@ class LayerUpdates:
     """Per step and judged tensor, the median of ``|Δ| / |w|`` over non-zero ``w``."""
     unjudged: list[str] = dataclasses.field(default_factory=list)
     """Tensors left out of ``ratios``: RMS below :data:`RATIO_FLOOR` at the first step (zero/near-zero init)."""
+    examined: int = 0
+    """Elements the counts above were taken over, summed over steps (all of them, or a subsample's)."""
+    elements: int = 0
+    """Elements of the stepped tensors, summed over steps."""
 
     @property
     def lost_fraction(self) -> float:
@@ -96,7 +106,8 @@ class LayerUpdates:
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.name, "dtype": self.dtype, "updated": self.updated, "lost": self.lost,
                 "unchanged": self.unchanged, "lost_fraction": self.lost_fraction,
-                "median_update_ratio": self.median_ratio, "ratio_not_judged": list(self.unjudged)}
+                "median_update_ratio": self.median_ratio, "ratio_not_judged": list(self.unjudged),
+                "elements_examined": self.examined, "elements": self.elements}
 
 
 @dataclasses.dataclass
@@ -138,12 +149,26 @@ def _layer_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
 
 
-class LostUpdateMonitor:
-    """Measures lost updates on every ``optimizer.step()`` while active (``with monitor:``)."""
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Rprop, torch.optim.ASGD)
+"""Optimizers whose update of an element depends only on that element (its weight, gradient and state) and on
+scalars: stepping a subsample of a tensor gives exactly the subsample of the whole step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+
+class LostUpdateMonitor:
+    """Measures lost updates on every ``optimizer.step()`` while active (``with monitor:``).
+
+    ``max_elements``: measure a tensor of more elements on a fixed strided subsample of about that many
+    (:func:`mixprec.watching.subsample.stride_for`; the watch's sampled steps), for the optimizers in
+    ``_ELEMENTWISE`` only (the shadow step of a subsample is then exactly the subsample of the shadow step);
+    None (the doctor) measures every element. ``LayerUpdates.examined`` says how many were.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
+                 max_elements: int | None = None) -> None:
         self.optimizer = optimizer
         self.names = names
+        self.max_elements = max_elements if max_elements and type(optimizer) in _ELEMENTWISE else None
         self._layers: dict[str, LayerUpdates] = {}
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerUpdates, bool]] = []
         self._judged: dict[int, bool] = {}
@@ -160,8 +185,12 @@ class LostUpdateMonitor:
             h.remove()
         self._handles.clear()
 
-    def _shadow_updates(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(param, Δ) for each param with a gradient: the update an all-fp32 optimizer would make."""
+    def _shadow_updates(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor, int]]:
+        """(param, its positions read, Δ, elements) for each param with a gradient: the update an all-fp32
+        optimizer would make, on the whole param or (``max_elements``) on its subsample."""
+        if self.max_elements is not None:
+            return self._shadow_subsample(opt)
         groups, pairs = [], []
         for g in opt.param_groups:
             shadow = []
@@ -177,7 +206,39 @@ class LostUpdateMonitor:
         with torch.no_grad():
             before = [s.clone() for _, s in pairs]
             sopt.step()
-        return [(p, s - b) for (p, s), b in zip(pairs, before) if p.grad is not None]
+        return [(p, p.detach(), s - b, p.numel()) for (p, s), b in zip(pairs, before) if p.grad is not None]
+
+    def _shadow_subsample(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, int]]:
+        """The shadow step over fp32 copies of each tensor's subsample, its gradient's and its state's (the
+        same positions); scalar state (``step``) is copied."""
+        from ..watching.subsample import flat_sample, stride_for
+
+        groups, rows = [], []
+        for g in opt.param_groups:
+            shadow = []
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                stride = stride_for(p, self.max_elements)
+                view = flat_sample(p.detach(), stride)
+                s = view.to(torch.float32, copy=True)
+                s.grad = flat_sample(p.grad.detach(), stride, like=p).to(torch.float32, copy=True)
+                shadow.append(s)
+                rows.append((p, view, s, stride))
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shadow})
+        sopt = same_optimizer(type(opt), groups, dict(opt.defaults))
+        for p, _, s, stride in rows:
+            state = opt.state.get(p)
+            if state:
+                sopt.state[s] = {k: (flat_sample(v.detach(), stride, like=p).to(torch.float32, copy=True)
+                                     if isinstance(v, torch.Tensor) and v.shape == p.shape and v.is_floating_point()
+                                     else v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                                 for k, v in state.items()}
+        with torch.no_grad():
+            before = [s.clone() for _, _, s, _ in rows]
+            sopt.step()
+        return [(p, view, s - b, p.numel()) for (p, view, s, _), b in zip(rows, before)]
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.before_step(opt)
@@ -188,7 +249,7 @@ class LostUpdateMonitor:
         self._pending.clear()
         with _disable_current_modes():  # the shadow step is not part of the observed step
             updates = self._shadow_updates(opt)
-        for p, delta in updates:
+        for p, now, delta, elements in updates:
             name = self.names.get(id(p), "?")
             layer = _layer_of(name)
             lu = self._layers.get(layer)
@@ -196,7 +257,9 @@ class LostUpdateMonitor:
                 lu = self._layers[layer] = LayerUpdates(layer, dtype_name(p.dtype))
             with _disable_current_modes():
                 judged = self._judge(p, name, lu)
-                self._pending.append((p, p.detach().clone(), delta, lu, judged))
+                self._pending.append((now, now.clone(), delta, lu, judged))
+            lu.examined += delta.numel()
+            lu.elements += elements
 
     def _judge(self, p: torch.Tensor, name: str, lu: LayerUpdates) -> bool:
         """Whether ``p``'s update-to-weight ratio means anything: decided once, at the first step it is seen."""

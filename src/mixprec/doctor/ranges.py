@@ -40,6 +40,8 @@ headroom of ``HEADROOM`` binades (8x) below the overflow edge, for gradients tha
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -68,6 +70,11 @@ def _fmt_edges(fmt: Format) -> tuple[int, int, int]:
     """(top binade that fits, smallest-subnormal exponent s, smallest-normal exponent n)."""
     return (math.floor(math.log2(fmt.max)), round(math.log2(fmt.smallest_subnormal)),
             round(math.log2(fmt.smallest_normal)))
+
+
+@functools.lru_cache(maxsize=64)
+def _named_edges(name: str) -> tuple[int, int, int]:
+    return _fmt_edges(get_format(name))
 
 
 @dataclasses.dataclass
@@ -122,26 +129,35 @@ class Log2Histogram:
             return None
         return int(idx[0]) + BIN_MIN, int(idx[-1]) + BIN_MIN
 
-    def fractions(self, fmt: str | Format, log2_scale: int = 0) -> dict[str, float]:
-        """Fractions of the non-zero finite values that overflow / underflow / are subnormal at ``2**k``."""
-        top, s, n = _fmt_edges(get_format(fmt))
-        nz = self.nonzero
+    def prefix(self) -> list[int]:
+        """Prefix sums of the binade counts (``[0, c0, c0 + c1, ...]``), for :meth:`fractions`."""
+        return [0, *itertools.accumulate(self.counts.tolist())]
+
+    def fractions(self, fmt: str | Format, log2_scale: int = 0, prefix: list[int] | None = None) -> dict[str, float]:
+        """Fractions of the non-zero finite values that overflow / underflow / are subnormal at ``2**k``.
+
+        ``prefix``: :meth:`prefix`, when the caller projects the same counts many times.
+        """
+        top, s, n = _named_edges(fmt) if isinstance(fmt, str) else _fmt_edges(get_format(fmt))
+        cum = prefix if prefix is not None else self.prefix()
+        nz = cum[-1]
         if nz == 0:
             return {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0}
-        e = torch.arange(BIN_MIN, BIN_MAX + 1) + int(log2_scale)
-        c = self.counts
-        return {
-            "overflow": int(c[e > top].sum()) / nz,
-            "underflow": int(c[e <= s - 2].sum()) / nz,
-            "subnormal": int(c[(e >= s - 1) & (e < n)].sum()) / nz,
-        }
+        k = int(log2_scale)
+
+        def upto(e: int) -> int:  # counts of binades <= e (after the shift by k)
+            return cum[min(max(e - k - BIN_MIN + 1, 0), _NBINS)]
+
+        return {"overflow": (nz - upto(top)) / nz, "underflow": upto(s - 2) / nz,
+                "subnormal": (upto(n - 1) - upto(s - 2)) / nz}
 
     def best_scale(self, fmt: str | Format = "fp16", k_min: int = -24, k_max: int = 40,
                    headroom: int = HEADROOM) -> int | None:
         """The exponent ``k`` of the recommended loss scale ``2**k`` (see the module docstring)."""
-        if self.nonzero == 0:
+        cum = self.prefix()
+        if cum[-1] == 0:
             return None
-        fr = {k: self.fractions(fmt, k) for k in range(k_min, k_max + 1)}
+        fr = {k: self.fractions(fmt, k, cum) for k in range(k_min, k_max + 1)}
         clean = [k for k, f in fr.items() if f["overflow"] == 0]
         pool = clean or list(fr)
         least = min(fr[k]["overflow"] + fr[k]["underflow"] for k in pool)
@@ -195,6 +211,7 @@ class RangeProfile:
         rows = []
         for lr in self.layers:
             g = lr.gradients()
+            ca, cg = lr.activations.prefix(), g.prefix()
             rows.append({
                 "layer": lr.name,
                 "type": lr.kind,
@@ -202,8 +219,8 @@ class RangeProfile:
                 "gradient_binades": g.binade_range(),
                 "activation_nonfinite": lr.activations.nonfinite,
                 "gradient_nonfinite": g.nonfinite,
-                "activations": {f: lr.activations.fractions(f, 0) for f in self.formats},
-                "gradients": {f: g.fractions(f, log2_scale) for f in self.formats},
+                "activations": {f: lr.activations.fractions(f, 0, ca) for f in self.formats},
+                "gradients": {f: g.fractions(f, log2_scale, cg) for f in self.formats},
             })
         return rows
 

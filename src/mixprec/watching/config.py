@@ -15,6 +15,7 @@ from ..errors import UsageError
 from ..formats import get_format
 from ..validate import is_int, is_real
 from .scaler_state import scaler_kind
+from .subsample import DEFAULT_SAMPLE_ELEMENTS
 
 __all__ = ["WatchConfig", "WatchError", "unwrap_model", "unwrap_optimizer", "check_watch_args"]
 
@@ -47,6 +48,11 @@ class WatchConfig:
     """This many skipped steps in a row trigger the recorder (scaled loops only)."""
     lost_updates: bool = True
     """Measure lost updates on sampled steps (a shadow fp32 optimizer step over copies of the stepped tensors)."""
+    sample_elements: int = DEFAULT_SAMPLE_ELEMENTS
+    """A sampled step reads a tensor of more elements than this (an activation, a gradient, a stepped tensor)
+    through a fixed strided subsample of about this many (:mod:`.subsample`): histogram fractions and lost-update
+    fractions become estimates, the largest magnitude and whether any value is non-finite stay exact. Tensors
+    of at most this many elements are read whole; 0 reads every tensor whole. Faults are never sampled."""
     plots: bool = True
     """Write the PNG plots (with matplotlib): at close, on a trigger, and at samples at most every plot_seconds."""
     plot_seconds: float = 300.0
@@ -61,7 +67,7 @@ class WatchConfig:
         if self.on_fault not in ("record", "raise"):
             raise WatchError(f"mixprec.watch(..., on_fault={self.on_fault!r}): choose on_fault='record' (report and "
                              "go on) or on_fault='raise' (stop the run at the fault)")
-        for name in ("max_localized", "max_captures", "skip_run"):
+        for name in ("max_localized", "max_captures", "skip_run", "sample_elements"):
             v = getattr(self, name)
             if not (is_int(v) and v >= (1 if name == "skip_run" else 0)):
                 raise WatchError(f"mixprec.watch(..., {name}={v!r}): {name} must be an integer >= "

@@ -86,6 +86,8 @@ class _Step:
     closure: bool = False
     nonfinite: bool | None = None
     grad_l2: float | None = None
+    norms: dict[int, torch.Tensor] | None = None
+    """A sampled step's per-gradient L2 norms from the finite check (by ``id(param)``), for the sampler."""
 
 
 @dataclasses.dataclass
@@ -138,7 +140,7 @@ class Watch:
         self._devices_differ = any(p.device != self.device for p in stepped)
         self._norm_dtype = torch.float32 if any(p.dtype == torch.float16 for p in stepped) else None
         """fp16 gradients' norms are taken in fp32 (an fp16 norm overflows at 65504)."""
-        self.sampler = Sampler(model, optimizer, tuple(config.formats), config.lost_updates)
+        self.sampler = Sampler(model, optimizer, tuple(config.formats), config.lost_updates, config.sample_elements)
         from .output import Output
 
         self.output = Output(self)
@@ -286,7 +288,7 @@ class Watch:
             self._check_finite(st)
         if st.sampled:
             sc = self._scaler()
-            self.sampler.before_step(0 if not sc.enabled or sc.unscaled else self._log2(st.scale))
+            self.sampler.before_step(0 if not sc.enabled or sc.unscaled else self._log2(st.scale), st.norms)
             if not sc.enabled and not st.nonfinite and not self.sampler.pre_done:
                 self.sampler.pre_update(self.optimizer)
 
@@ -295,9 +297,12 @@ class Watch:
 
         ``_foreach_norm(grads, 2)`` (one multi-tensor kernel on a GPU, the vectorised 2-norm per tensor on a
         CPU, where the inf-norm is not vectorised), their global L2 norm, stacked with the step's losses and
-        read in one go: all are finite iff no gradient or loss holds an inf or NaN -- except a finite gradient
-        whose squares overflow the norm's dtype, which also gives an inf norm. Such a step (rare) is checked
-        exactly with a second read. The norm is kept as the step's ``grad_l2``.
+        read in one go: all are finite iff no gradient or loss holds an inf or NaN -- except finite gradients
+        whose squares overflow fp32, which also give an inf norm. Such a step (rare) is checked exactly with a
+        second read. The norm is kept as the step's ``grad_l2``; on a sampled step the per-gradient norms
+        serve the sample's per-layer norms too. (A ``sum`` per gradient instead of the norm is a cheaper kernel
+        but barely a cheaper pass in the real step, which is bound by reading the gradients: the norm and its
+        ``grad_l2`` stay.)
         """
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self._dtensor:
@@ -309,6 +314,8 @@ class Watch:
         vals: list[torch.Tensor] = []
         if grads:
             norms = torch._foreach_norm(grads, 2, dtype=self._norm_dtype)
+            if st.sampled and not self._dtensor:
+                st.norms = {id(p): n for p, n in zip(self._with_grads(), norms)}
             if self._devices_differ:
                 norms = [n.to(self.device) for n in norms]
             total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
@@ -330,6 +337,9 @@ class Watch:
         st.nonfinite = not finite
         if st.nonfinite:
             self._on_nonfinite(st, scaled=False)
+
+    def _with_grads(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def _grads_finite(self, grads: list[torch.Tensor], sharded: bool) -> bool:
         ok = torch.stack([torch.isfinite(g).all() for g in grads]).all().float()
@@ -376,6 +386,8 @@ class Watch:
                 rec.cause = self.faults[-1].describe(short=True)
             if st.sampled:
                 self.sampler.finish(st.index, self._scale_value(st))
+                if rec.grad_l2 is None and self.sampler.step_norms:
+                    rec.grad_l2 = math.sqrt(sum(v * v for v in self.sampler.step_norms.values()))
                 self.flush()
                 self.output.write(final=False, collective=True)
             elif len(self._pending) >= _FLUSH_AT:

@@ -122,11 +122,14 @@ class Output:
                  "unsampled_steps": unsampled, "per_unsampled_step": _reads_rule(w)}
         info = {"source": w.source, "every": w.config.every, "steps": w.step, "samples": len(w.sampler.samples),
                 "on_fault": w.config.on_fault, "scaler": w._scaler().kind, "world_size": w.world_size,
-                "host_reads": reads, "captures": [t for t in triggers if t.get("capture")], **counters}
+                "host_reads": reads, "captures": [t for t in triggers if t.get("capture")],
+                "sampling": _sampling(w), **counters}
         return WatchReport(doctor=doctor, watch=info, triggers=triggers, samples=w.sampler.samples,
                            series=self.series)
 
     def write(self, *, final: bool, collective: bool, plots: bool = False) -> None:
+        if not self.writes and not (collective and self.watch.world_size > 1):
+            return  # nothing to write here, and no rank waits for this one's statistics
         report = self.report(collective=collective)
         if not self.writes:
             return
@@ -189,6 +192,20 @@ class Output:
                 "params": sum(p.numel() for p in w.model.parameters())}
 
 
+def _sampling(w: Any) -> dict[str, Any]:
+    """How much of each tensor a sampled step read (this rank's counts): watch.json's ``watch.sampling``."""
+    limit = w.config.sample_elements
+    mon = w.sampler.monitor
+    lost = mon.result().layers if mon is not None else []
+    return {"sample_elements": limit,
+            "rule": ("tensors of more than sample_elements elements: a fixed strided subsample of about that "
+                     "many; fractions are estimates, the largest magnitude and non-finite presence are exact")
+            if limit else "every tensor whole",
+            "histogram_elements": w.sampler.elements, "histogram_elements_binned": w.sampler.seen,
+            "lost_update_elements": sum(lu.elements for lu in lost),
+            "lost_update_elements_examined": sum(lu.examined for lu in lost)}
+
+
 def _reads_rule(w: Any) -> str:
     if not w._scaler().enabled:
         return "1: the finite flag of the gradients and loss, before the optimizer step"
@@ -210,7 +227,8 @@ def _reduce(w: Any, profile: RangeProfile, lost: LostUpdates, triggers: list, co
     rank 0 first within a step), the counters' max and each rank's non-finite count (one all_gather_object)."""
     mine = {"ranges": {lr.name: (lr.kind, [_hist_state(h) for h in (lr.activations, lr.grad_outputs, lr.grad_params)])
                        for lr in profile.layers},
-            "lost": [(lu.name, lu.dtype, lu.updated, lu.lost, lu.unchanged) for lu in lost.layers],
+            "lost": [(lu.name, lu.dtype, lu.updated, lu.lost, lu.unchanged, lu.examined, lu.elements)
+                     for lu in lost.layers],
             "lost_steps": lost.steps, "triggers": triggers, "counters": counters, "faults": faults}
     every: list[Any] = [None] * w.world_size
     dist.all_gather_object(every, mine)
@@ -221,9 +239,10 @@ def _reduce(w: Any, profile: RangeProfile, lost: LostUpdates, triggers: list, co
             lr = layers.setdefault(name, LayerRanges(name, kind))
             for target, h in zip((lr.activations, lr.grad_outputs, lr.grad_params), hs):
                 target.merge(_hist_from(h))
-        for name, dtype, upd, lo, unch in part["lost"]:
+        for name, dtype, upd, lo, unch, seen, elements in part["lost"]:
             lu = updates.setdefault(name, LayerUpdates(name, dtype))
             lu.updated, lu.lost, lu.unchanged = lu.updated + upd, lu.lost + lo, lu.unchanged + unch
+            lu.examined, lu.elements = lu.examined + seen, lu.elements + elements
     merged_triggers = [t for part in every for t in part["triggers"]]
     merged_faults = sorted((f for part in every for f in part["faults"]), key=lambda f: f.step)  # stable: by rank
     counters = {k: max(part["counters"][k] for part in every) for k in counters}

@@ -11,20 +11,26 @@ loss function is needed and nothing of the step is repeated. What this sees is t
 that overflowed is counted as non-finite, one that underflowed as a zero, where the doctor's fp32 pass sees
 their true magnitudes. Gradients of a scaled loss carry the loss scale ``2**k``; they are counted ``k``
 binades lower (exact for the power-of-two scales GradScaler and DynamicLossScaler use), so the histograms
-hold true magnitudes and the report projects them at the current scale, as doctor.json does.
+hold true magnitudes and the report projects them at the current scale, as doctor.json does. A tensor of
+more than ``sample_elements`` elements is counted from a fixed strided subsample (:mod:`.subsample`: fractions
+are estimates, the largest magnitude and non-finite presence exact); the step's tensors are binned together
+at the end of the step, with one host read.
 
 Lost updates
 ------------
 The doctor's :class:`~mixprec.doctor.lost_updates.LostUpdateMonitor` (a shadow fp32 step over copies of the
-stepped tensors, then ``low(w + Δ) == w``), driven by the watch's own step hooks on sampled steps only.
+stepped tensors, then ``low(w + Δ) == w``), driven by the watch's own step hooks on sampled steps only, on the
+same subsample of each large tensor (``max_elements``; elementwise optimizers only).
 
 Gradient norms
 --------------
-Per layer, ``||g||_2`` of its parameters' gradients (unscaled), with one ``_foreach_norm`` and one host read.
+Per layer, ``||g||_2`` of its parameters' gradients (unscaled): the finite check's per-gradient norms where it
+took them (no loss scaler), else one ``_foreach_norm`` per layer; one host read at the end of the step.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -33,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..doctor.lost_updates import LostUpdateMonitor, optimizer_param_names
 from ..doctor.ranges import BIN_MAX, BIN_MIN, LayerRanges, Log2Histogram, RangeProfile, profiled_layers
+from .subsample import DEFAULT_SAMPLE_ELEMENTS, HistogramBatch
 
 __all__ = ["Sampler", "InertHook", "shifted"]
 
@@ -69,9 +76,10 @@ class Sampler:
     """The observers of sampled steps; accumulates over samples and keeps one record per sample."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, formats: tuple[str, ...],
-                 lost_updates: bool) -> None:
+                 lost_updates: bool, sample_elements: int = DEFAULT_SAMPLE_ELEMENTS) -> None:
         self.model = model
         self.formats = formats
+        self.sample_elements = sample_elements
         self.modules = dict(profiled_layers(model))
         self.kinds = {name: type(m).__name__ for name, m in self.modules.items()}
         if any(True for _ in model.parameters(recurse=False)):
@@ -80,25 +88,30 @@ class Sampler:
         for name, m in model.named_modules():
             for pn, _ in m.named_parameters(recurse=False, prefix=name):
                 self.owner[pn] = name
+        self._named = [(self.owner.get(n, ""), p) for n, p in model.named_parameters()]
         self.cumulative = {name: LayerRanges(name, kind) for name, kind in self.kinds.items()}
-        self.monitor = LostUpdateMonitor(optimizer, optimizer_param_names(optimizer, model)) if lost_updates else None
+        self.monitor = LostUpdateMonitor(optimizer, optimizer_param_names(optimizer, model),
+                                         max_elements=sample_elements) if lost_updates else None
         self.samples: list[dict[str, Any]] = []
         self._handles: list[Any] = []
         self._current: dict[str, LayerRanges] = {}
-        self._scaled: dict[str, Log2Histogram] = {}
+        self._batch = HistogramBatch(sample_elements)
         self._k = 0
         self._norms: dict[str, float] = {}
+        self._pending_norms: tuple | None = None
         self._lost_before: dict[str, tuple[int, int]] = {}
         self.pre_done = False
         self.low_dtype: torch.dtype | None = None
         """A 16-bit dtype seen in a layer's output (autocast applied inside the model's forward)."""
+        self.elements = self.seen = 0
+        """Elements the histograms stood for, and elements they binned (the subsamples), over all samples."""
 
     # -- one sampled step ---------------------------------------------------------------------------
     def arm(self, log2_scale: int) -> None:
         """Before the step's first forward: hook the layers (``log2_scale``: the scale its backward uses)."""
         self._k = log2_scale
         self._current = {name: LayerRanges(name, kind) for name, kind in self.kinds.items()}
-        self._scaled = {name: Log2Histogram() for name in self.kinds}
+        self._batch = HistogramBatch(self.sample_elements)
         self._norms = {}
         self.pre_done = False
         if self.monitor is not None:
@@ -107,35 +120,48 @@ class Sampler:
             self._handles.append(m.register_forward_hook(InertHook(self._forward_hook(name))))
 
     def _forward_hook(self, name: str):
+        batch = self._batch
+        act, grad = (name, "activations", 0), (name, "grad_outputs", self._k)
+
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            lr, scaled = self._current[name], self._scaled[name]
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     if self.low_dtype is None and t.dtype in (torch.float16, torch.bfloat16):
                         self.low_dtype = t.dtype
-                    lr.activations.add(t)
+                    batch.add(act, t)
                     if t.requires_grad:
-                        t.register_hook(lambda g, h=scaled: h.add(g))
+                        t.register_hook(lambda g: batch.add(grad, g))
         return hook
 
-    def before_step(self, grads_log2_scale: int) -> None:
-        """The gradients are final (``grads_log2_scale``: the scale they still carry, 0 once unscaled)."""
+    def before_step(self, grads_log2_scale: int, norms: dict[int, torch.Tensor] | None = None) -> None:
+        """The gradients are final (``grads_log2_scale``: the scale they still carry, 0 once unscaled).
+
+        ``norms``: the gradients' L2 norms by ``id(param)`` where the caller took them already (the finite check).
+        """
         by_layer: dict[str, list[torch.Tensor]] = {}
-        for name, p in self.model.named_parameters():
+        for layer, p in self._named:
             if p.grad is None:
                 continue
-            layer = self.owner.get(name, "")
             g = p.grad.detach()
             g = g.to_local() if hasattr(g, "to_local") else g
             if layer in self._current:
-                self._current[layer].grad_params.merge(shifted(_hist(g), grads_log2_scale))
-            by_layer.setdefault(layer, []).append(g)
+                self._batch.add((layer, "grad_params", grads_log2_scale), g)
+            by_layer.setdefault(layer, []).append(g if norms is None or id(p) not in norms else norms[id(p)])
         if by_layer:
             device = next(iter(by_layer.values()))[0].device
-            sq = [torch.stack([n.float().to(device) for n in torch._foreach_norm(gs)]).square().sum()
-                  for gs in by_layer.values()]
-            norms = torch.stack(sq).sqrt().tolist()  # the sampled step's one read of the norms
-            self._norms = {layer: v / 2.0**grads_log2_scale for layer, v in zip(by_layer, norms)}
+            sq = []
+            for ts in by_layer.values():
+                ns = [t if t.dim() == 0 else None for t in ts] if norms is not None else [None] * len(ts)
+                todo = [t for t, n in zip(ts, ns) if n is None]
+                done = iter(torch._foreach_norm(todo) if todo else [])
+                sq.append(torch.stack([(n if n is not None else next(done)).float().to(device)
+                                       for n in ns]).square().sum())
+            self._pending_norms = (list(by_layer), torch.stack(sq).sqrt(), grads_log2_scale)
+
+    @property
+    def step_norms(self) -> dict[str, float]:
+        """The last sampled step's per-layer gradient norms (unscaled)."""
+        return self._norms
 
     def pre_update(self, optimizer: torch.optim.Optimizer) -> None:
         if self.monitor is not None:
@@ -147,14 +173,22 @@ class Sampler:
             self.monitor.after_step(optimizer)
 
     def finish(self, step: int, scale: float) -> dict[str, Any]:
-        """After the step: unhook, fold the step into the totals, and return its record."""
+        """After the step: unhook, read the step's histograms (one read), fold them into the totals, and return
+        its record."""
         self.remove()
+        self.elements += self._batch.elements
+        self.seen += self._batch.seen
+        pending, self._pending_norms = self._pending_norms, None
+        if pending is not None:
+            layers, values, k = pending
+            self._norms = {layer: v / 2.0**k for layer, v in zip(layers, values.tolist())}  # the norms' one read
+        for (layer, field, shift), h in self._batch.read():
+            getattr(self._current[layer], field).merge(shifted(h, shift) if shift else h)
         for name, lr in self._current.items():
-            lr.grad_outputs.merge(shifted(self._scaled[name], self._k))
             self.cumulative[name].activations.merge(lr.activations)
             self.cumulative[name].grad_outputs.merge(lr.grad_outputs)
             self.cumulative[name].grad_params.merge(lr.grad_params)
-        k = round(torch.tensor(scale).log2().item()) if scale > 0 else 0
+        k = round(math.log2(scale)) if scale > 0 else 0
         step_profile = RangeProfile(layers=[lr for lr in self._current.values()
                                             if lr.activations.total or lr.gradients().total], steps=1,
                                     formats=self.formats)
@@ -186,9 +220,3 @@ class Sampler:
     def profile(self) -> RangeProfile:
         layers = [lr for lr in self.cumulative.values() if lr.activations.total or lr.gradients().total]
         return RangeProfile(layers=layers, steps=len(self.samples), formats=self.formats)
-
-
-def _hist(t: torch.Tensor) -> Log2Histogram:
-    h = Log2Histogram()
-    h.add(t)
-    return h
