@@ -18,11 +18,12 @@ For the built-in models (mlp, cnn, transformer) and two user models (tests/userp
 - ``--timing``: the bf16-mixed / fp32 step-time ratio, predicted vs measured (fp32 and bf16-mixed taking turns, median of per-round ratios), within
   25%. Timing needs a quiet machine; a loaded one gives meaningless times.
 
-``--calibrate`` measures real step times of *other* models (:data:`CALIBRATION`: residual CNNs with batch norm,
+``--calibrate`` measures real step times of *other* models (:data:`CALIBRATION`: SimpleNet, residual CNNs with batch norm,
 a GRU, an MLP-Mixer, an LSTM and two GPTs on the fortunes text -- benchmarks/calibration_models.py and
 tests/userpkg; fp32 and bf16-mixed), traces the same steps, and fits the cpu target's
 efficiency factors (GEMM efficiency per dtype, bandwidth efficiency, the host time every op adds) by
-non-negative least squares on ``measured = sum over ops of roofline terms / factor + ops x overhead``, prints the ``CPU_EFFICIENCY = ...`` line to paste
+non-negative least squares of the relative errors on ``measured = sum over ops of roofline terms / factor + ops x
+overhead (fp32 and low-precision ops apart) + a per-step host time``, prints the ``CPU_EFFICIENCY = ...`` line to paste
 into ``src/mixprec/planning/roofline.py`` (replacing the starting guess), and uses the fit for the
 comparison that follows in the same run. ``--quick`` checks the whole path on one small model, one batch
 and few steps (its numbers mean nothing).
@@ -158,34 +159,41 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+FORTUNES = "/usr/share/games/fortunes/fortunes"
 CALIBRATION = [
-    ("benchmarks.calibration_models:resnet", {}),
-    ("benchmarks.calibration_models:wide_resnet", {}),
-    ("benchmarks.calibration_models:gru", {}),
-    ("benchmarks.calibration_models:mixer", {}),
-    ("tests.userpkg.lstm:model", dict(dataset="tests.userpkg.lstm:data")),
-    ("gpt", dict(dataset="text", data_path="/usr/share/games/fortunes/fortunes", d_model=128, n_layers=2,
-                 n_heads=4, block_size=64)),
-    ("gpt", dict(dataset="text", data_path="/usr/share/games/fortunes/fortunes", d_model=256, n_layers=4,
-                 n_heads=4, block_size=128)),
+    ("simplenet", 128, {}),
+    ("simplenet", 512, {}),
+    ("benchmarks.calibration_models:resnet", 128, {}),
+    ("benchmarks.calibration_models:wide_resnet", 128, {}),
+    ("benchmarks.calibration_models:gru", 32, {}),
+    ("benchmarks.calibration_models:gru", 128, {}),
+    ("benchmarks.calibration_models:mixer", 128, {}),
+    ("tests.userpkg.lstm:model", 32, dict(dataset="tests.userpkg.lstm:data")),
+    ("tests.userpkg.lstm:model", 128, dict(dataset="tests.userpkg.lstm:data")),
+    ("gpt", 32, dict(dataset="text", data_path=FORTUNES, d_model=128, n_layers=2, n_heads=4, block_size=64)),
+    ("gpt", 32, dict(dataset="text", data_path=FORTUNES, d_model=256, n_layers=4, n_heads=4, block_size=128)),
 ]
-"""Calibration steps (model, flags), at batch 128 (the GPTs at 32 sequences): families other than the checked
-ones -- residual CNNs with batch norm, a GRU, an MLP-Mixer, an LSTM, two GPTs on the fortunes text."""
+"""Calibration steps (model, batch, flags): families other than the checked ones -- the tutorial's one-layer
+SimpleNet, residual CNNs with batch norm, a GRU, an MLP-Mixer, an LSTM, two GPTs on the fortunes text -- from
+sub-millisecond dispatch-bound steps to GEMM-bound ones."""
 
 
 def calibrate(quick: bool = False) -> dict:
-    """Fit CPU_EFFICIENCY on calibration models (not the checked ones): measured = sum_d G_d/e_d + M/e_m + n*t_op
-    (G_d: the GEMMs' FLOPs in dtype d over its peak, M: the other ops' bytes over the bandwidth, n: the ops);
-    the fit replaces CPU_EFFICIENCY in this process and the line to paste is printed."""
+    """Fit CPU_EFFICIENCY on calibration models (not the checked ones):
+    measured = sum_d G_d/e_d + M/e_m + n_hi*t_op + n_low*t_lowp + t_step
+    (G_d: the GEMMs' FLOPs in dtype d over its peak, M: the other ops' bytes over the bandwidth, n_hi / n_low:
+    the ops in fp32 / in a low-precision dtype, t_step: the step's own host time), by non-negative least squares
+    of the relative errors; the fit replaces CPU_EFFICIENCY in this process and the line to paste is printed."""
     import numpy as np
+    from scipy.optimize import nnls
 
     import mixprec.planning.api as api
     import mixprec.planning.roofline as roofline
     from mixprec.planning import get_target
-    from mixprec.planning.roofline import Efficiency
+    from mixprec.planning.roofline import LOWP_DTYPES, Efficiency
 
     target = get_target("cpu")
-    configs = CALIBRATION[:2] if quick else CALIBRATION
+    configs = CALIBRATION[:3] if quick else CALIBRATION
     rows, ys = [], []
     captured = {}
     real = api.trace_step
@@ -197,8 +205,7 @@ def calibrate(quick: bool = False) -> dict:
 
     api.trace_step = spy
     try:
-        for model, flags in configs:
-            batch = 32 if model == "gpt" else 128
+        for model, batch, flags in configs:
             captured.clear()
             _plan(model, "fp32,bf16-mixed", batch, target, **flags)
             built = {name: _build(model, name, batch, **flags) for name in captured}
@@ -206,27 +213,30 @@ def calibrate(quick: bool = False) -> dict:
             del built
             for name, tr in captured.items():
                 gemm = {d: 0.0 for d in ("fp32", "bf16")}
-                moved = n_ops = 0
+                moved = n_hi = n_low = 0
                 for op in tr.ops:
                     if op.nbytes == 0 and op.flops == 0:
                         continue  # views: no kernel, as step_time counts them
-                    n_ops += 1
+                    low = op.dtype in LOWP_DTYPES
+                    n_low, n_hi = n_low + low, n_hi + (not low)
                     if op.flops:
-                        d = "bf16" if op.dtype in ("bf16", "fp16", "fp8") else "fp32"
+                        d = "bf16" if low else "fp32"
                         gemm[d] += op.flops / target.peak(d)
                     else:
                         moved += op.nbytes / target.bandwidth
-                rows.append([gemm["fp32"], gemm["bf16"], moved, n_ops])
+                rows.append([gemm["fp32"], gemm["bf16"], moved, n_hi, n_low, 1.0])
                 ys.append(measured[name])
-                print(f"calibration: {model} {flags or ''} {name}: {measured[name] * 1e3:.2f} ms, {n_ops} ops",
-                      flush=True)
+                print(f"calibration: {model} batch {batch} {name}: {measured[name] * 1e3:.2f} ms, "
+                      f"{n_hi} + {n_low} low-precision ops", flush=True)
     finally:
         api.trace_step = real
-    from scipy.optimize import nnls
-
-    inv, _ = nnls(np.array(rows), np.array(ys))
-    fit = {"fp32": float(1 / inv[0]) if inv[0] else None, "bf16": float(1 / inv[1]) if inv[1] else None,
-           "memory": float(1 / inv[2]) if inv[2] else None, "op_overhead_s": float(inv[3])}
+    # relative errors: each step's row divided by its measured time, so the dispatch-bound small steps weigh as
+    # much as the GEMM-bound large ones
+    a, y = np.array(rows), np.array(ys)
+    w, _ = nnls(a / y[:, None], np.ones_like(y))
+    fit = {"fp32": float(1 / w[0]) if w[0] else None, "bf16": float(1 / w[1]) if w[1] else None,
+           "memory": float(1 / w[2]) if w[2] else None, "op_overhead_s": float(w[3]),
+           "lowp_op_overhead_s": float(w[4]), "step_overhead_s": float(w[5])}
     print("fitted efficiency factors:", fit)
     for k, v in fit.items():
         if v is None:
@@ -235,15 +245,18 @@ def calibrate(quick: bool = False) -> dict:
     gemm = {"fp32": fit["fp32"] or old.gemm["fp32"], "bf16": fit["bf16"] or old.gemm["bf16"]}
     gemm["fp16"] = gemm["bf16"]
     memory = fit["memory"] or old.memory
-    overhead = fit["op_overhead_s"]
     source = (f"fitted by benchmarks/plan_vs_measured.py --calibrate on {target.description}, "
-              f"{time.strftime('%Y-%m-%d')} (fp32 and bf16-mixed steps of residual CNNs, a GRU, an MLP-Mixer, an "
-              "LSTM and two GPTs: other families than the checked models)")
-    roofline.CPU_EFFICIENCY = Efficiency(gemm=gemm, memory=memory, op_overhead_s=overhead, source=source)
+              f"{time.strftime('%Y-%m-%d')} (fp32 and bf16-mixed steps of SimpleNet, residual CNNs, a GRU, an "
+              "MLP-Mixer, an LSTM and two GPTs: other families than the checked models)")
+    roofline.CPU_EFFICIENCY = Efficiency(gemm=gemm, memory=memory, op_overhead_s=fit["op_overhead_s"],
+                                         lowp_op_overhead_s=fit["lowp_op_overhead_s"],
+                                         step_overhead_s=fit["step_overhead_s"], source=source)
     print("paste into src/mixprec/planning/roofline.py (replacing CPU_EFFICIENCY = ...):")
     print(f"CPU_EFFICIENCY = Efficiency(gemm={{\"fp32\": {gemm['fp32']:.3g}, \"bf16\": {gemm['bf16']:.3g}, "
           f"\"fp16\": {gemm['fp16']:.3g}}}, memory={memory:.3g},\n"
-          f"                            op_overhead_s={overhead:.3g},\n"
+          f"                            op_overhead_s={fit['op_overhead_s']:.3g}, "
+          f"lowp_op_overhead_s={fit['lowp_op_overhead_s']:.3g},\n"
+          f"                            step_overhead_s={fit['step_overhead_s']:.3g},\n"
           f"                            source={source!r})")
     return fit
 

@@ -322,3 +322,21 @@ def test_the_recorders_peak_counts_a_kernels_workspace_while_its_op_runs():
     bn_input = 256 * 32 * 8 * 8 * 4
     assert peaks["cpu"][1] == bn_input and peaks["gpu"][1] == 0
     assert peaks["gpu"][0] < peaks["cpu"][0] <= peaks["gpu"][0] + bn_input
+
+
+def test_roofline_host_overheads_per_fp32_op_per_low_precision_op_and_per_step():
+    from mixprec.planning.recorder import OpRecord
+    from mixprec.planning.roofline import Efficiency, step_time
+
+    cpu = Target(name="cpu", description="test", kind="cpu", memory_bytes=2**30, peak_flops={"fp32": 1e12},
+                 bandwidth=1e12, source="test", launch_s=0.0)
+    ops = [OpRecord(name="add", flops=0, dtype="fp32", nbytes=1, phase="forward"),
+           OpRecord(name="_to_copy", flops=0, dtype="bf16", nbytes=1, phase="forward"),
+           OpRecord(name="mm", flops=2, dtype="bf16", nbytes=1, phase="forward"),
+           OpRecord(name="view", flops=0, dtype="fp32", nbytes=0, phase="forward")]  # a view: no kernel, no cost
+    eff = Efficiency(gemm={"bf16": 1.0}, memory=1.0, op_overhead_s=1e-3, lowp_op_overhead_s=5e-3,
+                     step_overhead_s=0.1)
+    t = step_time(ops, cpu, eff)
+    assert t.ops == 3 and t.overhead_s == pytest.approx(1e-3 + 2 * 5e-3 + 0.1)
+    same = step_time(ops, cpu, Efficiency(gemm={"bf16": 1.0}, memory=1.0, op_overhead_s=1e-3))
+    assert same.overhead_s == pytest.approx(3e-3)  # no low-precision figure: every op pays op_overhead_s
