@@ -295,14 +295,13 @@ class Watch:
     def _check_finite(self, st: _Step) -> None:
         """The finite flag of a loop without a loss scaler: one fused pass over the gradients and one read.
 
-        ``_foreach_norm(grads, 2)`` (one multi-tensor kernel on a GPU, the vectorised 2-norm per tensor on a
-        CPU, where the inf-norm is not vectorised), their global L2 norm, stacked with the step's losses and
+        The squared 2-norm of every gradient (:func:`_squared_norms`: one multi-tensor kernel on a GPU; BLAS
+        dot products of fp32 gradients on a CPU, whose vector-norm kernel reads slower, and whose inf-norm is not
+        vectorised at all), their global L2 norm, stacked with the step's losses and
         read in one go: all are finite iff no gradient or loss holds an inf or NaN -- except finite gradients
         whose squares overflow fp32, which also give an inf norm. Such a step (rare) is checked exactly with a
         second read. The norm is kept as the step's ``grad_l2``; on a sampled step the per-gradient norms
-        serve the sample's per-layer norms too. (A ``sum`` per gradient instead of the norm is a cheaper kernel
-        but barely a cheaper pass in the real step, which is bound by reading the gradients: the norm and its
-        ``grad_l2`` stay.)
+        serve the sample's per-layer norms too.
         """
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self._dtensor:
@@ -313,12 +312,12 @@ class Watch:
         sharded = self._dtensor and self.world_size > 1
         vals: list[torch.Tensor] = []
         if grads:
-            norms = torch._foreach_norm(grads, 2, dtype=self._norm_dtype)
+            squares = _squared_norms(grads, self._norm_dtype)
             if st.sampled and not self._dtensor:
-                st.norms = {id(p): n for p, n in zip(self._with_grads(), norms)}
+                st.norms = {id(p): n.sqrt() for p, n in zip(self._with_grads(), squares)}
             if self._devices_differ:
-                norms = [n.to(self.device) for n in norms]
-            total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+                squares = [n.to(self.device) for n in squares]
+            total = (torch.stack(squares).sum() if len(squares) > 1 else squares[0]).sqrt()
             total = total if total.dtype == torch.float32 else total.float()
             vals.append(total.square() if sharded else total)
         vals += [t.float().reshape(()) for t in losses]
@@ -485,3 +484,22 @@ def _scalar(v: Any, device: torch.device) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v.detach().float().reshape(()) if v.numel() == 1 else v.detach().float().mean()
     return torch.tensor(float(v), device=device)
+
+
+def _squared_norms(grads: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """``||g||^2`` per gradient: an fp32 CPU gradient as a BLAS dot product with itself (its vector-norm
+    kernel is the slower read of the same bytes), the others by ``torch._foreach_norm`` squared. A sum of
+    squares overflows where the norm of finite huge values would too (both accumulate in fp32): the caller's
+    exact re-check tells those apart from an inf or NaN; a NaN or inf anywhere makes its square non-finite."""
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    rest = []
+    for i, g in enumerate(grads):
+        if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous() and type(g) is torch.Tensor:
+            v = g.view(-1)
+            out[i] = torch.dot(v, v)
+        else:
+            rest.append(i)
+    if rest:
+        for i, n in zip(rest, torch._foreach_norm([grads[i] for i in rest], 2, dtype=dtype)):
+            out[i] = n.square()
+    return out  # type: ignore[return-value]
