@@ -90,7 +90,7 @@ def has_fast_fp16_training(device: torch.device) -> bool:
     whose fp16 *matmuls* are fast (:func:`has_fast_fp16`): PyTorch's CPU fp16 convolution backward takes a slow
     path and its other fp16 ops lose to fp32 arithmetic on fp16-rounded values (benchmarks/README.md:
     ``conv_fp16.py``, ``scratch_vs_native.py``)."""
-    return device.type not in ("cpu",)
+    return device.type != "cpu"
 
 
 def has_tf32(device: torch.device) -> bool:

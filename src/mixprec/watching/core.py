@@ -16,12 +16,12 @@ the iteration without calling ``optimizer.step()`` (a skipped step; seen at the 
 
 Host reads (syncs) it adds
 --------------------------
-Every step's numbers (loss scale, loss, the largest gradient magnitude) stay on the device, appended to a
+Every step's numbers (loss scale, loss, the gradients' L2 norm) stay on the device, appended to a
 list that is read in one go at the next sampled step. On an *unsampled* step the watch itself reads at most
 one small tensor:
 
 * no loss scaler (bf16, fp32): the finite flag of the step's gradients and loss, in the optimizer's step
-  pre-hook -- one ``_foreach_norm(grads, 2)`` on the device, their global L2 norm stacked with the losses,
+  pre-hook -- every gradient's squared 2-norm on the device, their global L2 norm stacked with the losses,
   and one read of that small tensor (the norm is kept as the step's ``grad_l2``). It is what lets the watch
   stop a fault before the optimizer step mutates anything. Only a step whose norm reads inf (an inf
   gradient, or finite squares that overflow) reads once more, to tell the two apart exactly;
@@ -87,7 +87,8 @@ class _Step:
     nonfinite: bool | None = None
     grad_l2: float | None = None
     norms: dict[int, torch.Tensor] | None = None
-    """A sampled step's per-gradient L2 norms from the finite check (by ``id(param)``), for the sampler."""
+    """A sampled step's per-gradient squared L2 norms from the finite check (by ``id(param)``), for the
+    sampler's per-layer norms."""
 
 
 @dataclasses.dataclass
@@ -303,7 +304,8 @@ class Watch:
         second read. The norm is kept as the step's ``grad_l2``; on a sampled step the per-gradient norms
         serve the sample's per-layer norms too.
         """
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        params = self._with_grads()
+        grads = [p.grad for p in params]
         if self._dtensor:
             grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         losses = st.model_losses + st.logged_losses
@@ -314,12 +316,11 @@ class Watch:
         if grads:
             squares = _squared_norms(grads, self._norm_dtype)
             if st.sampled and not self._dtensor:
-                st.norms = {id(p): n.sqrt() for p, n in zip(self._with_grads(), squares)}
+                st.norms = dict(zip(map(id, params), squares))
             if self._devices_differ:
                 squares = [n.to(self.device) for n in squares]
-            total = (torch.stack(squares).sum() if len(squares) > 1 else squares[0]).sqrt()
-            total = total if total.dtype == torch.float32 else total.float()
-            vals.append(total.square() if sharded else total)
+            total = torch.stack(squares).sum() if len(squares) > 1 else squares[0]
+            vals.append(total if sharded else total.sqrt())  # sharded: the ranks' squares are summed first
         vals += [t.float().reshape(()) for t in losses]
         both = torch.stack(vals) if len(vals) > 1 or sharded else vals[0]  # a copy where it is reduced
         if sharded:  # every rank must agree: the sum of the squared shard norms, and of the losses
@@ -488,7 +489,7 @@ def _scalar(v: Any, device: torch.device) -> torch.Tensor:
 
 def _squared_norms(grads: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
     """``||g||^2`` per gradient: an fp32 CPU gradient as a BLAS dot product with itself (its vector-norm
-    kernel is the slower read of the same bytes), the others by ``torch._foreach_norm`` squared. A sum of
+    kernel is the slower read of the same bytes), the others by ``torch._foreach_norm`` squared in fp32. A sum of
     squares overflows where the norm of finite huge values would too (both accumulate in fp32): the caller's
     exact re-check tells those apart from an inf or NaN; a NaN or inf anywhere makes its square non-finite."""
     out: list[torch.Tensor | None] = [None] * len(grads)
@@ -501,5 +502,5 @@ def _squared_norms(grads: list[torch.Tensor], dtype: torch.dtype | None) -> list
             rest.append(i)
     if rest:
         for i, n in zip(rest, torch._foreach_norm([grads[i] for i in rest], 2, dtype=dtype)):
-            out[i] = n.square()
+            out[i] = n.float().square()
     return out  # type: ignore[return-value]

@@ -133,12 +133,14 @@ class Sampler:
                         t.register_hook(lambda g: batch.add(grad, g))
         return hook
 
-    def before_step(self, grads_log2_scale: int, norms: dict[int, torch.Tensor] | None = None) -> None:
+    def before_step(self, grads_log2_scale: int, squares: dict[int, torch.Tensor] | None = None) -> None:
         """The gradients are final (``grads_log2_scale``: the scale they still carry, 0 once unscaled).
 
-        ``norms``: the gradients' L2 norms by ``id(param)`` where the caller took them already (the finite check).
+        ``squares``: the gradients' squared L2 norms by ``id(param)`` where the caller took them already (the
+        finite check); the other gradients' norms are taken here, one ``_foreach_norm`` per layer.
         """
-        by_layer: dict[str, list[torch.Tensor]] = {}
+        known: dict[str, list[torch.Tensor]] = {}
+        unmeasured: dict[str, list[torch.Tensor]] = {}
         for layer, p in self._named:
             if p.grad is None:
                 continue
@@ -146,17 +148,17 @@ class Sampler:
             g = g.to_local() if hasattr(g, "to_local") else g
             if layer in self._current:
                 self._batch.add((layer, "grad_params", grads_log2_scale), g)
-            by_layer.setdefault(layer, []).append(g if norms is None or id(p) not in norms else norms[id(p)])
-        if by_layer:
-            device = next(iter(by_layer.values()))[0].device
-            sq = []
-            for ts in by_layer.values():
-                ns = [t if t.dim() == 0 else None for t in ts] if norms is not None else [None] * len(ts)
-                todo = [t for t, n in zip(ts, ns) if n is None]
-                done = iter(torch._foreach_norm(todo) if todo else [])
-                sq.append(torch.stack([(n if n is not None else next(done)).float().to(device)
-                                       for n in ns]).square().sum())
-            self._pending_norms = (list(by_layer), torch.stack(sq).sqrt(), grads_log2_scale)
+            known.setdefault(layer, [])
+            if squares is not None and id(p) in squares:
+                known[layer].append(squares[id(p)])
+            else:
+                unmeasured.setdefault(layer, []).append(g)
+        for layer, gs in unmeasured.items():
+            known[layer] += [n.float().square() for n in torch._foreach_norm(gs)]
+        if known:
+            device = next(iter(known.values()))[0].device
+            sq = [torch.stack([n.float().to(device) for n in ns]).sum() for ns in known.values()]
+            self._pending_norms = (list(known), torch.stack(sq).sqrt(), grads_log2_scale)
 
     @property
     def step_norms(self) -> dict[str, float]:
