@@ -259,6 +259,7 @@ class _Empty(nn.Module):
     ("foreign-optimizer", "the optimizer steps none of the model's parameters"),
     ("unknown-scaler", "unknown loss scaler"),
     ("every-0", "every must be an integer >= 1"),
+    ("sample-elements-negative", "sample_elements must be an integer >= 0"),
     ("out-is-file", "is a file, not a folder"),
 ])
 def test_bad_input_is_one_line_and_changes_nothing(tmp_path, case, fix):
@@ -274,6 +275,8 @@ def test_bad_input_is_one_line_and_changes_nothing(tmp_path, case, fix):
         kwargs["scaler"] = object()
     elif case == "every-0":
         kwargs["every"] = 0
+    elif case == "sample-elements-negative":
+        kwargs["sample_elements"] = -1
     else:
         (tmp_path / "file").write_text("x")
         kwargs["out"] = str(tmp_path / "file" / "w")
