@@ -26,6 +26,7 @@ from mixprec.bench import BenchConfig, compare, measure, parity, runner, worker
 from mixprec.bench.command import config_from_args
 from mixprec.bench.config import RESUME_MAY_CHANGE
 from mixprec.bench.flops import count_step_flops
+from mixprec.bench.measure import ALLOCATOR_METHOD
 from mixprec.bench.report import COLUMNS, INVOCATION_COLUMN, PLAN_COLUMNS
 from mixprec.bench.results import RunResult, SummaryRow
 from mixprec.bench.resume import SCHEMA
@@ -269,7 +270,29 @@ def test_memory_accounting_and_honest_cpu_peak(bench):
             saved = sum(mem[k] for k in SAVED_CATEGORIES)  # the probe's "activations": all saved for backward
             assert exact["gradients"] == mem["gradients"] and exact["activations"] == saved
             lower = max(exact["activations"], exact["gradients"])
-            assert lower <= probe["step_peak_bytes"] <= 2 * exact["total"] + MIB, (name, probe)
+            assert probe["method"] == ALLOCATOR_METHOD and probe["rss_method"].startswith("VmHWM")
+            for peak in (probe["step_peak_bytes"], probe["rss_step_peak_bytes"]):  # the allocator's; the RSS rise
+                assert lower <= peak <= 2 * exact["total"] + MIB, (name, probe)
+
+
+def test_allocator_peak_is_the_most_bytes_alive_above_the_start():
+    """The CPU allocator's peak from torch.profiler's memory events: a tensor freed before the next one is
+    allocated does not add to it; one alive beside it does; what existed before does not count."""
+    from mixprec.bench.measure import allocator_peak
+
+    before = torch.empty(2**20, dtype=torch.uint8)
+
+    def work():
+        a = torch.empty(3 * 2**20, dtype=torch.uint8)
+        del a
+        b = torch.empty(2**20, dtype=torch.uint8)
+        c = torch.empty(2**19, dtype=torch.uint8)
+        del b, c
+
+    assert allocator_peak(work) == 3 * 2**20
+    keep = []
+    assert allocator_peak(lambda: keep.extend([torch.empty(2**20, dtype=torch.uint8) for _ in range(4)])) == 4 * 2**20
+    del before
 
 
 @pytest.mark.slow

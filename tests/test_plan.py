@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from mixprec.planning import TARGETS, Target, TargetError, TraceError, get_target, plan
 
@@ -324,19 +325,75 @@ def test_the_recorders_peak_counts_a_kernels_workspace_while_its_op_runs():
     assert peaks["gpu"][0] < peaks["cpu"][0] <= peaks["gpu"][0] + bn_input
 
 
-def test_roofline_host_overheads_per_fp32_op_per_low_precision_op_and_per_step():
+def test_roofline_host_overheads_per_op_per_low_precision_gemm_and_per_step():
     from mixprec.planning.recorder import OpRecord
     from mixprec.planning.roofline import Efficiency, step_time
 
     cpu = Target(name="cpu", description="test", kind="cpu", memory_bytes=2**30, peak_flops={"fp32": 1e12},
                  bandwidth=1e12, source="test", launch_s=0.0)
     ops = [OpRecord(name="add", flops=0, dtype="fp32", nbytes=1, phase="forward"),
-           OpRecord(name="_to_copy", flops=0, dtype="bf16", nbytes=1, phase="forward"),
+           OpRecord(name="_to_copy", flops=0, dtype="bf16", nbytes=1, phase="forward"),  # a cast: no GEMM cost
            OpRecord(name="mm", flops=2, dtype="bf16", nbytes=1, phase="forward"),
            OpRecord(name="view", flops=0, dtype="fp32", nbytes=0, phase="forward")]  # a view: no kernel, no cost
-    eff = Efficiency(gemm={"bf16": 1.0}, memory=1.0, op_overhead_s=1e-3, lowp_op_overhead_s=5e-3,
+    eff = Efficiency(gemm={"bf16": 1.0}, memory=1.0, op_overhead_s=1e-3, lowp_gemm_overhead_s=5e-3,
                      step_overhead_s=0.1)
     t = step_time(ops, cpu, eff)
-    assert t.ops == 3 and t.overhead_s == pytest.approx(1e-3 + 2 * 5e-3 + 0.1)
+    assert t.ops == 3 and t.overhead_s == pytest.approx(3 * 1e-3 + 5e-3 + 0.1)
     same = step_time(ops, cpu, Efficiency(gemm={"bf16": 1.0}, memory=1.0, op_overhead_s=1e-3))
     assert same.overhead_s == pytest.approx(3e-3)  # no low-precision figure: every op pays op_overhead_s
+
+
+def test_timed_kernels_replace_their_roofline_terms_but_keep_the_host_overhead():
+    from mixprec.planning.kernels import KernelSpec, TensorSpec
+    from mixprec.planning.recorder import OpRecord
+    from mixprec.planning.roofline import Efficiency, step_time
+
+    cpu = Target(name="cpu", description="test", kind="cpu", memory_bytes=2**30, peak_flops={"bf16": 1.0},
+                 bandwidth=1.0, source="test", launch_s=0.0)
+    spec = KernelSpec(torch.ops.aten.mm.default, (TensorSpec((2, 2), (2, 1), torch.bfloat16),) * 2, ())
+    ops = [OpRecord(name="mm", flops=100, dtype="bf16", nbytes=24, phase="forward", kernel=spec),
+           OpRecord(name="add", flops=0, dtype="fp32", nbytes=4, phase="forward")]
+    eff = Efficiency(gemm={"bf16": 1.0}, memory=1.0, op_overhead_s=1e-3, lowp_gemm_overhead_s=5e-3)
+    roof = step_time(ops, cpu, eff)
+    assert roof.total_s == pytest.approx(100 + 4 + 2e-3 + 5e-3) and roof.timed_ops == 0
+    t = step_time(ops, cpu, eff, kernel_times={spec: 0.25})
+    assert t.timed_s == 0.25 and t.timed_ops == 1 and t.gemm_s == 0 and t.flops_by_dtype == {"bf16": 100}
+    assert t.total_s == pytest.approx(0.25 + 4 + 2e-3)  # the call's own time holds its operand conversion
+
+
+def test_cpu_target_times_gemms_convolutions_and_attention_once_per_distinct_call():
+    """The cpu target records the calls of TIMED_OPS with their shapes and times each distinct one once;
+    GPU targets keep the roofline; an RNN's fused kernel (a workspace its backward trusts) is not replayed."""
+    from mixprec.planning.kernels import TIMED_OPS, KernelTimes
+    from mixprec.planning.recorder import StepRecorder
+
+    def step(rec):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            torch.manual_seed(0)
+            layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+            conv, lstm = nn.Conv2d(1, 2, 3), nn.LSTM(8, 8)
+            x, img = mode.from_tensor(torch.randn(4, 8)), mode.from_tensor(torch.randn(2, 1, 6, 6))
+            with rec:
+                h = x
+                for layer in layers:  # three calls of the same shapes: one distinct spec per op
+                    h = layer(h)
+                q = h.view(1, 1, 4, 8)
+                out = (h.sum() + conv(img).sum() + F.scaled_dot_product_attention(q, q, q).sum()
+                       + lstm(h.view(4, 1, 8))[0].sum())
+                out.backward()
+        return rec
+
+    cpu = step(StepRecorder(time_kernels=True))
+    kept = [op for op in cpu.ops if op.kernel is not None]
+    assert {op.name for op in kept} <= TIMED_OPS
+    assert {"addmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu"} <= {op.name for op in kept}
+    assert not any(op.name.startswith("mkldnn_rnn") and op.kernel for op in cpu.ops)
+    assert all(op.kernel is None for op in step(StepRecorder()).ops)  # a GPU target's recorder
+    addmm = [op.kernel for op in kept if op.name == "addmm" and op.phase == cpu.ops[0].phase]
+    assert len(addmm) >= 3 and len(set(addmm)) < len(addmm)
+    times = KernelTimes(repeats=2)
+    measured = times.measure(op.kernel for op in kept)
+    assert set(measured) == {op.kernel for op in kept} and all(t > 0 for t in measured.values())
+    assert len(times.seconds) == len(set(measured))

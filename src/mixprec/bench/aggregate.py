@@ -93,6 +93,7 @@ def _row(name: str, mine: list[RunResult], *, flops_per_step, peak, matmul_dtype
         cuda_peak_allocated_bytes=_median(s.get("cuda_peak_allocated_bytes") for s in summaries),
         cuda_peak_reserved_bytes=_median(p.cuda_peak_reserved_bytes for p in probes),
         measured_step_peak_bytes=_median(p.step_peak_bytes for p in probes),
+        measured_step_rss_peak_bytes=_median(p.rss_step_peak_bytes for p in probes),
         measured_step_peak_method=next((p.method or p.reason for p in probes if p.method or p.reason), None),
         exact_activations_plus_gradients_bytes=_median(p.exact_total for p in probes),
         matmul_dtype=matmul_dtype,

@@ -15,8 +15,8 @@ be traced under fake tensors -- or that kills the process -- costs the predictio
 never the bench: the recipes without one say why in one line. ``--no-plan`` turns it off.
 
 **What is compared.** Peak: on a CPU the probe measures what one step adds above the resident state
-(``VmHWM`` rise; parameters, buffers, optimizer state, masters and the batch exist before the step), so the
-prediction compared is the plan's peak less those (``step_peak_bytes``); on CUDA the trainer's
+(the allocator's peak, :mod:`.measure`; parameters, buffers, optimizer state, masters and the batch exist
+before the step), so the prediction compared is the plan's peak less those (``step_peak_bytes``); on CUDA the trainer's
 ``max_memory_allocated`` (resident included) against the plan's whole peak. Step time: the median timed
 step against the plan's roofline time, with ``--grad-accum K`` counted as K forward+backward passes and
 one optimizer phase.
@@ -170,7 +170,6 @@ def _target(spec: Any):
 
 def _recipe_doc(planner, name: str, accum: int) -> dict[str, Any]:
     from ..planning.api import _canonical
-    from ..planning.roofline import step_time
 
     tr, notes, tf32 = planner.trace(_canonical(name))
     rp = planner.recipe_plan(tr, tf32=tf32, notes=notes)
@@ -178,10 +177,10 @@ def _recipe_doc(planner, name: str, accum: int) -> dict[str, Any]:
     doc = rp.to_dict()
     dtype_map = {"fp32": "tf32"} if tf32 and "tf32" in planner.target.peak_flops else {}
     if accum > 1:  # K forward+backward passes, one optimizer phase
-        passes = step_time([o for o in tr.ops if o.phase in ("forward", "backward")], planner.target,
-                           dtype_map=dtype_map).total_s
-        rest = step_time([o for o in tr.ops if o.phase not in ("forward", "backward")], planner.target,
-                         dtype_map=dtype_map).total_s
+        passes = planner.step_time([o for o in tr.ops if o.phase in ("forward", "backward")],
+                                   dtype_map=dtype_map).total_s
+        rest = planner.step_time([o for o in tr.ops if o.phase not in ("forward", "backward")],
+                                 dtype_map=dtype_map).total_s
         doc["bench_step_time_s"] = accum * passes + rest
     else:
         doc["bench_step_time_s"] = rp.step_time_s

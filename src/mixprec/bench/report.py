@@ -181,7 +181,7 @@ def _plan_notes(rows: list[SummaryRow]) -> list[str]:
     out = [f"- plan: no prediction for {', '.join(names)}: {why}" for why, names in missing.items()]
     shown = next((r.prediction for r in rows if r.prediction is not None and not r.prediction.reason), None)
     if shown is not None:
-        what = ("the step's peak above the resident state (VmHWM rise)"
+        what = ("the step's peak above the resident state (the CPU allocator's)"
                 if shown.peak_compared_with == "measured_step_peak_bytes" else "CUDA max allocated")
         out.append(f"- plan: mixprec plan's prediction for target {shown.target} (traced under fake tensors before "
                    f"the runs); measured / plan compares {what} and the median step time")
@@ -261,8 +261,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "- memory: exact accounting (params + grads + optimizer state + master copies + saved activations) "
         "of a sampled step. step peak (measured): "
         + ("CUDA max allocated over one step." if env["device"].startswith("cuda") else
-           "VmHWM rise over one step after clear_refs, with glibc's mmap threshold at 64 KiB and "
-           "malloc_trim (params/optimizer state excluded; compare with activations + gradients)."),
+           "the CPU allocator's peak over one step (torch.profiler memory events; params/optimizer state "
+           "excluded; compare with activations + gradients); results.json also holds the VmHWM rise "
+           "(glibc's mmap threshold at 64 KiB, malloc_trim, clear_refs)."),
         "- MFU: model FLOPs per step / median step time / peak of the dtype the matmuls run in (above).",
         "- parity: the recipe's mean loss curve (same seeds) inside fp32's band across seeds "
         "(moving average, band widened 1%, >= 90% of steps).",

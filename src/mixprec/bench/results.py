@@ -139,7 +139,13 @@ class MemoryProbe:
     reason: str | None = None
     """Why there is no measurement."""
     step_peak_bytes: int | None = None
-    """What one step adds at its peak above the resident state (the largest over ``repeats``)."""
+    """What one step adds at its peak above the resident state: on a CPU the allocator's peak (else, where the
+    profiler gives no memory events, the ``VmHWM`` rise: ``method`` says which), on CUDA the largest
+    ``max_memory_allocated`` rise over ``repeats``."""
+    rss_step_peak_bytes: int | None = None
+    """CPU: the resident set's rise over the step (``VmHWM``), the largest over ``repeats``."""
+    rss_method: str | None = None
+    """How ``rss_step_peak_bytes`` was measured."""
     exact_activations: int | None = None
     """The exact accounting's bytes saved for backward in the same step (activations, autocast weight copies and
     FP8 buffers together: :data:`mixprec.memory.SAVED_CATEGORIES`)."""
@@ -158,6 +164,7 @@ class MemoryProbe:
 
     def to_dict(self) -> dict[str, Any]:
         out = {"method": self.method, "reason": self.reason, "step_peak_bytes": self.step_peak_bytes,
+               "rss_step_peak_bytes": self.rss_step_peak_bytes, "rss_method": self.rss_method,
                "exact_activations_plus_gradients": None, "repeats": self.repeats,
                "cuda_peak_reserved_bytes": self.cuda_peak_reserved_bytes}
         if self.exact_total is not None:
@@ -170,7 +177,8 @@ class MemoryProbe:
         d = _dict(d)
         exact = _dict(d.get("exact_activations_plus_gradients"))
         return cls(method=_str(d.get("method")), reason=_str(d.get("reason")),
-                   step_peak_bytes=_int(d.get("step_peak_bytes")), exact_activations=_int(exact.get("activations")),
+                   step_peak_bytes=_int(d.get("step_peak_bytes")), rss_step_peak_bytes=_int(d.get("rss_step_peak_bytes")),
+                   rss_method=_str(d.get("rss_method")), exact_activations=_int(exact.get("activations")),
                    exact_gradients=_int(exact.get("gradients")), repeats=_int(d.get("repeats")),
                    cuda_peak_reserved_bytes=_int(d.get("cuda_peak_reserved_bytes")))
 
@@ -284,7 +292,7 @@ class Prediction:
     """Predicted peak of the step, the resident state (parameters, optimizer state...) included."""
     step_peak_bytes: int | None = None
     """Predicted peak above the resident state (parameters, buffers, optimizer state, masters, the batch):
-    what the CPU probe's ``VmHWM`` rise measures."""
+    what the CPU probe's allocator peak measures."""
     step_time_s: float | None = None
     """Predicted time of one optimizer step (``--grad-accum`` micro-batches of forward and backward)."""
     peak_compared_with: str | None = None
@@ -317,7 +325,7 @@ class Prediction:
 _SPREADS = ("epoch_time_s", "raw_epoch_time_s", "step_time_s", "samples_per_s", "test_accuracy", "test_loss",
             "bits_per_char", "test_metric")
 _NUMBERS = ("memory_total_bytes", "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes",
-            "measured_step_peak_bytes", "exact_activations_plus_gradients_bytes", "peak_flops_per_s", "mfu",
+            "measured_step_peak_bytes", "measured_step_rss_peak_bytes", "exact_activations_plus_gradients_bytes", "peak_flops_per_s", "mfu",
             "final_train_loss", "skipped_steps", "final_loss_scale", "speedup_vs_fp32", "memory_saving_vs_fp32",
             "accuracy_delta_vs_fp32_pp", "test_loss_delta_vs_fp32", "metric_delta_vs_fp32")
 
@@ -356,7 +364,9 @@ class SummaryRow:
     cuda_peak_reserved_bytes: float | None = None
     """CUDA: the probe's peak reserved memory (median)."""
     measured_step_peak_bytes: float | None = None
-    """The probe's measured step peak (median)."""
+    """The probe's measured step peak (median): CPU: the allocator's, CUDA: ``max_memory_allocated``'s."""
+    measured_step_rss_peak_bytes: float | None = None
+    """CPU: the probe's resident-set (``VmHWM``) rise over the step (median)."""
     measured_step_peak_method: str | None = None
     """How it was measured, or why it was not."""
     exact_activations_plus_gradients_bytes: float | None = None

@@ -1,8 +1,9 @@
 """``mixprec.plan(...)``: memory and step time of each recipe on a target, before running anything.
 
-For each recipe: trace one steady-state step (:mod:`.trace`), price its ops on the target (:mod:`.roofline`),
-and find the largest batch that fits. The data, the batch and the model builder are made once and shared
-by every recipe; each recipe gets its own fresh fake model (conversion changes the model) and its own trace.
+For each recipe: trace one steady-state step (:mod:`.trace`), price its ops on the target (:mod:`.roofline`;
+on the cpu target the GEMMs, convolutions and attention are timed on this CPU instead: :mod:`.kernels`), and
+find the largest batch that fits. The data, the batch and the model builder are made once and shared by every
+recipe; each recipe gets its own fresh fake model (conversion changes the model) and its own trace.
 
 **Largest batch.** Every phase of the step (forward, backward, optimizer) has its own peak; the bytes alive
 at a phase's peak that grow with the batch (activations; temporaries outside the optimizer step) scale
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from .kernels import KernelTimes
 from .roofline import StepTime, efficiency_for, step_time
 from .targets import Target, get_target
 from .trace import FakeModelSource, StepTrace, TraceError, trace_step
@@ -119,13 +121,15 @@ def _scaled(trace: StepTrace, batch_size: int) -> StepTrace:
                                batch_bytes={p: int(v * k) for p, v in trace.batch_bytes.items()})
 
 
-def _recipe_plan(trace: StepTrace, target: Target, *, tf32: bool, notes: list[str], scaled_ops: float) -> RecipePlan:
+def _recipe_plan(trace: StepTrace, target: Target, *, tf32: bool, notes: list[str], scaled_ops: float,
+                 kernel_times: KernelTimes | None) -> RecipePlan:
     dtype_map = {"fp32": "tf32"} if tf32 and "tf32" in target.peak_flops else {}
     ops = trace.ops
-    t = step_time(ops, target, dtype_map=dtype_map)
+    measured = kernel_times.measure(op.kernel for op in ops) if kernel_times is not None else None
+    t = step_time(ops, target, dtype_map=dtype_map, kernel_times=measured)
     if scaled_ops != 1.0:  # fallback: the small batch's time scaled by the work (GEMMs and bytes grow with it)
         t = dataclasses.replace(t, total_s=t.total_s * scaled_ops, gemm_s=t.gemm_s * scaled_ops,
-                                memory_s=t.memory_s * scaled_ops,
+                                memory_s=t.memory_s * scaled_ops, timed_s=t.timed_s * scaled_ops,
                                 flops_by_dtype={k: int(v * scaled_ops) for k, v in t.flops_by_dtype.items()})
     memory = dict(trace.totals)
     memory["temporary"] = trace.at_peak["temporary"]
@@ -216,6 +220,8 @@ class Planner:
         self.make_optimizer = make_optimizer or optimizer_factory(config.optim)
         self.fake_mode = FakeTensorMode()
         self.models = FakeModelSource(self.build, self.fake_mode)
+        self.kernel_times = KernelTimes() if self.target.kind == "cpu" else None
+        """The cpu target's kernels timed on this CPU (:mod:`.kernels`), shared by the recipes."""
 
     def trace(self, name: str) -> tuple[StepTrace, list[str], bool]:
         """``(trace, notes, tf32)`` of recipe ``name`` (canonical) under fake tensors; raises TraceError."""
@@ -234,7 +240,13 @@ class Planner:
         return tr, list(notes), _tf32(name)
 
     def recipe_plan(self, trace: StepTrace, *, tf32: bool, notes: list[str], scaled_ops: float = 1.0) -> RecipePlan:
-        return _recipe_plan(trace, self.target, tf32=tf32, notes=notes, scaled_ops=scaled_ops)
+        return _recipe_plan(trace, self.target, tf32=tf32, notes=notes, scaled_ops=scaled_ops,
+                            kernel_times=self.kernel_times)
+
+    def step_time(self, ops, *, dtype_map: dict[str, str] | None = None) -> StepTime:
+        """:func:`.roofline.step_time` of ``ops`` on the target, with the kernels this plan times measured."""
+        measured = self.kernel_times.measure(op.kernel for op in ops) if self.kernel_times is not None else None
+        return step_time(ops, self.target, dtype_map=dtype_map, kernel_times=measured)
 
 
 class TaskLoss:

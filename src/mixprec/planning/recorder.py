@@ -16,7 +16,8 @@ ops compute nothing and allocate nothing). For each op it records:
 - **work**: the op's FLOPs by :func:`mixprec.flops.op_flops` (PyTorch's formulas and mixprec's for CPU
   attention and fused RNNs), the dtype of its first floating input (``fp8`` for ``_scaled_mm``), and the
   bytes it moves (inputs read plus outputs written; view ops move nothing). The roofline
-  (:mod:`.roofline`) turns these into time on a target.
+  (:mod:`.roofline`) turns these into time on a target; for the cpu target the GEMM, convolution and
+  attention calls are kept too, to be timed for real (:mod:`.kernels`).
 
 A step dispatches tens of thousands of ops of a few dozen overloads, so what the recorder needs of an
 overload (its name, whether it is a view or mutates, whether a FLOP formula knows it) is worked out once
@@ -36,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..flops import op_flops
+from .kernels import TIMED_OPS, KernelSpec, kernel_spec
 
 __all__ = ["Alloc", "OpRecord", "StepRecorder", "dtype_bucket"]
 
@@ -67,6 +69,9 @@ class OpRecord:
     nbytes: int
     """Bytes read and written (0 for views)."""
     phase: str
+    kernel: KernelSpec | None = None
+    """The call, to be timed for real (:mod:`.kernels`: the GEMMs, convolutions and attention, when the
+    recorder keeps them)."""
 
 
 def dtype_bucket(func: Any, args: tuple) -> str:
@@ -87,8 +92,11 @@ class StepRecorder(TorchDispatchMode):
     is kept apart (:attr:`phase_peak`) because they scale differently with the batch.
     """
 
-    def __init__(self, workspace=None) -> None:
+    def __init__(self, workspace=None, time_kernels: bool = False) -> None:
         super().__init__()
+        self._time_kernels = time_kernels
+        """Keep each call of :data:`.kernels.TIMED_OPS` as a :class:`~.kernels.KernelSpec`, to be timed (the cpu
+        target)."""
         self._workspace = workspace
         """``(op name, positional args, outputs) -> bytes`` a kernel allocates and frees inside the op
         (:func:`.workspace.cpu_workspace` for the cpu target; None: no workspace term)."""
@@ -183,8 +191,11 @@ class StepRecorder(TorchDispatchMode):
                 nbytes += t.numel() * t.element_size()
         self._note_peak(self._workspace(info.name, positional, outputs) if self._workspace is not None else 0)
         flops = op_flops(func, args, kwargs, out) if info.may_have_flops else 0
+        kernel = None
+        if flops and self._time_kernels and info.name in TIMED_OPS:
+            kernel = kernel_spec(func, args, kwargs, out_bytes=sum(t.numel() * t.element_size() for t in outputs))
         self.ops.append(OpRecord(name=info.name, flops=flops, dtype=_bucket(info, positional), nbytes=nbytes,
-                                 phase=self.phase))
+                                 phase=self.phase, kernel=kernel))
         return out
 
 
@@ -200,6 +211,10 @@ class _OpInfo:
 
 _OP_INFO: dict[Any, _OpInfo] = {}
 
+_ALIASING = frozenset({"_unsafe_view"})
+"""Ops that return their input's storage under a new tensor without being views in their schema (``reshape``
+of a non-viewable tensor is ``clone`` + ``_unsafe_view``): no kernel, no bytes moved."""
+
 
 def _op_info(func) -> _OpInfo:
     """What the recorder needs of an op overload, worked out once per overload (a step dispatches thousands
@@ -212,7 +227,8 @@ def _op_info(func) -> _OpInfo:
 
         packet = func.overloadpacket
         name = packet.__name__
-        info = _OP_INFO[func] = _OpInfo(name=name, is_view=func.is_view, mutable=func._schema.is_mutable,
+        info = _OP_INFO[func] = _OpInfo(name=name, is_view=func.is_view or name in _ALIASING,
+                                        mutable=func._schema.is_mutable,
                                         scaled_mm=name.startswith("_scaled_mm"),
                                         may_have_flops=packet in CUSTOM_FORMULAS or packet in _fc.flop_registry)
     return info

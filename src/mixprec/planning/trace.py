@@ -348,7 +348,9 @@ def _replayed_scales(rec: StepRecorder, fake: bool) -> Iterator[None]:
 
 
 def _recorder_with_residents(model, optimizer, recipe, fbatch, target: Target) -> StepRecorder:
-    rec = StepRecorder(workspace=cpu_workspace if target.kind == "cpu" else None)  # see .workspace
+    cpu = target.kind == "cpu"
+    rec = StepRecorder(workspace=cpu_workspace if cpu else None,  # see .workspace
+                       time_kernels=cpu)  # see .kernels
     rec.register(model.parameters(), "parameters")
     rec.register(model.buffers(), "buffers")
     rec.register((v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),

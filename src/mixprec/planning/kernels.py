@@ -1,0 +1,178 @@
+"""Kernels the cpu target times on this CPU instead of pricing them by the roofline.
+
+The roofline (:mod:`.roofline`) prices an op by its FLOPs or its bytes. On a GPU, and for large operands on a
+CPU, that is what a kernel's time follows. For the small GEMMs of the models a CPU trains it is not: a CPU
+kernel call has fixed costs that depend on the kind of op, its shapes and its dtype, not on the FLOPs
+(``torch.profiler`` on this project's small models: a 64 x 8 x 8 x 8 convolution's backward takes ~170 us, as
+long as a 20x larger ``mm``; a bf16 ``mm`` at ``d_model`` 32 takes longer than the fp32 one, since oneDNN converts
+and reorders its operands; and PyTorch's CPU flash attention, ``_scaled_dot_product_flash_attention_for_cpu``,
+walks (batch, head, query block) tiles whose count, not the FLOPs, sets its time -- its bf16 backward is 2x the
+fp32 one on the tests' ``nn.TransformerEncoder`` at batch 256, which makes the whole bf16-mixed step slower
+than fp32). No FLOP or byte count gives these, and the ``cpu`` target is the machine the plan runs on: so
+there the planner runs each distinct GEMM, convolution and attention call of the traced step
+(:data:`TIMED_OPS`; the same op, shapes, strides, dtypes and flags) for real, once per plan, on random inputs,
+and uses its time in the step's sum (:func:`.roofline.step_time`). The ops without FLOPs (elementwise, norms, casts, the optimizer's update)
+keep the roofline: they are bandwidth- or dispatch-bound and priced well by it. A call whose operands exceed
+:data:`MAX_OPERAND_BYTES` keeps the roofline too (a large GEMM reaches its efficiency factor, and timing it
+would cost the memory and the minutes the plan exists to save); so do GPU targets, whose kernels the machine
+at hand cannot run.
+
+The traced step records each such call (:class:`KernelSpec`, :func:`kernel_spec`); timing happens after the
+trace, outside the fake mode (:class:`KernelTimes`): a warm-up call, then the median of a few more, bounded by
+a time budget per kernel. A call that fails on random inputs keeps the roofline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["TIMED_OPS", "MAX_OPERAND_BYTES", "TensorSpec", "KernelSpec", "kernel_spec", "KernelTimes"]
+
+TIMED_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+})
+"""The ops with FLOPs that are timed (overload packet names). Only ops whose every input may be any values of
+its shape are run on random inputs: the fused RNN kernels (``mkldnn_rnn_layer`` and its backward) take a
+workspace whose contents their backward trusts -- replayed on random bytes, it crashes the process -- so they
+keep the roofline, as does any op not listed."""
+
+MAX_OPERAND_BYTES = 256 * 2**20
+"""A call whose tensors (inputs and outputs) hold more bytes keeps the roofline (see the module docstring)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What a tensor argument needs to be made again for real: shape, strides, dtype."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    def make(self, gen: torch.Generator) -> torch.Tensor:
+        """A real tensor of this layout (expanded ones too: a gradient of ``sum`` has stride 0), random normal
+        when floating, zeros otherwise."""
+        n = 1 + sum((d - 1) * st for d, st in zip(self.shape, self.stride)) if all(self.shape) else 0
+        base = torch.empty(n, dtype=self.dtype)
+        if base.is_floating_point():
+            base.normal_(generator=gen)
+        else:
+            base.zero_()
+        return base.as_strided(self.shape, self.stride)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One op call of the traced step, its tensors replaced by :class:`TensorSpec` (hashable: the same call
+    made by every layer is timed once)."""
+
+    op: Any
+    """The op overload (``torch.ops.aten....``)."""
+    args: tuple
+    kwargs: tuple[tuple[str, Any], ...]
+
+    def inputs(self, gen: torch.Generator) -> tuple[list, dict]:
+        """Real arguments: random normal floating tensors, zero integer ones, the rest as recorded."""
+        return [_real(a, gen) for a in self.args], {k: _real(v, gen) for k, v in self.kwargs}
+
+
+@dataclasses.dataclass(frozen=True)
+class _List:
+    """A list argument (``int[]``, ``Tensor[]``), kept hashable."""
+
+    items: tuple
+
+
+def _spec(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return TensorSpec(tuple(a.shape), tuple(a.stride()), a.dtype)
+    if isinstance(a, list):
+        return _List(tuple(_spec(x) for x in a))
+    if isinstance(a, tuple):
+        return tuple(_spec(x) for x in a)
+    if isinstance(a, (dict, set)) or not isinstance(a, (int, float, bool, str, type(None), torch.dtype,
+                                                        torch.device, torch.layout, torch.memory_format)):
+        raise TypeError(f"argument of type {type(a).__name__}")
+    return a
+
+
+def _real(a: Any, gen: torch.Generator) -> Any:
+    if isinstance(a, TensorSpec):
+        return a.make(gen)
+    if isinstance(a, _List):
+        return [_real(x, gen) for x in a.items]
+    if isinstance(a, tuple):
+        return tuple(_real(x, gen) for x in a)
+    return a
+
+
+def _nbytes(a: Any) -> int:
+    if isinstance(a, TensorSpec):
+        return math.prod(a.shape) * a.dtype.itemsize
+    if isinstance(a, _List):
+        return sum(_nbytes(x) for x in a.items)
+    if isinstance(a, tuple):
+        return sum(_nbytes(x) for x in a)
+    return 0
+
+
+def kernel_spec(func, args: tuple, kwargs: dict, out_bytes: int = 0) -> KernelSpec | None:
+    """The :class:`KernelSpec` of a call; None when it keeps the roofline (its tensors and ``out_bytes`` of
+    outputs exceed :data:`MAX_OPERAND_BYTES`, or an argument cannot be made again)."""
+    try:
+        spec = KernelSpec(func, tuple(_spec(a) for a in args), tuple((k, _spec(v)) for k, v in kwargs.items()))
+    except TypeError:
+        return None
+    if _nbytes(spec.args) + sum(_nbytes(v) for _, v in spec.kwargs) + out_bytes > MAX_OPERAND_BYTES:
+        return None
+    return spec
+
+
+class KernelTimes:
+    """Measured seconds per :class:`KernelSpec` on this CPU, each measured once (a plan's recipes share them).
+
+    ``budget_s``: no new timed call of a kernel starts after this long (beyond its warm-up); ``repeats``: at
+    most this many timed calls; the median is kept, as the measured steps it is compared with are medians."""
+
+    def __init__(self, *, budget_s: float = 0.5, repeats: int = 5) -> None:
+        self.budget_s = budget_s
+        self.repeats = repeats
+        self.seconds: dict[KernelSpec, float | None] = {}
+        """None: the call failed on random inputs (it keeps the roofline)."""
+
+    def measure(self, specs) -> dict[KernelSpec, float]:
+        """Times every spec not measured yet; returns the times of those of ``specs`` that could be timed."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        specs = [s for s in specs if s is not None]
+        with _disable_current_modes():  # real tensors, whatever mode the caller is in
+            for spec in dict.fromkeys(specs):
+                if spec not in self.seconds:
+                    self.seconds[spec] = self._time(spec)
+        return {s: self.seconds[s] for s in specs if self.seconds[s] is not None}
+
+    def _time(self, spec: KernelSpec) -> float | None:
+        try:
+            args, kwargs = spec.inputs(torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                spec.op(*args, **kwargs)  # warm-up: kernel selection, the outputs' first pages
+                warm = time.perf_counter() - t0
+        except Exception:  # noqa: BLE001 -- an op that rejects random inputs keeps the roofline
+            return None
+        if warm > self.budget_s:
+            return warm
+        with torch.no_grad():
+            times: list[float] = []
+            start = time.perf_counter()
+            while len(times) < self.repeats and (not times or time.perf_counter() - start < self.budget_s):
+                t0 = time.perf_counter()
+                spec.op(*args, **kwargs)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
