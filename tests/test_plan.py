@@ -397,3 +397,5 @@ def test_cpu_target_times_gemms_convolutions_and_attention_once_per_distinct_cal
     measured = times.measure(op.kernel for op in kept)
     assert set(measured) == {op.kernel for op in kept} and all(t > 0 for t in measured.values())
     assert len(times.seconds) == len(set(measured))
+    spent = KernelTimes(total_budget_s=0.0)  # a budget spent before the first call: every call keeps the roofline
+    assert spent.measure(op.kernel for op in kept) == {} and spent.untimed == len(set(measured))

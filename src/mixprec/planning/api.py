@@ -125,8 +125,13 @@ def _recipe_plan(trace: StepTrace, target: Target, *, tf32: bool, notes: list[st
                  kernel_times: KernelTimes | None) -> RecipePlan:
     dtype_map = {"fp32": "tf32"} if tf32 and "tf32" in target.peak_flops else {}
     ops = trace.ops
+    untimed = kernel_times.untimed if kernel_times is not None else 0
     measured = kernel_times.measure(op.kernel for op in ops) if kernel_times is not None else None
     t = step_time(ops, target, dtype_map=dtype_map, kernel_times=measured)
+    if kernel_times is not None and kernel_times.untimed > untimed:
+        notes = notes + [f"{kernel_times.untimed - untimed} distinct GEMM/convolution/attention calls priced by the "
+                         f"roofline, not timed on this CPU: the plan's {kernel_times.total_budget_s:.0f} s "
+                         "kernel-timing budget was spent"]
     if scaled_ops != 1.0:  # fallback: the small batch's time scaled by the work (GEMMs and bytes grow with it)
         t = dataclasses.replace(t, total_s=t.total_s * scaled_ops, gemm_s=t.gemm_s * scaled_ops,
                                 memory_s=t.memory_s * scaled_ops, timed_s=t.timed_s * scaled_ops,

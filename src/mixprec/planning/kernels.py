@@ -138,11 +138,18 @@ class KernelTimes:
     """Measured seconds per :class:`KernelSpec` on this CPU, each measured once (a plan's recipes share them).
 
     ``budget_s``: no new timed call of a kernel starts after this long (beyond its warm-up); ``repeats``: at
-    most this many timed calls; the median is kept, as the measured steps it is compared with are medians."""
+    most this many timed calls; the median is kept, as the measured steps it is compared with are medians.
+    ``total_budget_s``: once timing has taken this long in all, the calls not timed yet keep the roofline
+    (:attr:`untimed` counts them, and the plan says so) -- a large model on the cpu target has calls of
+    seconds each."""
 
-    def __init__(self, *, budget_s: float = 0.5, repeats: int = 5) -> None:
+    def __init__(self, *, budget_s: float = 0.5, repeats: int = 5, total_budget_s: float = 60.0) -> None:
         self.budget_s = budget_s
         self.repeats = repeats
+        self.total_budget_s = total_budget_s
+        self.spent_s = 0.0
+        self.untimed = 0
+        """Distinct calls left to the roofline because the total budget was spent."""
         self.seconds: dict[KernelSpec, float | None] = {}
         """None: the call failed on random inputs (it keeps the roofline)."""
 
@@ -153,9 +160,15 @@ class KernelTimes:
         specs = [s for s in specs if s is not None]
         with _disable_current_modes():  # real tensors, whatever mode the caller is in
             for spec in dict.fromkeys(specs):
-                if spec not in self.seconds:
-                    self.seconds[spec] = self._time(spec)
-        return {s: self.seconds[s] for s in specs if self.seconds[s] is not None}
+                if spec in self.seconds:
+                    continue
+                if self.spent_s >= self.total_budget_s:
+                    self.untimed += 1
+                    continue
+                t0 = time.perf_counter()
+                self.seconds[spec] = self._time(spec)
+                self.spent_s += time.perf_counter() - t0
+        return {s: t for s in specs if (t := self.seconds.get(s)) is not None}
 
     def _time(self, spec: KernelSpec) -> float | None:
         try:

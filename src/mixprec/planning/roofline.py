@@ -70,8 +70,8 @@ class Efficiency:
 GPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.85, "tf32": 0.7, "bf16": 0.7, "fp16": 0.7, "fp8": 0.6}, memory=0.8,
                             source="assumed for GPUs (typical of large cuBLAS GEMMs and streaming kernels; "
                                    "not calibrated here)")
-CPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.765, "bf16": 0.78, "fp16": 0.78}, memory=0.644,
-                            op_overhead_s=3.5e-06, lowp_gemm_overhead_s=0.0, step_overhead_s=0.000226,
+CPU_EFFICIENCY = Efficiency(gemm={"fp32": 0.816, "bf16": 0.823, "fp16": 0.823}, memory=0.754,
+                            op_overhead_s=3.79e-06, lowp_gemm_overhead_s=0.0, step_overhead_s=0.000212,
                             source="fitted by benchmarks/plan_vs_measured.py --calibrate on an Intel Xeon "
                                    "(Sapphire Rapids, 2 cores, AVX512-BF16/FP16, AMX), 2026-12-02 (fp32 and "
                                    "bf16-mixed steps of SimpleNet, residual CNNs, a GRU, an MLP-Mixer, an LSTM and "
