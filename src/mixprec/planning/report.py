@@ -58,8 +58,10 @@ def format_plan(p) -> str:
                      + f"{gib(r.peak_bytes):>11s}{r.max_batch_size:>10,d}{_time(r.step_time_s):>10s}{fit}")
     lines.append("")
     for r in p.recipes:
-        lines.append(f"  {r.recipe}: FLOPs {_flops(r.flops)}; GEMMs {_time(r.time.gemm_s)}, other ops "
-                     f"{_time(r.time.memory_s)} over {r.time.ops} ops")
+        timed = (f"GEMMs/convolutions/attention timed on this CPU {_time(r.time.timed_s)} in {r.time.timed_ops} "
+                 "calls, " if r.time.timed_ops else "")
+        lines.append(f"  {r.recipe}: FLOPs {_flops(r.flops)}; {timed}GEMMs {_time(r.time.gemm_s)}, other ops "
+                     f"{_time(r.time.memory_s)}, host overhead {_time(r.time.overhead_s)} over {r.time.ops} ops")
         for n in r.notes:
             lines.append(f"    note: {n}")
     lines += ["", verdict(p)]
@@ -95,10 +97,14 @@ def verdict(p) -> str:
 
 
 def _why_fast(r) -> str:
-    gemm_share = r.time.gemm_s / r.step_time_s if r.step_time_s else 0
+    t = r.time
+    gemm_share = (t.gemm_s + t.timed_s) / r.step_time_s if r.step_time_s else 0  # timed calls: GEMMs, convs, attention
     main = max(r.flops.items(), key=lambda kv: kv[1])[0] if r.flops else "fp32"
-    return (f"its GEMMs run in {main}" if gemm_share >= 0.5 else
-            f"the step is {1 - gemm_share:.0%} bandwidth/launch-bound and it moves the fewest bytes")
+    if gemm_share >= 0.5:
+        return f"its GEMMs run in {main}" + (" (timed on this CPU)" if t.timed_ops else "")
+    if t.overhead_s >= t.memory_s:
+        return f"the step is {t.overhead_s / r.step_time_s:.0%} host overhead (dispatch) and it runs the fewest ops"
+    return f"the step is {t.memory_s / r.step_time_s:.0%} bandwidth/launch-bound and it moves the fewest bytes"
 
 
 def _why_small(r) -> str:
