@@ -298,11 +298,11 @@ class Watch:
 
         The squared 2-norm of every gradient (:func:`_squared_norms`: one multi-tensor kernel on a GPU; BLAS
         dot products of fp32 gradients on a CPU, whose vector-norm kernel reads slower, and whose inf-norm is not
-        vectorised at all), their global L2 norm, stacked with the step's losses and
-        read in one go: all are finite iff no gradient or loss holds an inf or NaN -- except finite gradients
-        whose squares overflow fp32, which also give an inf norm. Such a step (rare) is checked exactly with a
-        second read. The norm is kept as the step's ``grad_l2``; on a sampled step the per-gradient norms
-        serve the sample's per-layer norms too.
+        vectorised at all), stacked with the step's losses and read in one go: all are finite iff no gradient
+        or loss holds an inf or NaN -- except finite gradients whose squares overflow fp32, which also give an
+        inf square. Such a step (rare) is checked exactly with a second read. The global L2 norm is summed on
+        the host from the values read (no device ops for it) and kept as the step's ``grad_l2``; on a sampled
+        step the per-gradient squares serve the sample's per-layer norms too.
         """
         params = self._with_grads()
         grads = [p.grad for p in params]
@@ -312,27 +312,26 @@ class Watch:
         if not grads and not losses:
             return
         sharded = self._dtensor and self.world_size > 1
-        vals: list[torch.Tensor] = []
+        squares: list[torch.Tensor] = []
         if grads:
             squares = _squared_norms(grads, self._norm_dtype)
             if st.sampled and not self._dtensor:
                 st.norms = dict(zip(map(id, params), squares))
             if self._devices_differ:
                 squares = [n.to(self.device) for n in squares]
-            total = torch.stack(squares).sum() if len(squares) > 1 else squares[0]
-            vals.append(total if sharded else total.sqrt())  # sharded: the ranks' squares are summed first
-        vals += [t.float().reshape(()) for t in losses]
+        vals = [n.reshape(()) for n in squares] + [t.float().reshape(()) for t in losses]
         both = torch.stack(vals) if len(vals) > 1 or sharded else vals[0]  # a copy where it is reduced
-        if sharded:  # every rank must agree: the sum of the squared shard norms, and of the losses
+        if sharded:  # every rank must agree: each gradient's squares summed over the shards, and the losses
             dist.all_reduce(both)
         read = self._read(both, "check")
         values = read if isinstance(read, list) else [read]
-        if grads and sharded:
-            values[0] = math.sqrt(values[0]) if values[0] >= 0 else values[0]
+        squared, rest = values[:len(squares)], values[len(squares):]
         finite = all(math.isfinite(v) for v in values)
         if grads:
-            st.grad_l2 = values[0]
-            if values[0] == math.inf and all(math.isfinite(v) for v in values[1:]):
+            squares_finite, nan = all(map(math.isfinite, squared)), any(map(math.isnan, squared))
+            st.grad_l2 = math.sqrt(math.fsum(squared)) if squares_finite else math.nan if nan else math.inf
+            # an inf square may be finite values squared past fp32's range; a NaN one (squares are >= 0) may not
+            if not squares_finite and not nan and all(math.isfinite(v) for v in rest):
                 finite = self._grads_finite(grads, sharded)  # an inf or squares that overflowed: tell them apart
         st.nonfinite = not finite
         if st.nonfinite:
