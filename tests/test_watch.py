@@ -378,10 +378,10 @@ def test_train_watch_flag_reports_and_changes_nothing(cli, tmp_path, precision):
 # ------------------------------------------------------------------------------------------ two processes
 
 
-def _ddp_worker(rank: int, port: int, tmp: str) -> None:
-    """One of two gloo ranks: a DDP-wrapped Net in the plain bf16 loop, watched; rank 1's batch at step 3 overflows
-    in ``boost``. Each rank gets its own ``out`` (anything rank 1 writes would show in its folder) and leaves what
-    it saw itself in local{rank}.json, for the test to reduce."""
+def _ddp_worker(rank: int, port: int, tmp: str, strategy: str = "ddp") -> None:
+    """One of two gloo ranks: a DDP-wrapped (or FSDP2-sharded) Net in the plain bf16 loop, watched; rank 1's batch
+    at step 3 overflows in ``boost``. Each rank gets its own ``out`` (anything rank 1 writes would show in its
+    folder) and leaves what it saw itself in local{rank}.json, for the test to reduce."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -391,16 +391,23 @@ def _ddp_worker(rank: int, port: int, tmp: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        model = DistributedDataParallel(Net())
+        if strategy == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            model = fully_shard(Net())
+        else:
+            model = DistributedDataParallel(Net())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         data = batches(4, seed=rank, fault_at=3 if rank == 1 else None, mode=FORWARD)
         with mixprec.watch(model, opt, out=os.path.join(tmp, f"out{rank}"), every=2, plots=False,
                            tensorboard=False) as w:
-            _loop(model, opt, data, watch=w)
+            norms = []
+            _loop(model, opt, data, watch=w, on_step=lambda i: norms.append(w.last.grad_l2))
         lost = w.sampler.monitor.result().layers
         local = {"histograms": w.sampler.profile().to_dict()["histograms"], "nonfinite_steps": w.nonfinite_steps,
                  "lost": {lu.name: [lu.updated, lu.lost] for lu in lost},
-                 "triggers": [[t["step"], t["kind"], t["description"]] for t in w.triggers]}
+                 "triggers": [[t["step"], t["kind"], t["description"]] for t in w.triggers],
+                 "grad_l2": norms}
         with open(os.path.join(tmp, f"local{rank}.json"), "w") as f:
             json.dump(local, f)
         dist.barrier()
@@ -409,7 +416,10 @@ def _ddp_worker(rank: int, port: int, tmp: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path, strategy):
+    """DDP (each rank holds whole gradients) and FSDP2 (each rank a shard: the finite check's squares are
+    summed over the ranks, so both agree on the step)."""
     import socket
 
     from conftest import spawn_two
@@ -417,7 +427,7 @@ def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spawn_two(_ddp_worker, port, str(tmp_path), timeout=60, what="the 2-process watch")
+    spawn_two(_ddp_worker, port, str(tmp_path), strategy, timeout=60, what=f"the 2-process watch ({strategy})")
     local = [json.loads((tmp_path / f"local{r}.json").read_text()) for r in (0, 1)]
     rep = json.loads((tmp_path / "out0" / "watch.json").read_text())
     # only rank 0 writes the reports; a faulting rank writes its own capture, nothing else
@@ -439,9 +449,20 @@ def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path):
     # rank 1's planted overflow (DDP's all-reduce makes rank 0's gradients non-finite too, unexplained there)
     assert [[t["step"], t["kind"], t["description"], t["rank"]] for t in rep["triggers"]] == [
         [*t, r] for r in (0, 1) for t in local[r]["triggers"]]
-    assert "not reproduced" in local[0]["triggers"][0][2] and " in boost " in local[1]["triggers"][0][2]
-    fault = rep["nonfinite"]["first_fault"]
-    assert fault["step"] == 3 and fault["classification"] == "forward overflow" and fault["event"]["module"] == "boost"
+    if strategy == "ddp":
+        assert "not reproduced" in local[0]["triggers"][0][2] and " in boost " in local[1]["triggers"][0][2]
+        fault = rep["nonfinite"]["first_fault"]
+        assert fault["step"] == 3 and fault["classification"] == "forward overflow"
+        assert fault["event"]["module"] == "boost"
+    else:  # both ranks see the step as non-finite (the shards' squares are summed); no replay of a sharded model
+        assert [t[:2] for r in (0, 1) for t in local[r]["triggers"]] == [[3, "nonfinite"]] * 2
+        assert all("not localised: the model is sharded (FSDP2)" in local[r]["triggers"][0][2] for r in (0, 1))
+        shard = torch.load(tmp_path / "out1" / "capture-rank1.pt", weights_only=True)["state_dict"]
+        assert shard["embed.weight"].shape[0] == Net().embed.weight.shape[0] // 2  # this rank's half
+    # the steps' norms before the fault: the whole model's on every rank (DDP: the same gradients; FSDP: the
+    # shards' squares summed over the ranks)
+    assert local[0]["grad_l2"][:3] == pytest.approx(local[1]["grad_l2"][:3], rel=1e-6)
+    assert all(n > 0 for n in local[0]["grad_l2"][:3]) and not math.isfinite(local[1]["grad_l2"][3])
     assert rep["watch"]["ranks_nonfinite"] == [local[0]["nonfinite_steps"], local[1]["nonfinite_steps"]] == [1, 1]
     assert rep["watch"]["world_size"] == 2 and rep["watch"]["steps"] == 4
 

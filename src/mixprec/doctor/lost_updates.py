@@ -155,6 +155,12 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
 scalars: stepping a subsample of a tensor gives exactly the subsample of the whole step."""
 
 
+def _local(t: Any) -> Any:
+    """This rank's shard of a sharded (DTensor: FSDP2) tensor; anything else as it is. Lost updates are counted
+    per element, so each rank counts its own shard (the watch sums the counts over the ranks)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class LostUpdateMonitor:
     """Measures lost updates on every ``optimizer.step()`` while active (``with monitor:``).
 
@@ -195,18 +201,21 @@ class LostUpdateMonitor:
         for g in opt.param_groups:
             shadow = []
             for p in g["params"]:
-                s = p.detach().float().clone()
+                s = _local(p).detach().float().clone()
                 if p.grad is not None:
-                    s.grad = p.grad.detach().float().clone()
+                    s.grad = _local(p.grad).detach().float().clone()
                 shadow.append(s)
                 pairs.append((p, s))
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shadow})
         sopt = same_optimizer(type(opt), groups, dict(opt.defaults))
-        sopt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict casts state to fp32
+        state = opt.state_dict()
+        state["state"] = {i: {k: _local(v) for k, v in st.items()} for i, st in state["state"].items()}
+        sopt.load_state_dict(copy.deepcopy(state))  # load_state_dict casts state to fp32
         with torch.no_grad():
             before = [s.clone() for _, s in pairs]
             sopt.step()
-        return [(p, p.detach(), s - b, p.numel()) for (p, s), b in zip(pairs, before) if p.grad is not None]
+        return [(p, _local(p).detach(), s - b, _local(p).numel()) for (p, s), b in zip(pairs, before)
+                if p.grad is not None]
 
     def _shadow_subsample(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, int]]:
@@ -220,25 +229,27 @@ class LostUpdateMonitor:
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                stride = stride_for(p, self.max_elements)
-                view = flat_sample(p.detach(), stride)
+                lp = _local(p)
+                stride = stride_for(lp, self.max_elements)
+                view = flat_sample(lp.detach(), stride)
                 s = view.to(torch.float32, copy=True)
-                s.grad = flat_sample(p.grad.detach(), stride, like=p).to(torch.float32, copy=True)
+                s.grad = flat_sample(_local(p.grad).detach(), stride, like=lp).to(torch.float32, copy=True)
                 shadow.append(s)
-                rows.append((p, view, s, stride))
+                rows.append((p, lp, view, s, stride))
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shadow})
         sopt = same_optimizer(type(opt), groups, dict(opt.defaults))
-        for p, _, s, stride in rows:
+        for p, lp, _, s, stride in rows:
             state = opt.state.get(p)
             if state:
-                sopt.state[s] = {k: (flat_sample(v.detach(), stride, like=p).to(torch.float32, copy=True)
-                                     if isinstance(v, torch.Tensor) and v.shape == p.shape and v.is_floating_point()
+                local = {k: _local(v) for k, v in state.items()}
+                sopt.state[s] = {k: (flat_sample(v.detach(), stride, like=lp).to(torch.float32, copy=True)
+                                     if isinstance(v, torch.Tensor) and v.shape == lp.shape and v.is_floating_point()
                                      else v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                                 for k, v in state.items()}
+                                 for k, v in local.items()}
         with torch.no_grad():
-            before = [s.clone() for _, _, s, _ in rows]
+            before = [s.clone() for _, _, _, s, _ in rows]
             sopt.step()
-        return [(p, view, s - b, p.numel()) for (p, view, s, _), b in zip(rows, before)]
+        return [(p, view, s - b, lp.numel()) for (p, lp, view, s, _), b in zip(rows, before)]
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.before_step(opt)
@@ -262,9 +273,11 @@ class LostUpdateMonitor:
             lu.elements += elements
 
     def _judge(self, p: torch.Tensor, name: str, lu: LayerUpdates) -> bool:
-        """Whether ``p``'s update-to-weight ratio means anything: decided once, at the first step it is seen."""
+        """Whether ``p``'s update-to-weight ratio means anything: decided once, at the first step it is seen (on
+        a sharded parameter, by this rank's shard)."""
         if id(p) not in self._judged:
-            rms = float(p.detach().double().norm()) / max(1, p.numel()) ** 0.5
+            lp = _local(p)
+            rms = float(lp.detach().double().norm()) / max(1, lp.numel()) ** 0.5
             self._judged[id(p)] = rms >= RATIO_FLOOR
             if rms < RATIO_FLOOR:
                 lu.unjudged.append(name)

@@ -413,11 +413,15 @@ class Watch:
         self._first_nonfinite = st.index if first else self._first_nonfinite
         analysis = None
         cfg = self.config
-        if cfg.localize and len(self.faults) < cfg.max_localized and not any(f.is_fault for f in self.faults):
+        if (cfg.localize and not self._dtensor and len(self.faults) < cfg.max_localized
+                and not any(f.is_fault for f in self.faults)):
             analysis = localize(self.model, st.batches, step=st.index, scale=self._scale_value(st), bisect=scaled)
             self.faults.append(analysis)
         if first or (analysis is not None and analysis.is_fault):
             what = analysis.describe() if analysis is not None else f"step {st.index}: non-finite loss or gradients"
+            if analysis is None and cfg.localize and self._dtensor:
+                what += (" (not localised: the model is sharded (FSDP2) and the replay needs a whole copy of it on "
+                         "one rank; each rank's capture holds its own shard)")
             raising = not scaled or (analysis is not None and analysis.is_fault)
             self._trigger("nonfinite", st, what, raising=raising, analysis=analysis)
 

@@ -230,6 +230,8 @@ def localize(model: nn.Module, batches: list[MicroBatch], *, step: int, scale: f
 def _plain(o: Any) -> Any:
     """``o`` as what ``torch.load(weights_only=True)`` accepts: CPU tensors, numbers, strings, containers."""
     if isinstance(o, torch.Tensor):
+        if hasattr(o, "to_local"):  # a sharded (FSDP2) tensor: this rank's shard
+            o = o.to_local()
         return o.detach().cpu()
     if o is None or isinstance(o, (bool, int, float, str)):
         return o
