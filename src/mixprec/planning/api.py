@@ -126,7 +126,7 @@ def _recipe_plan(trace: StepTrace, target: Target, *, tf32: bool, notes: list[st
     dtype_map = {"fp32": "tf32"} if tf32 and "tf32" in target.peak_flops else {}
     ops = trace.ops
     untimed = kernel_times.untimed if kernel_times is not None else 0
-    measured = kernel_times.measure(op.kernel for op in ops) if kernel_times is not None else None
+    measured = _measured(ops, target, kernel_times)
     t = step_time(ops, target, dtype_map=dtype_map, kernel_times=measured)
     if kernel_times is not None and kernel_times.untimed > untimed:
         notes = notes + [f"{kernel_times.untimed - untimed} distinct GEMM/convolution/attention calls priced by the "
@@ -143,6 +143,17 @@ def _recipe_plan(trace: StepTrace, target: Target, *, tf32: bool, notes: list[st
                       peak_bytes=trace.peak_bytes, batch_size=trace.batch_size, max_batch_size=max_b,
                       fits=trace.peak_bytes <= target.memory_bytes, flops=t.flops_by_dtype,
                       step_time_s=t.total_s, time=t, notes=tuple(notes + trace.notes))
+
+
+def _measured(ops, target: Target, kernel_times: KernelTimes | None) -> dict | None:
+    """The timed kernels of ``ops`` (:mod:`.kernels`); a call the roofline prices above
+    :attr:`KernelTimes.longest_s` is not timed (a large GEMM reaches its efficiency factor, and a slow kernel
+    path -- CPU fp16 -- would take minutes)."""
+    if kernel_times is None:
+        return None
+    eff = efficiency_for(target)
+    return kernel_times.measure(op.kernel for op in ops if op.kernel is not None
+                                and op.flops / (target.peak(op.dtype) * eff.for_dtype(op.dtype)) <= kernel_times.longest_s)
 
 
 def plan(
@@ -250,8 +261,8 @@ class Planner:
 
     def step_time(self, ops, *, dtype_map: dict[str, str] | None = None) -> StepTime:
         """:func:`.roofline.step_time` of ``ops`` on the target, with the kernels this plan times measured."""
-        measured = self.kernel_times.measure(op.kernel for op in ops) if self.kernel_times is not None else None
-        return step_time(ops, self.target, dtype_map=dtype_map, kernel_times=measured)
+        return step_time(ops, self.target, dtype_map=dtype_map,
+                         kernel_times=_measured(ops, self.target, self.kernel_times))
 
 
 class TaskLoss:

@@ -13,13 +13,14 @@ there the planner runs each distinct GEMM, convolution and attention call of the
 (:data:`TIMED_OPS`; the same op, shapes, strides, dtypes and flags) for real, once per plan, on random inputs,
 and uses its time in the step's sum (:func:`.roofline.step_time`). The ops without FLOPs (elementwise, norms, casts, the optimizer's update)
 keep the roofline: they are bandwidth- or dispatch-bound and priced well by it. A call whose operands exceed
-:data:`MAX_OPERAND_BYTES` keeps the roofline too (a large GEMM reaches its efficiency factor, and timing it
-would cost the memory and the minutes the plan exists to save); so do GPU targets, whose kernels the machine
-at hand cannot run.
+:data:`MAX_OPERAND_BYTES`, or that the roofline prices above :attr:`KernelTimes.longest_s`, keeps the roofline
+too (a large GEMM reaches its efficiency factor, and timing it would cost the memory and the minutes the plan
+exists to save); so do GPU targets, whose kernels the machine at hand cannot run.
 
 The traced step records each such call (:class:`KernelSpec`, :func:`kernel_spec`); timing happens after the
 trace, outside the fake mode (:class:`KernelTimes`): a warm-up call, then the median of a few more, bounded by
-a time budget per kernel. A call that fails on random inputs keeps the roofline.
+a time budget per kernel and one per plan. A call that fails on random inputs keeps the roofline. Being
+measured, these times are the machine's as it is: on a busy machine they read slow, as a real run there would.
 """
 
 from __future__ import annotations
@@ -143,8 +144,11 @@ class KernelTimes:
     (:attr:`untimed` counts them, and the plan says so) -- a large model on the cpu target has calls of
     seconds each."""
 
-    def __init__(self, *, budget_s: float = 0.5, repeats: int = 5, total_budget_s: float = 60.0) -> None:
+    def __init__(self, *, budget_s: float = 0.5, repeats: int = 5, total_budget_s: float = 60.0,
+                 longest_s: float = 1.0) -> None:
         self.budget_s = budget_s
+        self.longest_s = longest_s
+        """The planner does not time a call its roofline prices above this (:func:`.api._measured`)."""
         self.repeats = repeats
         self.total_budget_s = total_budget_s
         self.spent_s = 0.0
