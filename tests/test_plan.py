@@ -399,3 +399,9 @@ def test_cpu_target_times_gemms_convolutions_and_attention_once_per_distinct_cal
     assert len(times.seconds) == len(set(measured))
     spent = KernelTimes(total_budget_s=0.0)  # a budget spent before the first call: every call keeps the roofline
     assert spent.measure(op.kernel for op in kept) == {} and spent.untimed == len(set(measured))
+    from mixprec.planning.api import _measured
+
+    slow = Target(name="cpu", description="test", kind="cpu", memory_bytes=2**30, peak_flops={"fp32": 1.0},
+                  bandwidth=1.0, source="test", launch_s=0.0)  # 1 FLOP/s: every call priced far above a second
+    assert _measured(cpu.ops, slow, KernelTimes()) == {}
+    assert _measured(cpu.ops, get_target("cpu"), KernelTimes()).keys() == set(measured)
