@@ -167,7 +167,8 @@ def table(rows: list[dict]) -> str:
         rss = f"{r['peak_rss'] / 2**20:.2f} ({_pct(r['peak_pred'], r['peak_rss'])})" if r.get("peak_rss") else "n/a"
         out.append(f"| {r['model']} | {r['batch']} | {r['recipe']} | {'exact' if r['static_exact'] else 'DIFFER'} | "
                    f"{r['saved_pred'] / 2**20:.2f} / {r['saved_meas'] / 2**20:.2f} | {_pct(r['saved_pred'], r['saved_meas'])} | "
-                   f"{r['peak_pred'] / 2**20:.2f} / {peak_meas} | {_pct(r['peak_pred'], r['peak_meas'])} | {rss} | {times} | "
+                   f"{r['peak_pred'] / 2**20:.2f} / {peak_meas} | {_pct(r['peak_pred'], r['peak_meas'])} | {rss} | "
+                   f"{times} | "
                    f"{ratio} | {delta} |")
     if within:
         out.append(f"\nbf16-mixed/fp32 step-time ratio within 25% of the measured one: {sum(within)} of {len(within)}")

@@ -13,8 +13,8 @@ than one step, and the epoch clock itself is synchronised by the trainer.
 **Memory.** The exact accounting (:mod:`mixprec.memory`) comes from the trainer's sampled step. Beside it,
 *measured* peaks of one training step, taken after the timed run is over so they cannot disturb timing:
 
-- CPU, the physical check: the process resident set is misleading as it is: glibc keeps freed buffers in its heap, so the
-  next step reuses them without the RSS moving and a naive "RSS during the step minus RSS before" reads
+- CPU, the physical check: the process resident set is misleading as it is: glibc keeps freed buffers in its
+  heap, so the next step reuses them without the RSS moving and a naive "RSS during the step minus RSS before" reads
   far too low. So the probe (1) switches glibc to ``mmap`` for every allocation of 64 KiB or
   more (``mallopt(M_MMAP_THRESHOLD, 65536)``, what ``MALLOC_MMAP_THRESHOLD_=65536`` does at start-up),
   so freed tensors go back to the kernel at once; (2) frees the gradients and calls ``malloc_trim(0)``,

@@ -177,7 +177,8 @@ class MemoryProbe:
         d = _dict(d)
         exact = _dict(d.get("exact_activations_plus_gradients"))
         return cls(method=_str(d.get("method")), reason=_str(d.get("reason")),
-                   step_peak_bytes=_int(d.get("step_peak_bytes")), rss_step_peak_bytes=_int(d.get("rss_step_peak_bytes")),
+                   step_peak_bytes=_int(d.get("step_peak_bytes")),
+                   rss_step_peak_bytes=_int(d.get("rss_step_peak_bytes")),
                    rss_method=_str(d.get("rss_method")), exact_activations=_int(exact.get("activations")),
                    exact_gradients=_int(exact.get("gradients")), repeats=_int(d.get("repeats")),
                    cuda_peak_reserved_bytes=_int(d.get("cuda_peak_reserved_bytes")))

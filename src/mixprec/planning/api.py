@@ -152,8 +152,12 @@ def _measured(ops, target: Target, kernel_times: KernelTimes | None) -> dict | N
     if kernel_times is None:
         return None
     eff = efficiency_for(target)
-    return kernel_times.measure(op.kernel for op in ops if op.kernel is not None
-                                and op.flops / (target.peak(op.dtype) * eff.for_dtype(op.dtype)) <= kernel_times.longest_s)
+
+    def priced_s(op) -> float:
+        return op.flops / (target.peak(op.dtype) * eff.for_dtype(op.dtype))
+
+    return kernel_times.measure(op.kernel for op in ops
+                                if op.kernel is not None and priced_s(op) <= kernel_times.longest_s)
 
 
 def plan(

@@ -11,11 +11,12 @@ fp32 one on the tests' ``nn.TransformerEncoder`` at batch 256, which makes the w
 than fp32). No FLOP or byte count gives these, and the ``cpu`` target is the machine the plan runs on: so
 there the planner runs each distinct GEMM, convolution and attention call of the traced step
 (:data:`TIMED_OPS`; the same op, shapes, strides, dtypes and flags) for real, once per plan, on random inputs,
-and uses its time in the step's sum (:func:`.roofline.step_time`). The ops without FLOPs (elementwise, norms, casts, the optimizer's update)
-keep the roofline: they are bandwidth- or dispatch-bound and priced well by it. A call whose operands exceed
-:data:`MAX_OPERAND_BYTES`, or that the roofline prices above :attr:`KernelTimes.longest_s`, keeps the roofline
-too (a large GEMM reaches its efficiency factor, and timing it would cost the memory and the minutes the plan
-exists to save); so do GPU targets, whose kernels the machine at hand cannot run.
+and uses its time in the step's sum (:func:`.roofline.step_time`). The ops without FLOPs (elementwise, norms,
+casts, the optimizer's update) keep the roofline: they are bandwidth- or dispatch-bound and priced well by it.
+A call whose operands exceed :data:`MAX_OPERAND_BYTES`, or that the roofline prices above
+:attr:`KernelTimes.longest_s`, keeps the roofline too (a large GEMM reaches its efficiency factor, and timing
+it would cost the memory and the minutes the plan exists to save); so do GPU targets, whose kernels the
+machine at hand cannot run.
 
 The traced step records each such call (:class:`KernelSpec`, :func:`kernel_spec`); timing happens after the
 trace, outside the fake mode (:class:`KernelTimes`): a warm-up call, then the median of a few more, bounded by
