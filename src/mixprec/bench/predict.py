@@ -16,8 +16,8 @@ never the bench: the recipes without one say why in one line. ``--no-plan`` turn
 
 **What is compared.** Peak: on a CPU the probe measures what one step adds above the resident state
 (the allocator's peak, :mod:`.measure`; parameters, buffers, optimizer state, masters and the batch exist
-before the step), so the prediction compared is the plan's peak less those (``step_peak_bytes``); on CUDA the trainer's
-``max_memory_allocated`` (resident included) against the plan's whole peak. Step time: the median timed
+before the step), so the prediction compared is the plan's peak less those (``step_peak_bytes``); on CUDA
+the trainer's ``max_memory_allocated`` (resident included) against the plan's whole peak. Step time: the median timed
 step against the plan's roofline time, with ``--grad-accum K`` counted as K forward+backward passes and
 one optimizer phase.
 """

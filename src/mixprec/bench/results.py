@@ -326,7 +326,8 @@ class Prediction:
 _SPREADS = ("epoch_time_s", "raw_epoch_time_s", "step_time_s", "samples_per_s", "test_accuracy", "test_loss",
             "bits_per_char", "test_metric")
 _NUMBERS = ("memory_total_bytes", "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes",
-            "measured_step_peak_bytes", "measured_step_rss_peak_bytes", "exact_activations_plus_gradients_bytes", "peak_flops_per_s", "mfu",
+            "measured_step_peak_bytes", "measured_step_rss_peak_bytes", "exact_activations_plus_gradients_bytes",
+            "peak_flops_per_s", "mfu",
             "final_train_loss", "skipped_steps", "final_loss_scale", "speedup_vs_fp32", "memory_saving_vs_fp32",
             "accuracy_delta_vs_fp32_pp", "test_loss_delta_vs_fp32", "metric_delta_vs_fp32")
 

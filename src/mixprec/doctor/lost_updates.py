@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..memory import local_tensor
 from .observer import dtype_name
 
 __all__ = ["LayerUpdates", "LostUpdates", "LostUpdateMonitor", "RATIO_FLOOR", "optimizer_param_names",
@@ -155,12 +156,6 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
 scalars: stepping a subsample of a tensor gives exactly the subsample of the whole step."""
 
 
-def _local(t: Any) -> Any:
-    """This rank's shard of a sharded (DTensor: FSDP2) tensor; anything else as it is. Lost updates are counted
-    per element, so each rank counts its own shard (the watch sums the counts over the ranks)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class LostUpdateMonitor:
     """Measures lost updates on every ``optimizer.step()`` while active (``with monitor:``).
 
@@ -201,21 +196,21 @@ class LostUpdateMonitor:
         for g in opt.param_groups:
             shadow = []
             for p in g["params"]:
-                s = _local(p).detach().float().clone()
+                lp = local_tensor(p)  # a sharded (FSDP2) parameter: this rank's shard, counted per element
+                s = lp.detach().float().clone()
                 if p.grad is not None:
-                    s.grad = _local(p.grad).detach().float().clone()
+                    s.grad = local_tensor(p.grad).detach().float().clone()
                 shadow.append(s)
-                pairs.append((p, s))
+                pairs.append((p, lp, s))
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shadow})
         sopt = same_optimizer(type(opt), groups, dict(opt.defaults))
         state = opt.state_dict()
-        state["state"] = {i: {k: _local(v) for k, v in st.items()} for i, st in state["state"].items()}
+        state["state"] = {i: {k: local_tensor(v) for k, v in st.items()} for i, st in state["state"].items()}
         sopt.load_state_dict(copy.deepcopy(state))  # load_state_dict casts state to fp32
         with torch.no_grad():
-            before = [s.clone() for _, s in pairs]
+            before = [s.clone() for _, _, s in pairs]
             sopt.step()
-        return [(p, _local(p).detach(), s - b, _local(p).numel()) for (p, s), b in zip(pairs, before)
-                if p.grad is not None]
+        return [(p, lp.detach(), s - b, lp.numel()) for (p, lp, s), b in zip(pairs, before) if p.grad is not None]
 
     def _shadow_subsample(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, int]]:
@@ -229,11 +224,11 @@ class LostUpdateMonitor:
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                lp = _local(p)
+                lp = local_tensor(p)
                 stride = stride_for(lp, self.max_elements)
                 view = flat_sample(lp.detach(), stride)
                 s = view.to(torch.float32, copy=True)
-                s.grad = flat_sample(_local(p.grad).detach(), stride, like=lp).to(torch.float32, copy=True)
+                s.grad = flat_sample(local_tensor(p.grad).detach(), stride, like=lp).to(torch.float32, copy=True)
                 shadow.append(s)
                 rows.append((p, lp, view, s, stride))
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shadow})
@@ -241,7 +236,7 @@ class LostUpdateMonitor:
         for p, lp, _, s, stride in rows:
             state = opt.state.get(p)
             if state:
-                local = {k: _local(v) for k, v in state.items()}
+                local = {k: local_tensor(v) for k, v in state.items()}
                 sopt.state[s] = {k: (flat_sample(v.detach(), stride, like=lp).to(torch.float32, copy=True)
                                      if isinstance(v, torch.Tensor) and v.shape == lp.shape and v.is_floating_point()
                                      else v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
@@ -276,7 +271,7 @@ class LostUpdateMonitor:
         """Whether ``p``'s update-to-weight ratio means anything: decided once, at the first step it is seen (on
         a sharded parameter, by this rank's shard)."""
         if id(p) not in self._judged:
-            lp = _local(p)
+            lp = local_tensor(p)
             rms = float(lp.detach().double().norm()) / max(1, lp.numel()) ** 0.5
             self._judged[id(p)] = rms >= RATIO_FLOOR
             if rms < RATIO_FLOOR:

@@ -98,7 +98,8 @@ def verdict(p) -> str:
 
 def _why_fast(r) -> str:
     t = r.time
-    gemm_share = (t.gemm_s + t.timed_s) / r.step_time_s if r.step_time_s else 0  # timed calls: GEMMs, convs, attention
+    # the timed calls are GEMMs, convolutions and attention: they count with the GEMMs
+    gemm_share = (t.gemm_s + t.timed_s) / r.step_time_s if r.step_time_s else 0
     main = max(r.flops.items(), key=lambda kv: kv[1])[0] if r.flops else "fp32"
     if gemm_share >= 0.5:
         return f"its GEMMs run in {main}" + (" (timed on this CPU)" if t.timed_ops else "")

@@ -7,8 +7,7 @@ memory_efficiency)`` for every op (elementwise ops, norms, casts, the optimizer'
 ``launch`` is the target's least time per op (a GPU's kernel launch; 0 on the cpu target), and ``overhead``
 the host time each op adds before its kernel (:attr:`Efficiency.op_overhead_s`, plus ``lowp_gemm_overhead_s``
 for a GEMM in bf16/fp16/fp8: eager dispatch, which a CPU pays in line and a GPU hides behind its queue, so 0
-there).
-View ops cost nothing. The step time is the sum (eager PyTorch runs one op after another) plus the step's own
+there). View ops cost nothing. The step time is the sum (eager PyTorch runs one op after another) plus the step's own
 host time (:attr:`Efficiency.step_overhead_s`; 0 on GPU targets). On the cpu target an op the roofline cannot
 price there (the small GEMMs, convolutions and attention of the models a CPU trains: :mod:`.kernels`) takes
 the time it was measured to take on this CPU instead, plus its host overhead.
@@ -127,7 +126,7 @@ def step_time(ops: list[OpRecord], target: Target, efficiency: Efficiency | None
         if op.flops:
             dt = dtype_map.get(op.dtype, op.dtype)
             flops[dt] = flops.get(dt, 0) + op.flops
-        measured = kernel_times.get(op.kernel) if op.kernel is not None else None
+        measured = kernel_times.get(op.kernel)
         n += 1
         if measured is not None:
             timed += measured

@@ -56,6 +56,7 @@ from torch import nn
 from ..doctor.api import FaultAnalysis
 from ..doctor.replay import ModelInputs
 from ..errors import NonFiniteError
+from ..memory import local_tensor
 from .config import WatchConfig
 from .recorder import AutocastState, MicroBatch, localize, save_capture
 from .sample import InertHook, Sampler
@@ -307,7 +308,7 @@ class Watch:
         params = self._with_grads()
         grads = [p.grad for p in params]
         if self._dtensor:
-            grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            grads = [local_tensor(g) for g in grads]
         losses = st.model_losses + st.logged_losses
         if not grads and not losses:
             return

@@ -48,6 +48,7 @@ from ..autocast import autocast_dtype, is_autocast_active
 from ..doctor.api import FaultAnalysis
 from ..doctor.observer import dtype_name
 from ..doctor.replay import ModelInputs, max_finite_scale, minimal_fp32_set, replay_step
+from ..memory import local_tensor
 
 __all__ = ["AutocastState", "MicroBatch", "localize", "save_capture", "load_capture", "analyze_capture",
            "CAPTURE_FORMAT"]
@@ -230,9 +231,7 @@ def localize(model: nn.Module, batches: list[MicroBatch], *, step: int, scale: f
 def _plain(o: Any) -> Any:
     """``o`` as what ``torch.load(weights_only=True)`` accepts: CPU tensors, numbers, strings, containers."""
     if isinstance(o, torch.Tensor):
-        if hasattr(o, "to_local"):  # a sharded (FSDP2) tensor: this rank's shard
-            o = o.to_local()
-        return o.detach().cpu()
+        return local_tensor(o).detach().cpu()  # a sharded (FSDP2) tensor: this rank's shard
     if o is None or isinstance(o, (bool, int, float, str)):
         return o
     if isinstance(o, Mapping):

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..doctor.lost_updates import LostUpdateMonitor, optimizer_param_names
 from ..doctor.ranges import BIN_MAX, BIN_MIN, LayerRanges, Log2Histogram, RangeProfile, profiled_layers
+from ..memory import local_tensor
 from .subsample import DEFAULT_SAMPLE_ELEMENTS, HistogramBatch
 
 __all__ = ["Sampler", "InertHook", "shifted"]
@@ -145,7 +146,7 @@ class Sampler:
             if p.grad is None:
                 continue
             g = p.grad.detach()
-            g = g.to_local() if hasattr(g, "to_local") else g
+            g = local_tensor(g)
             if layer in self._current:
                 self._batch.add((layer, "grad_params", grads_log2_scale), g)
             known.setdefault(layer, [])
