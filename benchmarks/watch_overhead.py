@@ -15,6 +15,10 @@ result is the median over rounds of (watched time per step / plain time per step
 Target: <= 1.03 at ``every=100``. The unsampled ratio (same rounds) splits that into the per-step cost and
 the sampled step's share.
 
+``--clip MAX_NORM``: both loops clip the gradients' norm before the step (as the tutorial does against NaNs)
+and the watched loop hands the norm to the watch, whose unsampled finite check then reads that norm instead of
+reducing every gradient itself.
+
 Also reported: the cost of one sampled step (a watch sampling every step against one that never samples,
 per step, minus each other), and the host syncs the watch adds per unsampled step, counted by a dispatcher
 mode (every ``.item()``/``bool()``/``float()`` is an ``aten._local_scalar_dense``) plus ``Tensor.tolist`` calls:
@@ -52,17 +56,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _loop(model, opt, recipe: str, device: torch.device):
-    """(step function, scaler): the tutorial's loop for ``recipe`` (fp16 gets a GradScaler)."""
+def _loop(model, opt, recipe: str, device: torch.device, clip: float | None = None, watch=None):
+    """(step function, scaler): the tutorial's loop for ``recipe`` (fp16 gets a GradScaler); with ``clip`` it
+    clips the gradients' norm before the step (unscaling them first) and hands the norm to ``watch[0]``."""
     spec = resolve_recipe(recipe)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.name.split("-")[0])
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+    watch = watch if watch is not None else [None]
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if watch[0] is not None:
+                watch[0].log(grad_norm=norm)
         scaler.step(opt)
         scaler.update()
 
@@ -110,9 +121,11 @@ def measure(model_name: str, recipe: str, args) -> dict:
     def make(every: int | None):
         m = copy.deepcopy(init)
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        step, scaler = _loop(m, opt, recipe, device)
+        holder: list = [None]
+        step, scaler = _loop(m, opt, recipe, device, clip=args.clip, watch=holder)
         w = None if every is None else mixprec.watch(m, opt, scaler=scaler, every=every, plots=False,
                                                       tensorboard=False, sample_elements=args.sample_elements)
+        holder[0] = w
         return step, w
 
     plain, _ = make(None)
@@ -181,6 +194,10 @@ def main(argv=None) -> int:
     p.add_argument("--sync-steps", type=int, default=20, help="unsampled steps whose syncs are counted")
     p.add_argument("--sample-elements", type=int, default=mixprec.watching.subsample.DEFAULT_SAMPLE_ELEMENTS,
                    help="the watch's sample_elements (0: sampled steps read every tensor whole)")
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="both loops clip the gradients' norm (clip_grad_norm_) before the step; the watched one "
+                        "hands it to the watch (w.log(grad_norm=...)), whose check then reads it instead of "
+                        "summing every gradient itself")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: perf_counter (a quiet machine); cpu: the process's CPU time, for a loaded CPU-only "
@@ -196,7 +213,7 @@ def main(argv=None) -> int:
         args.batch_size, args.batches = 16, 4
     print(f"# mixprec.watch overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"device {args.device}, every={args.every}, {torch.get_num_threads()} threads, {args.clock} clock, "
-          f"sample_elements={args.sample_elements}")
+          f"sample_elements={args.sample_elements}" + (f", clip_grad_norm_ {args.clip:g}" if args.clip else ""))
     print("| model | recipe | plain step | watched step | ratio (median) | min..max | unsampled only | "
           "one sampled step | syncs added / unsampled step |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -190,14 +190,14 @@ def test_syncs_added_per_unsampled_step(monkeypatch, scaled, added):
 
 @pytest.mark.parametrize("case", ["huge-finite", "inf-gradient", "nan-gradient"])
 def test_finite_check_tells_an_overflowing_reduction_from_a_nonfinite_gradient(case):
-    """No scaler: the flag is the gradients' L2 norm (sampled and unsampled steps); gradients of 3e38 are finite
-    but their squares overflow fp32 (the norm reads inf), so the step is checked exactly with one more read -- and
-    is not a fault; an inf or NaN gradient (finite loss) is."""
+    """No scaler: the flag is each gradient's sum (unsampled steps) or squared norm (sampled ones); gradients of
+    3e38 are finite but their sums and squares overflow fp32 (inf), so the step is checked exactly with one more
+    read -- and is not a fault; an inf or NaN gradient (finite loss) is."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     bad = 2  # the step whose gradients are changed (step 2: sampled with every=2; step 1 and 3 are not)
-    reads = []
+    reads, norms = [], []
     with mixprec.watch(model, opt, every=2, plots=False, localize=False) as w:
         for i, (x, y) in enumerate(batches(4)):
             opt.zero_grad()
@@ -211,10 +211,12 @@ def test_finite_check_tells_an_overflowing_reduction_from_a_nonfinite_gradient(c
             before = w.host_reads["check"]
             opt.step()
             reads.append(w.host_reads["check"] - before)
+            norms.append(w.last.grad_l2)
     if case == "huge-finite":
         assert w.nonfinite_steps == 0 and not w.triggers
         assert reads == [1, 2, 2, 2]  # the reduction, then the exact check, on every step with huge gradients
-        assert w.last.grad_l2 == math.inf
+        assert norms[2] == math.inf and norms[0] > 0  # sampled steps keep the norm; unsampled ones only the flag
+        assert norms[1] is None and norms[3] is None
     else:  # (the update makes the weights non-finite: the step after is a fault too)
         assert w.triggers[0]["step"] == bad and w._first_nonfinite == bad
         # an inf norm is re-checked (it could be finite squares overflowing), a NaN norm is a fault outright
@@ -241,6 +243,42 @@ def test_unsampled_finite_check_catches_a_fault_in_any_gradient():
             assert w.nonfinite_steps == 0 and w.host_reads["check"] == 3 + 1  # step 0 sampled; step 2 twice
         else:
             assert w.nonfinite_steps == 1 and w.triggers[0]["step"] == 2, which
+
+
+class _Sums(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket is torch.ops.aten.sum
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_logged_grad_norm_stands_in_for_the_pass_over_the_gradients():
+    """``w.log(grad_norm=clip_grad_norm_(...))`` before the step: an unsampled step reads that norm (and the loss)
+    instead of summing every gradient itself, and a NaN gradient is still caught at its step (the norm is NaN)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    n_grads = len(list(model.parameters()))
+    sums = {}
+    with mixprec.watch(model, opt, every=100, plots=False, localize=False) as w:
+        for i, (x, y) in enumerate(batches(5)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            logged = i in (1, 3, 4)
+            if i == 4:
+                model.head.weight.grad[0, 0] = math.nan
+            if logged:
+                w.log(grad_norm=torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+            before, counter = w.host_reads["check"], _Sums()
+            with counter:
+                opt.step()
+            sums[i] = (counter.n, w.host_reads["check"] - before)
+    # step 0 is sampled (squared norms); 2 sums every gradient; 1 and 3 only read the logged norm: one read each
+    assert sums[1] == sums[3] == (0, 1) and sums[2] == (n_grads, 1)
+    assert w.triggers[0]["step"] == 4 and w.nonfinite_steps == 1
 
 
 def _state(model, opt):
@@ -459,10 +497,12 @@ def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path, stra
         assert all("not localised: the model is sharded (FSDP2)" in local[r]["triggers"][0][2] for r in (0, 1))
         shard = torch.load(tmp_path / "out1" / "capture-rank1.pt", weights_only=True)["state_dict"]
         assert shard["embed.weight"].shape[0] == Net().embed.weight.shape[0] // 2  # this rank's half
-    # the steps' norms before the fault: the whole model's on every rank (DDP: the same gradients; FSDP: the
-    # shards' squares summed over the ranks)
-    assert local[0]["grad_l2"][:3] == pytest.approx(local[1]["grad_l2"][:3], rel=1e-6)
-    assert all(n > 0 for n in local[0]["grad_l2"][:3]) and not math.isfinite(local[1]["grad_l2"][3])
+    # the sampled steps' norms: the whole model's on every rank (DDP: the same gradients; FSDP: the shards'
+    # squares summed over the ranks)
+    # (sampled steps 0 and 2 take the norm; unsampled ones only the flag)
+    assert [local[0]["grad_l2"][i] for i in (0, 2)] == pytest.approx([local[1]["grad_l2"][i] for i in (0, 2)],
+                                                                     rel=1e-6)
+    assert all(local[0]["grad_l2"][i] > 0 for i in (0, 2)) and local[0]["grad_l2"][1] is None
     assert rep["watch"]["ranks_nonfinite"] == [local[0]["nonfinite_steps"], local[1]["nonfinite_steps"]] == [1, 1]
     assert rep["watch"]["world_size"] == 2 and rep["watch"]["steps"] == 4
 

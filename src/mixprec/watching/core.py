@@ -295,45 +295,57 @@ class Watch:
                 self.sampler.pre_update(self.optimizer)
 
     def _check_finite(self, st: _Step) -> None:
-        """The finite flag of a loop without a loss scaler: one fused pass over the gradients and one read.
+        """The finite flag of a loop without a loss scaler: one pass over the gradients and one read.
 
-        The squared 2-norm of every gradient (:func:`_squared_norms`: one multi-tensor kernel on a GPU; BLAS
-        dot products of fp32 gradients on a CPU, whose vector-norm kernel reads slower, and whose inf-norm is not
-        vectorised at all), stacked with the step's losses and read in one go: all are finite iff no gradient
-        or loss holds an inf or NaN -- except finite gradients whose squares overflow fp32, which also give an
-        inf square. Such a step (rare) is checked exactly with a second read. The global L2 norm is summed on
-        the host from the values read (no device ops for it) and kept as the step's ``grad_l2``; on a sampled
-        step the per-gradient squares serve the sample's per-layer norms too.
+        Unsampled steps reduce each gradient to its sum (fp32 accumulation; one kernel each, the cheapest read of
+        the bytes), stacked with the step's losses and read in one go: an inf or NaN anywhere makes its sum
+        non-finite whatever the order of the additions, so finite sums mean finite gradients. A non-finite sum
+        may also be finite values overflowing fp32 (partial sums of opposite signs can even give NaN): such a
+        step (rare) is checked exactly with a second read. Sampled steps take each gradient's squared 2-norm
+        instead (:func:`_squared_norms`), which serves the sample's per-layer norms and the step's ``grad_l2``
+        (summed on the host); a square is never NaN for finite values, so a NaN square is a fault outright.
+
+        A gradient norm tensor the loop handed over before the step (``w.log(grad_norm=...)``, e.g. the return
+        value of ``clip_grad_norm_``) is finite iff the gradients are (up to the same overflow, re-checked
+        exactly): an unsampled step then reads that and the losses and makes no pass over the gradients of its
+        own (not for sharded parameters, whose norm is a DTensor: their own pass keeps the ranks agreeing).
         """
-        params = self._with_grads()
+        losses = st.model_losses + st.logged_losses
+        norm = st.grad_norm if not (st.sampled or self._dtensor) and isinstance(st.grad_norm, torch.Tensor) else None
+        params = self._with_grads() if norm is None else []
         grads = [p.grad for p in params]
         if self._dtensor:
             grads = [local_tensor(g) for g in grads]
-        losses = st.model_losses + st.logged_losses
-        if not grads and not losses:
+        if not grads and not losses and norm is None:
             return
         sharded = self._dtensor and self.world_size > 1
-        squares: list[torch.Tensor] = []
-        if grads:
-            squares = _squared_norms(grads, self._norm_dtype)
-            if st.sampled and not self._dtensor:
-                st.norms = dict(zip(map(id, params), squares))
-            if self._devices_differ:
-                squares = [n.to(self.device) for n in squares]
-        vals = [n.reshape(()) for n in squares] + [t.float().reshape(()) for t in losses]
+        reduced: list[torch.Tensor] = []
+        if norm is not None:
+            reduced = [norm.detach().float().reshape(()).to(self.device)]
+        elif st.sampled:
+            reduced = _squared_norms(grads, self._norm_dtype)
+            if not self._dtensor:
+                st.norms = dict(zip(map(id, params), reduced))
+        else:
+            reduced = [g.sum(dtype=torch.float32) for g in grads]
+        if self._devices_differ:
+            reduced = [n.to(self.device) for n in reduced]
+        vals = [n.reshape(()) for n in reduced] + [t.float().reshape(()) for t in losses]
         both = torch.stack(vals) if len(vals) > 1 or sharded else vals[0]  # a copy where it is reduced
-        if sharded:  # every rank must agree: each gradient's squares summed over the shards, and the losses
+        if sharded:  # every rank must agree: each gradient's reduction summed over the shards, and the losses
             dist.all_reduce(both)
         read = self._read(both, "check")
         values = read if isinstance(read, list) else [read]
-        squared, rest = values[:len(squares)], values[len(squares):]
+        head, rest = values[:len(reduced)], values[len(reduced):]
         finite = all(math.isfinite(v) for v in values)
-        if grads:
-            squares_finite, nan = all(map(math.isfinite, squared)), any(map(math.isnan, squared))
-            st.grad_l2 = math.sqrt(math.fsum(squared)) if squares_finite else math.nan if nan else math.inf
-            # an inf square may be finite values squared past fp32's range; a NaN one (squares are >= 0) may not
-            if not squares_finite and not nan and all(math.isfinite(v) for v in rest):
-                finite = self._grads_finite(grads, sharded)  # an inf or squares that overflowed: tell them apart
+        if reduced:
+            head_finite, nan = all(map(math.isfinite, head)), any(map(math.isnan, head))
+            if st.sampled and norm is None:
+                st.grad_l2 = math.sqrt(math.fsum(head)) if head_finite else math.nan if nan else math.inf
+            # finite values can overflow a sum or a square; only squares (>= 0) of finite values are never NaN
+            exact_nan = st.sampled and norm is None and nan
+            if not head_finite and not exact_nan and all(math.isfinite(v) for v in rest):
+                finite = self._grads_finite(grads or [p.grad for p in self._with_grads()], sharded)
         st.nonfinite = not finite
         if st.nonfinite:
             self._on_nonfinite(st, scaled=False)
