@@ -16,15 +16,16 @@ the iteration without calling ``optimizer.step()`` (a skipped step; seen at the 
 
 Host reads (syncs) it adds
 --------------------------
-Every step's numbers (loss scale, loss, the gradients' L2 norm) stay on the device, appended to a
+Every step's numbers (loss scale, loss, a gradient norm the loop logged) stay on the device, appended to a
 list that is read in one go at the next sampled step. On an *unsampled* step the watch itself reads at most
 one small tensor:
 
 * no loss scaler (bf16, fp32): the finite flag of the step's gradients and loss, in the optimizer's step
-  pre-hook -- every gradient's squared 2-norm on the device, their global L2 norm stacked with the losses,
-  and one read of that small tensor (the norm is kept as the step's ``grad_l2``). It is what lets the watch
-  stop a fault before the optimizer step mutates anything. Only a step whose norm reads inf (an inf
-  gradient, or finite squares that overflow) reads once more, to tell the two apart exactly;
+  pre-hook -- every gradient's sum on the device (or, when the loop logged its gradient norm before the step,
+  that norm instead), stacked with the losses, and one read of that small tensor. It is what lets the watch
+  stop a fault before the optimizer step mutates anything. Only a step whose sums read non-finite (an inf or
+  NaN gradient, or finite values whose sum overflows) reads once more, to tell the two apart exactly. Sampled
+  steps take squared norms instead and keep the global L2 norm as the step's ``grad_l2``;
 * GradScaler, ShardedGradScaler or DynamicLossScaler: none. The scaler has read its own ``found_inf`` already
   and calls ``optimizer.step()`` only when it is finite, so the watch knows a skip without reading anything;
   only a fused optimizer (``_step_supports_amp_scaling``, which GradScaler steps even when skipping) costs one
