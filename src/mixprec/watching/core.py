@@ -182,7 +182,9 @@ class Watch:
     def log(self, *, loss: Any = None, grad_norm: Any = None) -> None:
         """Attach the loop's loss and (unscaled) global gradient norm to the current step (or the last one).
 
-        Tensors are kept as they are (no sync); a loss given before the optimizer step joins the finite check.
+        Tensors are kept as they are (no sync); a loss given before the optimizer step joins the finite check,
+        and a ``grad_norm`` tensor given before it replaces the check's own pass over the gradients on unsampled
+        steps (so it must be the norm of all the optimizer's gradients, as ``clip_grad_norm_`` returns it).
         """
         st = self._open
         if st is not None:
