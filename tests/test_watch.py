@@ -136,18 +136,22 @@ def test_watched_run_is_bit_identical(tmp_path):
     assert torch.equal(rng0, rng1)  # no RNG drawn
 
 
-class _Syncs(TorchDispatchMode):
-    """Counts host reads: every ``.item()``/``bool()``/``float()`` is an ``_local_scalar_dense``; ``tolist`` is
-    counted apart (on a CPU tensor it reads memory without an op)."""
+class _Ops(TorchDispatchMode):
+    """Counts the calls of one ATen op (any overload) while active."""
 
-    def __init__(self):
+    def __init__(self, op):
         super().__init__()
-        self.n = 0
+        self.op, self.n = op, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.n += 1
+        self.n += func.overloadpacket is self.op
         return func(*args, **(kwargs or {}))
+
+
+def _syncs() -> _Ops:
+    """Counts host reads: every ``.item()``/``bool()``/``float()`` is an ``_local_scalar_dense``; ``tolist`` is
+    counted apart (on a CPU tensor it reads memory without an op)."""
+    return _Ops(torch.ops.aten._local_scalar_dense)
 
 
 def _syncs_per_step(watched: bool, scaled: bool, monkeypatch, steps=6) -> list[int]:
@@ -155,7 +159,7 @@ def _syncs_per_step(watched: bool, scaled: bool, monkeypatch, steps=6) -> list[i
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
-    counter = _Syncs()
+    counter = _syncs()
     tolist = torch.Tensor.tolist
 
     def counted_tolist(self):
@@ -245,16 +249,6 @@ def test_unsampled_finite_check_catches_a_fault_in_any_gradient():
             assert w.nonfinite_steps == 1 and w.triggers[0]["step"] == 2, which
 
 
-class _Sums(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket is torch.ops.aten.sum
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_logged_grad_norm_stands_in_for_the_pass_over_the_gradients():
     """``w.log(grad_norm=clip_grad_norm_(...))`` before the step: an unsampled step reads that norm (and the loss)
     instead of summing every gradient itself, and a NaN gradient is still caught at its step (the norm is NaN)."""
@@ -272,7 +266,7 @@ def test_a_logged_grad_norm_stands_in_for_the_pass_over_the_gradients():
                 model.head.weight.grad[0, 0] = math.nan
             if logged:
                 w.log(grad_norm=torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
-            before, counter = w.host_reads["check"], _Sums()
+            before, counter = w.host_reads["check"], _Ops(torch.ops.aten.sum)
             with counter:
                 opt.step()
             sums[i] = (counter.n, w.host_reads["check"] - before)
@@ -497,9 +491,8 @@ def test_two_ranks_reduce_their_statistics_and_only_rank_0_writes(tmp_path, stra
         assert all("not localised: the model is sharded (FSDP2)" in local[r]["triggers"][0][2] for r in (0, 1))
         shard = torch.load(tmp_path / "out1" / "capture-rank1.pt", weights_only=True)["state_dict"]
         assert shard["embed.weight"].shape[0] == Net().embed.weight.shape[0] // 2  # this rank's half
-    # the sampled steps' norms: the whole model's on every rank (DDP: the same gradients; FSDP: the shards'
-    # squares summed over the ranks)
-    # (sampled steps 0 and 2 take the norm; unsampled ones only the flag)
+    # the sampled steps' (0 and 2) norms: the whole model's on every rank (DDP: the same gradients; FSDP: the
+    # shards' squares summed over the ranks); unsampled steps take only the flag
     assert [local[0]["grad_l2"][i] for i in (0, 2)] == pytest.approx([local[1]["grad_l2"][i] for i in (0, 2)],
                                                                      rel=1e-6)
     assert all(local[0]["grad_l2"][i] > 0 for i in (0, 2)) and local[0]["grad_l2"][1] is None

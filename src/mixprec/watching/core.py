@@ -343,12 +343,11 @@ class Watch:
         finite = all(math.isfinite(v) for v in values)
         if reduced:
             head_finite, nan = all(map(math.isfinite, head)), any(map(math.isnan, head))
-            if st.sampled and norm is None:
+            if st.sampled:  # the squares (a logged norm stands in on unsampled steps only)
                 st.grad_l2 = math.sqrt(math.fsum(head)) if head_finite else math.nan if nan else math.inf
-            # finite values can overflow a sum or a square; only squares (>= 0) of finite values are never NaN
-            exact_nan = st.sampled and norm is None and nan
-            if not head_finite and not exact_nan and all(math.isfinite(v) for v in rest):
-                finite = self._grads_finite(grads or [p.grad for p in self._with_grads()], sharded)
+            # finite values can overflow a sum, a norm or a square; only squares (>= 0) of finite values are never NaN
+            if not head_finite and not (st.sampled and nan) and all(math.isfinite(v) for v in rest):
+                finite = self._grads_finite(grads if norm is None else [p.grad for p in self._with_grads()], sharded)
         st.nonfinite = not finite
         if st.nonfinite:
             self._on_nonfinite(st, scaled=False)
