@@ -34,6 +34,7 @@ from mixprec.cli import build_parser, main
 from mixprec.errors import ConfigError
 from mixprec.memory import CATEGORIES, SAVED_CATEGORIES
 from mixprec.train.config import TrainConfig
+from mixprec.train.models import build_model
 
 FAULTS = str(ROOT / "tests" / "userpkg" / "faults.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -248,18 +249,22 @@ def test_quality_and_parity_columns(bench):
 
 @pytest.mark.slow
 def test_memory_accounting_and_honest_cpu_peak(bench):
-    """The measured step peak (VmHWM after clear_refs, glibc mmap threshold 64 KiB, malloc_trim) agrees
-    with the exact accounting of the same step: never below the larger of the activations saved for backward
-    (all alive when the forward ends) and the gradients (all alive when the backward ends) — activations are
-    freed during the backward while gradients appear, so the peak may be below their sum — and at most
-    2 x (activations + gradients) + 1 MiB, the excess being temporaries the accounting does not count
-    (activation gradients during backward; under bf16 autocast also the bf16 weight gradients before their
-    cast to fp32)."""
+    """The measured step peak (c10's allocator peak; beside it the VmHWM rise after clear_refs, glibc mmap
+    threshold 64 KiB, malloc_trim) agrees with the exact accounting of the same step: never below the larger
+    of the activations saved for backward (all alive when the forward ends) and the gradients (all alive when
+    the backward ends) — activations are freed during the backward while gradients appear, so the peak may be
+    below their sum — and at most 2 x (activations + gradients) + 1 MiB, the excess being temporaries the
+    accounting does not count (activation gradients during backward; under bf16 autocast also the bf16 weight
+    gradients before their cast to fp32)."""
     _, _, _, doc = bench
+    mlp = build_model("mlp", input_shape=(1, 28, 28), num_classes=10, width=512, depth=2)  # aborts_in_fp16's
+    small_grads = sum(p.nbytes for p in mlp.parameters() if p.nbytes < measure.MMAP_THRESHOLD_BYTES)
+    assert 0 < small_grads < 64 * 2**10  # its biases and its 10x512 head
     for name in ("fp32", "bf16-mixed"):
         row = _row(doc, name)
         mem = row["memory"]
-        assert mem["parameters"] == mem["gradients"] > 2 * MIB  # fp32 params and grads, ~2.6 MiB
+        fp32_bytes = sum(p.nbytes for p in mlp.parameters())  # ~2.6 MiB
+        assert mem["parameters"] == mem["gradients"] == fp32_bytes > 2 * MIB  # fp32 params and grads
         assert mem["total"] == sum(mem[k] for k in CATEGORIES)  # one definition of each category (mixprec.memory)
         assert (mem["autocast_weight_copies"] > 0) == (name == "bf16-mixed") and mem["fp8_buffers"] == 0
         for r in _runs(doc, name):
@@ -271,8 +276,12 @@ def test_memory_accounting_and_honest_cpu_peak(bench):
             assert exact["gradients"] == mem["gradients"] and exact["activations"] == saved
             lower = max(exact["activations"], exact["gradients"])
             assert probe["method"] == ALLOCATOR_METHOD and probe["rss_method"].startswith("VmHWM")
-            for peak in (probe["step_peak_bytes"], probe["rss_step_peak_bytes"]):  # the allocator's; the RSS rise
-                assert lower <= peak <= 2 * exact["total"] + MIB, (name, probe)
+            upper = 2 * exact["total"] + MIB
+            assert lower <= probe["step_peak_bytes"] <= upper, (name, probe)  # the allocator's: every byte counted
+            # The RSS rise counts pages first touched: a tensor below glibc's mmap threshold may land in a heap
+            # page already resident (the probe plugs only free chunks of at least the threshold), so it may read
+            # up to those tensors' bytes below the exact count (seen: 40 B short, the 10-float bias's gradient).
+            assert lower - small_grads <= probe["rss_step_peak_bytes"] <= upper, (name, probe)
 
 
 def test_allocator_peak_is_the_most_bytes_alive_above_the_start():
