@@ -70,6 +70,88 @@ def test_auto_impl_is_native_where_fp16_steps_are_fast(monkeypatch):
     assert not build_recipe("amp", device="cpu", amp_impl="scratch").emulate
 
 
+class _Tagger(nn.Module):
+    """An embedding-like linear, an LSTM and a head: the LSTM sits between two autocast-lowered layers."""
+
+    def __init__(self, proj_size: int = 0):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.lstm = nn.LSTM(8, 6, batch_first=True, proj_size=proj_size)
+        self.head = nn.Linear(proj_size or 6, 3)
+
+    def forward(self, x):
+        h, _ = self.lstm(self.inp(x))
+        return self.head(h)
+
+
+def test_native_autocast_runs_an_lstm_this_cpu_cannot_lower_in_fp32(monkeypatch):
+    """Where oneDNN has no bf16 LSTM (an AVX2-only CPU; faked here so every CPU runs the test) torch.autocast's
+    LSTM forward raises: the native mechanism runs that layer in fp32 (autocast off, its bf16 input cast up),
+    exactly as an fp32 LSTM would, and only it: the layers around it stay bf16, the hooks and the autocast
+    state are gone after the context, even when the forward raised, and the description says so."""
+    from mixprec import hardware
+
+    monkeypatch.setattr(hardware, "autocast_runs_lstm", lambda dtype: False)
+    r = build_recipe("bf16-mixed", device="cpu", amp_impl="native")
+    torch.manual_seed(0)
+    model = r.convert_module(_Tagger())
+    seen = {}
+    model.lstm.register_forward_hook(lambda m, a, out: seen.update(lstm_in=a[0], lstm_out=out[0]))
+    x = torch.randn(2, 5, 4)
+    with r.autocast():
+        logits = model(x)
+    assert logits.dtype == torch.bfloat16 and seen["lstm_in"].dtype == seen["lstm_out"].dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lowered = model.inp(x)  # the bf16 input torch.autocast hands the LSTM
+    want, _ = model.lstm(lowered.float())  # outside any autocast: the fp32 LSTM
+    assert torch.equal(seen["lstm_out"], want)
+    logits.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert r.mechanism.fp32_lstms == ("lstm",) and "nn.LSTM lstm in fp32" in r.describe()
+    assert "--amp-impl scratch runs them in bf16" in r.describe()
+    assert len(model.lstm._forward_pre_hooks) == 0 and not torch.is_autocast_enabled("cpu")
+    with pytest.raises(RuntimeError), r.autocast():
+        model.lstm(torch.randn(2, 5, 7))  # the wrong width: raises inside the fp32 LSTM
+    assert not torch.is_autocast_enabled("cpu") and len(model.lstm._forward_pre_hooks) == 0
+    with r.autocast():
+        assert torch.is_autocast_enabled("cpu") and model.inp(x).dtype == torch.bfloat16
+
+
+def test_native_autocast_leaves_an_lstm_alone_where_it_runs(monkeypatch):
+    """A CPU whose oneDNN has the LSTM kernel, and a projected LSTM (PyTorch's own kernel on every CPU),
+    keep torch.autocast's own handling; so does the scratch engine (it lowers the LSTM itself)."""
+    from mixprec import hardware
+
+    monkeypatch.setattr(hardware, "autocast_runs_lstm", lambda dtype: True)
+    r = build_recipe("bf16-mixed", device="cpu", amp_impl="native")
+    r.convert_module(_Tagger())
+    assert r.mechanism.fp32_lstms == () and "nn.LSTM" not in r.describe()
+    monkeypatch.setattr(hardware, "autocast_runs_lstm", lambda dtype: False)
+    r = build_recipe("bf16-mixed", device="cpu", amp_impl="native")
+    r.convert_module(_Tagger(proj_size=3))
+    assert r.mechanism.fp32_lstms == ()
+    r = build_recipe("bf16-mixed", device="cpu", amp_impl="scratch")
+    r.convert_module(_Tagger())
+    assert "nn.LSTM" not in r.describe()
+
+
+def test_the_lstm_probe_agrees_with_torch_autocast_on_a_real_lstm():
+    """hardware.autocast_runs_lstm tries a 1-unit LSTM; a 2-layer batch-first one agrees on this CPU."""
+    from mixprec import hardware
+
+    lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                out, _ = lstm(torch.randn(4, 3, 8))
+            out.float().sum().backward()
+            ran = True
+        except RuntimeError as e:
+            assert "primitive descriptor" in str(e)
+            ran = False
+        assert ran == hardware.autocast_runs_lstm(dtype), dtype
+
+
 # What each recipe's description must state, written out here (not read from the spec): the params a
 # master-weight recipe rounds into, whether a loss scaler runs, whether the forward is autocast.
 _STATES = {  # name: (autocast, loss scaler, params rounded to)

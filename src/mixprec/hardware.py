@@ -26,6 +26,7 @@ __all__ = [
     "has_fast_bf16",
     "has_fast_fp16",
     "has_fast_fp16_training",
+    "autocast_runs_lstm",
     "has_fp8_matmul",
     "has_lowp_units",
     "has_mx_matmul",
@@ -91,6 +92,32 @@ def has_fast_fp16_training(device: torch.device) -> bool:
     path and its other fp16 ops lose to fp32 arithmetic on fp16-rounded values (benchmarks/README.md:
     ``conv_fp16.py``, ``scratch_vs_native.py``)."""
     return device.type != "cpu"
+
+
+def autocast_runs_lstm(dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast("cpu", dtype)`` can train an ``nn.LSTM`` on this CPU. It lowers the LSTM
+    through oneDNN's ``mkldnn_rnn_layer``, which has no bf16 kernel without AVX-512 (an AVX2-only CPU) and no
+    fp16 one on most CPUs: there the forward raises "could not create a primitive descriptor". Found by trying
+    one step of a 1-unit LSTM (once per dtype and oneDNN setting), not by reading flags."""
+    return _autocast_runs_lstm(dtype, torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_runs_lstm(dtype: torch.dtype, onednn: bool) -> bool:
+    if not onednn:  # PyTorch's own LSTM then runs, in fp32 (torch.autocast does not lower it)
+        return True
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # real tensors, whatever modes the caller is under (a plan converts its model inside FakeTensorMode)
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        lstm = torch.nn.LSTM(1, 1)
+        try:
+            with torch.enable_grad(), torch.autocast("cpu", dtype=dtype):
+                out, _ = lstm(torch.zeros(1, 1, 1))
+            out.float().sum().backward()
+            return True
+        except RuntimeError:
+            return False
 
 
 def has_tf32(device: torch.device) -> bool:

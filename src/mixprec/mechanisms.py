@@ -85,6 +85,10 @@ class Mechanism:
     def check_compile(self) -> None:
         """Raise RecipeError where ``torch.compile`` cannot help this mechanism."""
 
+    def notes(self) -> list[str]:
+        """Clauses for :meth:`Recipe.describe` on what this mechanism does differently with the checked model."""
+        return []
+
 
 class NativeMechanism(Mechanism):
     """``torch.autocast`` + ``torch.amp.GradScaler`` (``ShardedGradScaler`` for several processes)."""
@@ -113,8 +117,37 @@ class NativeMechanism(Mechanism):
             return ShardedGradScaler(self.device.type, **kw)
         return torch.amp.GradScaler(self.device.type, enabled=self.spec.loss_scaling, **kw)
 
+    def __init__(self, spec: RecipeSpec, **kw: Any) -> None:
+        super().__init__(spec, **kw)
+        self.fp32_lstms: tuple[str, ...] = ()
+        """The model's ``nn.LSTM`` layers this CPU's torch.autocast cannot run in the compute dtype, which run
+        in fp32 instead (see :func:`_lstms_in_fp32`); found by :meth:`check_module`."""
+        self._lstm_modules: tuple[nn.Module, ...] = ()
+
+    def check_module(self, model: nn.Module) -> None:
+        low = self.spec.compute_dtype
+        if not (self.spec.autocast and self.device.type == "cpu" and low != torch.float32):
+            return
+        found = [(n, m) for n, m in model.named_modules() if type(m) is nn.LSTM and m.proj_size == 0]
+        if found and not hardware.autocast_runs_lstm(low):
+            self.fp32_lstms = tuple(n or type(model).__name__ for n, _ in found)
+            self._lstm_modules = tuple(m for _, m in found)
+
+    def notes(self) -> list[str]:
+        if not self.fp32_lstms:
+            return []
+        low = "bf16" if self.spec.compute_dtype == torch.bfloat16 else "fp16"
+        return [f"nn.LSTM {', '.join(self.fp32_lstms)} in fp32: torch.autocast runs LSTMs through oneDNN, which "
+                f"has no {low} LSTM on this CPU (it would raise); --amp-impl scratch runs them in {low}"]
+
     def autocast(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=self.spec.compute_dtype)
+        ac = torch.autocast(self.device.type, dtype=self.spec.compute_dtype)
+        if not self._lstm_modules or model is None:
+            return ac
+        stack = contextlib.ExitStack()
+        stack.enter_context(ac)
+        stack.enter_context(_lstms_in_fp32(self._lstm_modules))
+        return stack
 
     def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
         # The skip is read from the unscale_ the recipe ran (GradScaler.step's own read then finds it ready).
@@ -125,6 +158,50 @@ class NativeMechanism(Mechanism):
         if not skipped:
             scaler.step(optimizer)
         return skipped
+
+
+@contextlib.contextmanager
+def _lstms_in_fp32(lstms: tuple[nn.Module, ...]):
+    """Run these ``nn.LSTM`` layers with autocast off and their inputs in fp32 while the context is open:
+    where oneDNN has no LSTM kernel for the autocast dtype (:func:`mixprec.hardware.autocast_runs_lstm`)
+    torch.autocast's forward would raise. They then run oneDNN's fp32 kernel and return fp32, as
+    torch.autocast leaves ``nn.GRU`` on a CPU. The hooks live only inside the context."""
+    off: list[contextlib.AbstractContextManager] = []
+
+    def before(module, args, kwargs):
+        ctx = torch.autocast("cpu", enabled=False)
+        ctx.__enter__()
+        off.append(ctx)
+        return _to_fp32(args), _to_fp32(kwargs)
+
+    def after(module, args, kwargs, output):
+        if off:
+            off.pop().__exit__(None, None, None)
+
+    handles = []
+    try:
+        for m in lstms:
+            handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(m.register_forward_hook(after, with_kwargs=True, always_call=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        while off:
+            off.pop().__exit__(None, None, None)
+
+
+def _to_fp32(x: Any) -> Any:
+    """Floating tensors (and PackedSequences) in ``x`` as fp32; tuples, lists and dicts walked."""
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        return x.float() if x.data.is_floating_point() else x
+    if isinstance(x, torch.Tensor):
+        return x.float() if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_fp32(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_fp32(v) for k, v in x.items()}
+    return x
 
 
 class ScratchMechanism(Mechanism):

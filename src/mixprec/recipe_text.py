@@ -87,6 +87,7 @@ def describe(spec: RecipeSpec, mechanism: Mechanism, *, scaler: ScalerConfig, st
         parts.append(f"updates rounded stochastically into {dtype_name(s.param_dtype)} params")
     if s.compute_dtype != torch.float32 or s.tf32:
         parts.append(device_note)
+    parts.extend(mechanism.notes())
     if fp8 is not None and fp8.recipe.name != "tensorwise":
         parts.append(f"{fp8.recipe.name} GEMMs: {fp8.recipe.describe()} [{fp8.name}]")
     if s.fp8 and fp8_conversion is not None:

@@ -48,11 +48,14 @@ def data(n_train: int = 256, n_test: int = 64):
     return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
 
 
-def hand_flops(batch: int) -> tuple[int, int, int]:
+def hand_flops(batch: int, *, onednn: bool = True) -> tuple[int, int, int]:
     """(LSTM forward, head forward, step total) FLOPs of one step on ``batch`` sequences: each LSTM layer's
     gate GEMMs are 2*T*B*(4H*in + 4H*H), its backward twice that; the head is 2*B*H*C forward, and its
-    backward the weight and input gradients, 2 x that."""
+    backward the weight and input gradients, 2 x that. ``onednn=False``: PyTorch's own LSTM, which runs where
+    oneDNN has no kernel for the dtype (a bf16 LSTM on a CPU without AVX-512); its backward leaves out the
+    gradient of each layer's initial state (zeros that need none), one 2*B*4H*H GEMM per layer."""
     lstm = sum(2 * STEPS * batch * (4 * HIDDEN * (EMB if layer == 0 else HIDDEN) + 4 * HIDDEN * HIDDEN)
                for layer in range(LAYERS))
     head = 2 * batch * HIDDEN * CLASSES
-    return lstm, head, 3 * lstm + 3 * head
+    initial_state_grads = 0 if onednn else LAYERS * 2 * batch * 4 * HIDDEN * HIDDEN
+    return lstm, head, 3 * lstm + 3 * head - initial_state_grads
