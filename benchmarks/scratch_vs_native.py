@@ -13,6 +13,8 @@ Configurations:
   native fp16     torch.autocast("cpu", torch.float16)  (real fp16 kernels; very slow on CPUs
                   without AVX512-FP16, so it runs fewer rounds: --fp16-rounds)
   emulated fp16   mixprec autocast(torch.float16, emulate=True): fp16 rounding, fp32 arithmetic
+  emulated bf16   mixprec autocast(torch.bfloat16, emulate=True): what --amp-impl auto runs on a CPU without
+                  bf16 kernels (AVX2 only), where native bf16 is a scalar fallback
 
     python benchmarks/scratch_vs_native.py [--models mlp cnn transformer] [--rounds 15]
 """
@@ -55,6 +57,7 @@ CONTEXTS: dict[str, Callable[[], object]] = {
     "scratch bf16": lambda: autocast(torch.bfloat16, device_type="cpu"),
     "native fp16": lambda: torch.autocast("cpu", dtype=torch.float16),
     "emulated fp16": lambda: autocast(torch.float16, device_type="cpu", emulate=True),
+    "emulated bf16": lambda: autocast(torch.bfloat16, device_type="cpu", emulate=True),
 }
 
 
@@ -144,10 +147,12 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, batch {args.batch_size}, input {INPUT_SHAPE}; "
           f"median of {args.rounds} rounds x {args.steps} steps (native fp16: {args.fp16_rounds} x 1); "
           f"ratios are medians of per-round ratios; {allocator}; "
-          f"load average {os.getloadavg()[0]:.1f}\n")
+          f"load average {os.getloadavg()[0]:.1f}; oneDNN bf16 kernels: "
+          f"{bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}\n")
     print("| model | fp32 ms | native bf16 ms | scratch bf16 ms | scratch / native bf16 "
-          "| native fp16 ms | emulated fp16 ms | emulated / native fp16 | emulated fp16 / fp32 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| native fp16 ms | emulated fp16 ms | emulated / native fp16 | emulated fp16 / fp32 "
+          "| emulated bf16 ms | emulated / native bf16 | emulated bf16 / fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models:
         s = bench_model(name, args)
         med = {c: statistics.median(v) for c, v in s.items()}
@@ -160,6 +165,9 @@ def main() -> None:
             f"{med['emulated fp16'] * 1e3:.2f}",
             f"{paired_ratio(s['emulated fp16'], nf16):.3f}" if nf16 else "-",
             f"{paired_ratio(s['emulated fp16'], s['fp32']):.3f}",
+            f"{med['emulated bf16'] * 1e3:.2f}",
+            f"{paired_ratio(s['emulated bf16'], s['native bf16']):.3f}",
+            f"{paired_ratio(s['emulated bf16'], s['fp32']):.3f}",
         ]
         print("| " + " | ".join(cells) + " |", flush=True)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (other processes on the machine "

@@ -16,6 +16,12 @@ FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
+# A CPU with bf16 kernels (AVX-512 or newer), here and in every process a test starts, whichever CPU runs the
+# suite, so `--amp-impl auto` means the same for bf16 on every machine (an AVX2-only CPU runs the same native
+# bf16 steps, only slower). The tests of the other answer (bf16 emulated: tests/test_precision.py,
+# tests/test_recipe_matrix.py) patch mixprec.hardware.has_bf16_kernels.
+os.environ["MIXPREC_CPU_BF16_KERNELS"] = "1"
+
 
 def spawn_two(worker, *args, timeout: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in 2 spawned processes; kill both and fail the test after ``timeout`` s."""

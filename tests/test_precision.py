@@ -61,6 +61,42 @@ def test_auto_impl_picks_emulated_scratch_for_fp16_on_any_cpu(fast_fp16_matmuls,
     assert build_recipe("amp", device="cpu", amp_impl="scratch").emulate
 
 
+def test_auto_impl_emulates_bf16_on_a_cpu_without_bf16_kernels(monkeypatch):
+    """An AVX2-only CPU (oneDNN has no bf16 there; PyTorch's bf16 GEMM is a scalar fallback): auto emulates
+    bf16 as it does fp16, native stays available and warns, FP8 recipes keep their own layers; a CPU with
+    bf16 kernels keeps native."""
+    from mixprec import hardware
+
+    monkeypatch.setattr(hardware, "has_bf16_kernels", lambda device: False)
+    monkeypatch.setattr(hardware, "has_fast_bf16", lambda device: False)
+    r = build_recipe("bf16-mixed", device="cpu")
+    assert r.impl == "scratch" and r.emulate and r.facts()["emulated"]
+    assert "bf16 is EMULATED" in r.describe() and r.hardware_facts().matmul_dtype == "fp32"
+    assert r.fsdp_policy().param_dtype is None  # emulation gathers fp32 carriers
+    native = build_recipe("bf16-mixed", device="cpu", amp_impl="native")
+    assert not native.emulate and "WARNING" in native.describe() and "scalar fallback" in native.describe()
+    assert build_recipe("fp8-mixed", device="cpu").impl == "native"
+    with pytest.raises(RecipeError, match="compile fp32 instead"):
+        r.check_compile()
+    monkeypatch.setattr(hardware, "has_bf16_kernels", lambda device: True)
+    slow = build_recipe("bf16-mixed", device="cpu")
+    assert slow.impl == "native" and "likely SLOWER than fp32" in slow.describe()  # AVX-512 without BF16
+    assert not build_recipe("bf16-mixed", device="cpu", amp_impl="scratch").emulate
+
+
+def test_the_bf16_kernels_answer_can_be_pinned(monkeypatch):
+    """MIXPREC_CPU_BF16_KERNELS pins the CPU's answer (the suite pins 1); unset, oneDNN's own check decides."""
+    from mixprec import hardware
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(hardware.BF16_KERNELS_ENV, "0")
+    assert not hardware.has_bf16_kernels(cpu) and build_recipe("bf16-mixed", device=cpu).impl == "scratch"
+    monkeypatch.setenv(hardware.BF16_KERNELS_ENV, "1")
+    assert hardware.has_bf16_kernels(cpu) and build_recipe("bf16-mixed", device=cpu).impl == "native"
+    monkeypatch.delenv(hardware.BF16_KERNELS_ENV)
+    assert hardware.has_bf16_kernels(cpu) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def test_auto_impl_is_native_where_fp16_steps_are_fast(monkeypatch):
     from mixprec import hardware
 

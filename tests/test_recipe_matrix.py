@@ -104,19 +104,26 @@ def test_the_table_covers_every_recipe_and_model():
 
 def mechanism(recipe: str, impl: str) -> str:
     """``none``, ``native`` or ``scratch``: the autocast the recipe runs under (docs: --amp-impl auto is native
-    except fp16 on a CPU without fast fp16 kernels, which gets mixprec's autocast emulating fp16)."""
+    except fp16 on a CPU, and bf16 on a CPU without bf16 kernels, which get mixprec's autocast emulating them)."""
     e = EXPECTED[recipe]
     if e.compute is None:
         return "none"
     if impl == "auto":
-        return "scratch" if e.compute == F16 and not hardware.has_fast_fp16_training(CPU) else "native"
+        return "scratch" if _slow(e.compute) else "native"
     return impl
 
 
+def _slow(dtype) -> bool:
+    """Whether this CPU runs real ``dtype`` steps slowly, written out here from the hardware answers."""
+    if dtype == F16:
+        return not hardware.has_fast_fp16_training(CPU)
+    return dtype == torch.bfloat16 and not hardware.has_bf16_kernels(CPU)
+
+
 def emulated(recipe: str, impl: str) -> bool:
-    """Emulated fp16: fp32 tensors holding fp16 values (mixprec's autocast on a CPU without fast fp16)."""
-    return (mechanism(recipe, impl) == "scratch" and EXPECTED[recipe].compute == F16
-            and not hardware.has_fast_fp16_training(CPU))
+    """Emulated: fp32 tensors holding low-precision values (mixprec's autocast where the dtype is slow)."""
+    e = EXPECTED[recipe]
+    return mechanism(recipe, impl) == "scratch" and e.compute is not None and _slow(e.compute)
 
 
 @dataclasses.dataclass
@@ -174,6 +181,19 @@ def test_fp16_recipes_on_either_kind_of_cpu(one_thread, monkeypatch, recipe, fas
     check_facts(recipe, "mlp", impl)
 
 
+@pytest.mark.parametrize("impl", AMP_IMPLS)
+@pytest.mark.parametrize("bf16_kernels", [True, False], ids=["avx512-cpu", "avx2-cpu"])
+@pytest.mark.parametrize("recipe", ["bf16-mixed", "bf16-master", "bf16-true"])
+def test_bf16_recipes_on_either_kind_of_cpu(one_thread, monkeypatch, recipe, bf16_kernels, impl):
+    """Whichever CPU runs the suite, both of its answers: bf16 kernels (oneDNN from AVX-512 on: auto ->
+    torch.autocast in real bf16) and none (an AVX2-only CPU, whose bf16 GEMM is a scalar fallback: auto ->
+    mixprec's autocast emulating bf16, fp32 tensors holding bf16 values)."""
+    monkeypatch.setattr(hardware, "has_bf16_kernels", lambda device: bf16_kernels)
+    assert mechanism(recipe, "auto") == ("native" if bf16_kernels else "scratch")
+    assert emulated(recipe, "scratch") == (not bf16_kernels)
+    check_facts(recipe, "mlp", impl)
+
+
 def check_facts(recipe: str, model: str, impl: str) -> None:
     e = EXPECTED[recipe]
     run, before, seen = two_steps(recipe, model, impl)
@@ -196,8 +216,8 @@ def check_facts(recipe: str, model: str, impl: str) -> None:
         assert mixprec_autocast == (e.compute if mech == "scratch" else None)
         if e.compute is None or emu:
             assert dtype == F32
-            fp16_values = torch.equal(out, out.to(F16).to(F32))
-            assert fp16_values == emu, "emulated fp16 must hold fp16 values; fp32 must not be rounded"
+            low_values = torch.equal(out, out.to(e.compute or F16).to(F32))
+            assert low_values == emu, "emulated fp16/bf16 must hold its values; fp32 must not be rounded"
         else:
             assert dtype == e.compute
 

@@ -24,6 +24,7 @@ __all__ = [
     "cpu_name",
     "device_name",
     "has_fast_bf16",
+    "has_bf16_kernels",
     "has_fast_fp16",
     "has_fast_fp16_training",
     "autocast_runs_lstm",
@@ -76,6 +77,25 @@ def has_fast_bf16(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     flags = cpu_flags()
     return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def has_bf16_kernels(device: torch.device) -> bool:
+    """Whether PyTorch has real bf16 GEMM kernels on ``device``: CUDA GPUs, and CPUs whose oneDNN does bf16
+    (AVX-512 or newer). On an AVX2-only CPU its bf16 matmul is a scalar fallback, tens of times slower than
+    fp32 (benchmarks/README.md), so ``--amp-impl auto`` emulates bf16 there (:func:`mixprec.mechanisms.
+    auto_mechanism`). Fast bf16 (:func:`has_fast_bf16`) needs more: AVX512-BF16 or AMX."""
+    if device.type != "cpu":
+        return True
+    pinned = os.environ.get(BF16_KERNELS_ENV)
+    if pinned in ("0", "1"):
+        return pinned == "1"
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+BF16_KERNELS_ENV = "MIXPREC_CPU_BF16_KERNELS"
+"""``1`` or ``0`` pins what :func:`has_bf16_kernels` answers for the CPU (so ``--amp-impl auto`` picks what it
+would on the other kind of CPU: native bf16, or emulated); the test suite pins ``1`` for itself and the
+processes it starts, so its runs mean the same on every machine."""
 
 
 def has_fast_fp16(device: torch.device) -> bool:

@@ -9,7 +9,8 @@ is skipped, and what it cannot do (options it cannot honour,
   (``ShardedGradScaler`` across processes). Fast kernels, compiles; fp16 runs PyTorch's real fp16 kernels.
 - :class:`ScratchMechanism` (``scratch``): mixprec's :mod:`mixprec.autocast` +
   :class:`~mixprec.scaler.DynamicLossScaler`. Per-module fp32 overrides (``--keep-fp32``), scaler
-  hysteresis, and fp16 *emulation* (fp16 values, fp32 arithmetic) on CPUs.
+  hysteresis, and *emulation* (low-precision values, fp32 arithmetic) of fp16 on CPUs and of bf16 on CPUs
+  without bf16 kernels.
 
 Master weights are always mixprec's (:mod:`mixprec.master`, PyTorch has no native equivalent). The FP8/FP4
 linear layers are a second, independent strategy (:mod:`mixprec.fp8_impls`, ``--fp8-impl scratch|torchao``):
@@ -32,7 +33,8 @@ from .recipes import RecipeSpec
 from .scaler import DynamicLossScaler, ScalerConfig
 from .scaler_view import ScalerView
 
-__all__ = ["Mechanism", "NativeMechanism", "ScratchMechanism", "MECHANISMS", "AMP_IMPLS", "auto_mechanism"]
+__all__ = ["Mechanism", "NativeMechanism", "ScratchMechanism", "MECHANISMS", "AMP_IMPLS", "auto_mechanism",
+           "slow_dtypes"]
 
 
 class Mechanism:
@@ -44,7 +46,7 @@ class Mechanism:
         keep_fp32: module names or types the user asked to keep in fp32.
         device: where the run trains.
         world_size: processes in the run (their scalers must agree on every skip).
-        emulate_fp16: real fp16 steps are slow on the device (a mechanism may emulate fp16 there).
+        slow_dtypes: the low dtypes whose real steps are slow on the device (a mechanism may emulate them).
     """
 
     name: ClassVar[str]
@@ -55,13 +57,14 @@ class Mechanism:
     """The loss scaler it runs, as :meth:`Recipe.describe` names it."""
 
     def __init__(self, spec: RecipeSpec, *, scaler: ScalerConfig, keep_fp32: tuple[str, ...],
-                 device: torch.device, world_size: int = 1, emulate_fp16: bool = False) -> None:
+                 device: torch.device, world_size: int = 1, slow_dtypes: frozenset[torch.dtype] = frozenset()
+                 ) -> None:
         self.spec = spec
         self.scaler_config = scaler
         self.keep_fp32 = keep_fp32
         self.device = device
         self.world_size = world_size
-        self.emulate = False  # True where this mechanism runs fp16 emulated (fp16 values, fp32 arithmetic)
+        self.emulate = False  # True where this mechanism runs the low dtype emulated (its values, fp32 arithmetic)
 
     def refuse_options(self) -> None:
         """Raise RecipeError for an option this mechanism cannot honour (called once, at build)."""
@@ -205,16 +208,17 @@ def _to_fp32(x: Any) -> Any:
 
 
 class ScratchMechanism(Mechanism):
-    """mixprec's autocast + :class:`~mixprec.scaler.DynamicLossScaler`; emulates fp16 where whole fp16 steps are
-    slow in real fp16 (every CPU: :func:`mixprec.hardware.has_fast_fp16_training`)."""
+    """mixprec's autocast + :class:`~mixprec.scaler.DynamicLossScaler`; emulates the compute dtype where its real
+    steps are slow (fp16 on every CPU: :func:`mixprec.hardware.has_fast_fp16_training`; bf16 on a CPU without
+    bf16 kernels: :func:`mixprec.hardware.has_bf16_kernels`)."""
 
     name = "scratch"
     autocast_words = "mixprec autocast"
     scaler_words = "DynamicLossScaler"
 
-    def __init__(self, spec: RecipeSpec, *, emulate_fp16: bool = False, **kw: Any) -> None:
-        super().__init__(spec, emulate_fp16=emulate_fp16, **kw)
-        self.emulate = emulate_fp16 and spec.compute_dtype == torch.float16
+    def __init__(self, spec: RecipeSpec, *, slow_dtypes: frozenset[torch.dtype] = frozenset(), **kw: Any) -> None:
+        super().__init__(spec, slow_dtypes=slow_dtypes, **kw)
+        self.emulate = spec.autocast and spec.fp8 is None and spec.compute_dtype in slow_dtypes
 
     def make_scaler(self) -> DynamicLossScaler:
         """mixprec's scaler all-reduces ``found_inf`` itself when a process group exists."""
@@ -244,12 +248,16 @@ class ScratchMechanism(Mechanism):
 
     def check_compile(self) -> None:
         """Under ``torch.compile`` the scratch autocast's TorchFunctionMode breaks the graph at every op
-        (nothing fuses) and emulated fp16 rounds differently."""
-        if self.spec.autocast:
-            raise RecipeError(
-                f"--compile with {self.spec.name} [scratch]: torch.compile breaks its graph at every op of "
-                "mixprec's autocast (no fusion, different fp16 rounding); use --amp-impl native"
-                + (" — on this CPU fp16 is only fast emulated, so compile bf16-mixed instead" if self.emulate else ""))
+        (nothing fuses) and emulated rounding differs."""
+        if not self.spec.autocast:
+            return
+        low = "fp16" if self.spec.compute_dtype == torch.float16 else "bf16"
+        instead = {"fp16": "compile bf16-mixed instead",
+                   "bf16": "its native bf16 matmuls are a slow fallback, so compile fp32 instead"}[low]
+        raise RecipeError(
+            f"--compile with {self.spec.name} [scratch]: torch.compile breaks its graph at every op of "
+            f"mixprec's autocast (no fusion, different {low} rounding); use --amp-impl native"
+            + (f" — on this CPU {low} is only fast emulated: {instead}" if self.emulate else ""))
 
 
 MECHANISMS: dict[str, type[Mechanism]] = {m.name: m for m in (NativeMechanism, ScratchMechanism)}
@@ -259,9 +267,23 @@ AMP_IMPLS: tuple[str, ...] = ("auto", *MECHANISMS)
 """What ``--amp-impl`` accepts: ``auto`` and every mechanism's name."""
 
 
+def slow_dtypes(device: torch.device) -> frozenset[torch.dtype]:
+    """The low dtypes whose real training steps are slow on ``device``, which the scratch engine emulates
+    (their values, fp32 arithmetic): fp16 on every CPU (:func:`mixprec.hardware.has_fast_fp16_training`:
+    without AVX512-FP16 PyTorch's CPU fp16 GEMM is a scalar fallback; with it the fp16 convolution backward
+    still is a slow path), bf16 on a CPU without bf16 kernels (:func:`mixprec.hardware.has_bf16_kernels`: an
+    AVX2-only CPU, whose bf16 GEMM is a scalar fallback too)."""
+    slow = set()
+    if not hardware.has_fast_fp16_training(device):
+        slow.add(torch.float16)
+    if not hardware.has_bf16_kernels(device):
+        slow.add(torch.bfloat16)
+    return frozenset(slow)
+
+
 def auto_mechanism(spec: RecipeSpec, device: torch.device) -> str:
-    """What ``--amp-impl auto`` picks: native, except fp16 compute on a CPU, which gets the scratch autocast's
-    emulation (:func:`mixprec.hardware.has_fast_fp16_training`: without AVX512-FP16 PyTorch's CPU fp16 GEMM is a
-    scalar fallback; with it the fp16 convolution backward still is a slow path)."""
-    slow_fp16 = spec.compute_dtype == torch.float16 and not hardware.has_fast_fp16_training(device)
-    return ScratchMechanism.name if slow_fp16 else NativeMechanism.name
+    """What ``--amp-impl auto`` picks: native, except a compute dtype the device runs slowly
+    (:func:`slow_dtypes`), which gets the scratch autocast's emulation. FP8/FP4 recipes keep native: their
+    low-precision layers, not the autocast, decide their GEMMs."""
+    slow = spec.autocast and spec.fp8 is None and spec.compute_dtype in slow_dtypes(device)
+    return ScratchMechanism.name if slow else NativeMechanism.name

@@ -19,7 +19,8 @@ in :mod:`mixprec.recipe_text`. This module joins them: :class:`RecipeConfig` (wh
 :func:`build_recipe` (device and mechanism resolved, contradictions refused) and :class:`Recipe` (dtypes,
 master weights, TF32, FSDP policy, the step). ``auto`` picks native, except fp16 on a CPU, where it picks scratch
 with emulation (fp16 values, fp32 arithmetic) because PyTorch's CPU fp16 kernels are slower (the GEMM a scalar
-fallback without AVX512-FP16, the convolution backward a slow path with it).
+fallback without AVX512-FP16, the convolution backward a slow path with it), and bf16 on a CPU without bf16
+kernels (AVX2 only), whose bf16 GEMM is a scalar fallback too.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .blocklinear import BlockLinear
 from .errors import NonFiniteError, RecipeError
 from .fp8_impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
 from .gemm_recipes import linear_recipe
-from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism
+from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism, slow_dtypes
 from .recipes import ALIASES, RECIPES, RecipeSpec, dtype_name, resolve_recipe
 from .scaler import ScalerConfig
 
@@ -218,7 +219,8 @@ class Recipe:
 
     @property
     def emulate(self) -> bool:
-        """Whether fp16 runs emulated (fp16 values, fp32 arithmetic: the scratch autocast on slow-fp16 CPUs)."""
+        """Whether the low dtype runs emulated (its values, fp32 arithmetic: the scratch autocast where real steps
+        in it are slow, :func:`mixprec.mechanisms.slow_dtypes`)."""
         return self.mechanism.emulate
 
     @property
@@ -458,7 +460,11 @@ def _matmul_facts(spec: RecipeSpec, dev: torch.device, emulate: bool, fp8: Fp8Im
     if spec.compute_dtype == torch.bfloat16:
         if dev.type == "cuda":
             return "bf16", True, "bf16-gpu"
-        return ("bf16", True, "bf16-cpu") if hardware.has_fast_bf16(dev) else ("bf16", False, "bf16-slow")
+        if emulate:
+            return "fp32", False, "bf16-emulated"
+        if hardware.has_fast_bf16(dev):
+            return "bf16", True, "bf16-cpu"
+        return "bf16", False, "bf16-slow" if hardware.has_bf16_kernels(dev) else "bf16-fallback"
     if emulate:
         return "fp32", False, "fp16-emulated"
     if hardware.has_fast_fp16(dev):
@@ -492,7 +498,7 @@ def build_recipe(
 
     ``amp_impl``: a name in :data:`mixprec.mechanisms.MECHANISMS` (``native``: torch.autocast + GradScaler;
     ``scratch``: mixprec's engine), or ``auto`` (:func:`mixprec.mechanisms.auto_mechanism`: native, except
-    fp16 on a CPU, which gets scratch emulation).
+    fp16 on a CPU and bf16 on a CPU without bf16 kernels, which get scratch emulation).
     """
     if isinstance(recipe, str):
         options = {k: v for k, v in options.items() if v is not None}
@@ -515,7 +521,7 @@ def build_recipe(
         if for_target:  # GradScaler("cuda") on a machine without CUDA warns that it disables itself
             warnings.simplefilter("ignore", UserWarning)
         mechanism = MECHANISMS[impl](spec, scaler=recipe.scaler, keep_fp32=tuple(recipe.keep_fp32), device=device,
-                                     world_size=world_size, emulate_fp16=not hardware.has_fast_fp16_training(device))
+                                     world_size=world_size, slow_dtypes=slow_dtypes(device))
         _refuse_contradictions(spec, recipe, device, query_device=not for_target)
         mechanism.refuse_options()
         fp8 = _fp8_impl(spec, recipe, device, impl, seed, for_target=for_target)

@@ -206,7 +206,7 @@ class DoctorReport:
             return lines + ["  (not recorded)"]
         sm = pm.summary()
         low = sm["low_dtype"]
-        em = " emulated: fp32 arithmetic on operands and results rounded to fp16" if sm["emulated"] else ""
+        em = f" emulated: fp32 arithmetic on operands and results rounded to {low}" if sm["emulated"] else ""
         lines.append(f"  FLOPs in low precision ({low}): {_pct(sm['low_flop_share'])} of "
                      f"{sm['total_flops'] / 1e6:.2f} MFLOP (forward + backward){';' + em if em else ''}")
         if sm["uncounted"]:
