@@ -210,7 +210,8 @@ def run_op(ctx, name: str, low: torch.dtype, *, backward: bool = True):
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_op_matches_torch_autocast(name, low):
     if name == "lstm" and not hardware.autocast_runs_lstm(low):
-        pytest.skip(f"torch.autocast's CPU LSTM (oneDNN) has no {LOW_IDS[LOWS.index(low)]} kernel on this CPU: it raises")
+        low_id = LOW_IDS[LOWS.index(low)]
+        pytest.skip(f"torch.autocast's CPU LSTM (oneDNN) has no {low_id} kernel on this CPU: it raises")
     want, want_grads = run_op(native(low), name, low)
     got, got_grads = run_op(scratch(low), name, low)
     assert got.dtype == want.dtype

@@ -81,7 +81,7 @@ def has_fast_bf16(device: torch.device) -> bool:
 
 def has_bf16_kernels(device: torch.device) -> bool:
     """Whether PyTorch has real bf16 GEMM kernels on ``device``: CUDA GPUs, and CPUs whose oneDNN does bf16
-    (AVX-512 or newer). On an AVX2-only CPU its bf16 matmul is a scalar fallback, tens of times slower than
+    (AVX-512 or newer). On an AVX2-only CPU its bf16 matmul is a scalar fallback, many times slower than
     fp32 (benchmarks/README.md), so ``--amp-impl auto`` emulates bf16 there (:func:`mixprec.mechanisms.
     auto_mechanism`). Fast bf16 (:func:`has_fast_bf16`) needs more: AVX512-BF16 or AMX."""
     if device.type != "cpu":

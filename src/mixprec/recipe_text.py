@@ -37,7 +37,7 @@ HARDWARE_NOTES: dict[str, str] = {
     "bf16-slow": ("this CPU has no native bf16 matmul instructions (no AVX512-BF16/AMX-BF16: {where}); bf16 "
                   "matmuls are converted in software and likely SLOWER than fp32"),
     "bf16-fallback": ("WARNING: this CPU has no bf16 kernels (oneDNN does bf16 from AVX-512 on: {where}); native "
-                      "bf16 matmuls are a scalar fallback, tens of times slower than fp32 — use --amp-impl scratch "
+                      "bf16 matmuls are a scalar fallback, many times slower than fp32 — use --amp-impl scratch "
                       "or auto (emulated bf16)"),
     "bf16-emulated": ("this CPU has no bf16 kernels (oneDNN does bf16 from AVX-512 on: {where}; PyTorch's own bf16 "
                       "matmul is a scalar fallback), so bf16 is EMULATED: operands and results rounded to bf16, "
