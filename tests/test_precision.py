@@ -154,8 +154,9 @@ def test_native_autocast_runs_an_lstm_this_cpu_cannot_lower_in_fp32(monkeypatch)
 
 
 def test_native_autocast_leaves_an_lstm_alone_where_it_runs(monkeypatch):
-    """A CPU whose oneDNN has the LSTM kernel, and a projected LSTM (PyTorch's own kernel on every CPU),
-    keep torch.autocast's own handling; so does the scratch engine (it lowers the LSTM itself)."""
+    """A CPU whose oneDNN has the LSTM kernel, a projected LSTM (PyTorch's own kernel on every CPU) and an
+    LSTM with bf16 parameters (bf16-true: its bf16 input takes PyTorch's own kernel too) keep torch.autocast's
+    own handling; so does the scratch engine (it lowers the LSTM itself)."""
     from mixprec import hardware
 
     monkeypatch.setattr(hardware, "autocast_runs_lstm", lambda dtype: True)
@@ -166,6 +167,11 @@ def test_native_autocast_leaves_an_lstm_alone_where_it_runs(monkeypatch):
     r = build_recipe("bf16-mixed", device="cpu", amp_impl="native")
     r.convert_module(_Tagger(proj_size=3))
     assert r.mechanism.fp32_lstms == ()
+    r = build_recipe("bf16-true", device="cpu", amp_impl="native")
+    model = r.convert_module(_Tagger())
+    assert r.mechanism.fp32_lstms == ()
+    with r.autocast():
+        assert model(torch.randn(2, 5, 4).bfloat16()).dtype == torch.bfloat16
     r = build_recipe("bf16-mixed", device="cpu", amp_impl="scratch")
     r.convert_module(_Tagger())
     assert "nn.LSTM" not in r.describe()

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import hardware
 from .errors import RecipeError
-from .recipes import RecipeSpec
+from .recipes import RecipeSpec, dtype_name
 from .scaler import DynamicLossScaler, ScalerConfig
 from .scaler_view import ScalerView
 
@@ -122,34 +122,44 @@ class NativeMechanism(Mechanism):
 
     def __init__(self, spec: RecipeSpec, **kw: Any) -> None:
         super().__init__(spec, **kw)
-        self.fp32_lstms: tuple[str, ...] = ()
+        self._fp32_lstms: tuple[tuple[str, nn.Module], ...] = ()
+
+    @property
+    def fp32_lstms(self) -> tuple[str, ...]:
         """The model's ``nn.LSTM`` layers this CPU's torch.autocast cannot run in the compute dtype, which run
-        in fp32 instead (see :func:`_lstms_in_fp32`); found by :meth:`check_module`."""
-        self._lstm_modules: tuple[nn.Module, ...] = ()
+        in fp32 instead (see :meth:`autocast`); found by :meth:`check_module`."""
+        return tuple(name for name, _ in self._fp32_lstms)
 
     def check_module(self, model: nn.Module) -> None:
+        """torch.autocast hands an fp32 LSTM's fp32 input to oneDNN, lowered to the compute dtype, and raises
+        where oneDNN has no such kernel; an LSTM with low-precision parameters takes PyTorch's own kernel."""
         low = self.spec.compute_dtype
         if not (self.spec.autocast and self.device.type == "cpu" and low != torch.float32):
             return
-        found = [(n, m) for n, m in model.named_modules() if type(m) is nn.LSTM and m.proj_size == 0]
+        found = tuple((n or type(model).__name__, m) for n, m in model.named_modules()
+                      if type(m) is nn.LSTM and m.proj_size == 0
+                      and all(p.dtype == torch.float32 for p in m.parameters()))
         if found and not hardware.autocast_runs_lstm(low):
-            self.fp32_lstms = tuple(n or type(model).__name__ for n, _ in found)
-            self._lstm_modules = tuple(m for _, m in found)
+            self._fp32_lstms = found
 
     def notes(self) -> list[str]:
-        if not self.fp32_lstms:
+        if not self._fp32_lstms:
             return []
-        low = "bf16" if self.spec.compute_dtype == torch.bfloat16 else "fp16"
+        low = dtype_name(self.spec.compute_dtype)
         return [f"nn.LSTM {', '.join(self.fp32_lstms)} in fp32: torch.autocast runs LSTMs through oneDNN, which "
                 f"has no {low} LSTM on this CPU (it would raise); --amp-impl scratch runs them in {low}"]
 
     def autocast(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
+        """torch.autocast; with the LSTMs :meth:`check_module` found run in fp32 by forward hooks that exist
+        only inside the context (oneDNN's fp32 kernel, fp32 output: as torch.autocast leaves ``nn.GRU``)."""
         ac = torch.autocast(self.device.type, dtype=self.spec.compute_dtype)
-        if not self._lstm_modules or model is None:
+        if not self._fp32_lstms or model is None:
             return ac
+        from .autocast.fp32_forward import Fp32Forward
+
         stack = contextlib.ExitStack()
         stack.enter_context(ac)
-        stack.enter_context(_lstms_in_fp32(self._lstm_modules))
+        stack.callback(Fp32Forward("cpu").install(m for _, m in self._fp32_lstms).remove)
         return stack
 
     def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
@@ -163,50 +173,6 @@ class NativeMechanism(Mechanism):
         return skipped
 
 
-@contextlib.contextmanager
-def _lstms_in_fp32(lstms: tuple[nn.Module, ...]):
-    """Run these ``nn.LSTM`` layers with autocast off and their inputs in fp32 while the context is open:
-    where oneDNN has no LSTM kernel for the autocast dtype (:func:`mixprec.hardware.autocast_runs_lstm`)
-    torch.autocast's forward would raise. They then run oneDNN's fp32 kernel and return fp32, as
-    torch.autocast leaves ``nn.GRU`` on a CPU. The hooks live only inside the context."""
-    off: list[contextlib.AbstractContextManager] = []
-
-    def before(module, args, kwargs):
-        ctx = torch.autocast("cpu", enabled=False)
-        ctx.__enter__()
-        off.append(ctx)
-        return _to_fp32(args), _to_fp32(kwargs)
-
-    def after(module, args, kwargs, output):
-        if off:
-            off.pop().__exit__(None, None, None)
-
-    handles = []
-    try:
-        for m in lstms:
-            handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(m.register_forward_hook(after, with_kwargs=True, always_call=True))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        while off:
-            off.pop().__exit__(None, None, None)
-
-
-def _to_fp32(x: Any) -> Any:
-    """Floating tensors (and PackedSequences) in ``x`` as fp32; tuples, lists and dicts walked."""
-    if isinstance(x, nn.utils.rnn.PackedSequence):
-        return x.float() if x.data.is_floating_point() else x
-    if isinstance(x, torch.Tensor):
-        return x.float() if x.is_floating_point() else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_fp32(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _to_fp32(v) for k, v in x.items()}
-    return x
-
-
 class ScratchMechanism(Mechanism):
     """mixprec's autocast + :class:`~mixprec.scaler.DynamicLossScaler`; emulates the compute dtype where its real
     steps are slow (fp16 on every CPU: :func:`mixprec.hardware.has_fast_fp16_training`; bf16 on a CPU without
@@ -218,7 +184,7 @@ class ScratchMechanism(Mechanism):
 
     def __init__(self, spec: RecipeSpec, *, slow_dtypes: frozenset[torch.dtype] = frozenset(), **kw: Any) -> None:
         super().__init__(spec, slow_dtypes=slow_dtypes, **kw)
-        self.emulate = spec.autocast and spec.fp8 is None and spec.compute_dtype in slow_dtypes
+        self.emulate = _emulable(spec, slow_dtypes)
 
     def make_scaler(self) -> DynamicLossScaler:
         """mixprec's scaler all-reduces ``found_inf`` itself when a process group exists."""
@@ -251,7 +217,7 @@ class ScratchMechanism(Mechanism):
         (nothing fuses) and emulated rounding differs."""
         if not self.spec.autocast:
             return
-        low = "fp16" if self.spec.compute_dtype == torch.float16 else "bf16"
+        low = dtype_name(self.spec.compute_dtype)
         instead = {"fp16": "compile bf16-mixed instead",
                    "bf16": "its native bf16 matmuls are a slow fallback, so compile fp32 instead"}[low]
         raise RecipeError(
@@ -285,5 +251,10 @@ def auto_mechanism(spec: RecipeSpec, device: torch.device) -> str:
     """What ``--amp-impl auto`` picks: native, except a compute dtype the device runs slowly
     (:func:`slow_dtypes`), which gets the scratch autocast's emulation. FP8/FP4 recipes keep native: their
     low-precision layers, not the autocast, decide their GEMMs."""
-    slow = spec.autocast and spec.fp8 is None and spec.compute_dtype in slow_dtypes(device)
-    return ScratchMechanism.name if slow else NativeMechanism.name
+    return ScratchMechanism.name if _emulable(spec, slow_dtypes(device)) else NativeMechanism.name
+
+
+def _emulable(spec: RecipeSpec, slow: frozenset[torch.dtype]) -> bool:
+    """Whether the scratch engine emulates ``spec``'s compute dtype: an autocast recipe computing in a slow
+    dtype, FP8/FP4 ones aside."""
+    return spec.autocast and spec.fp8 is None and spec.compute_dtype in slow

@@ -18,6 +18,7 @@ from .scaler import ScalerConfig
 __all__ = ["HARDWARE_NOTES", "describe", "hardware_note", "nonfinite_remedies"]
 
 _NO_FAST_FP16 = "this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16: {where})"
+_NO_BF16_KERNELS = "this CPU has no bf16 kernels (oneDNN does bf16 from AVX-512 on: {where}"
 
 HARDWARE_NOTES: dict[str, str] = {
     "fp8-real": ("{fp8_words} are REAL here ({fp8_impl} on {where}); other ops bf16; MFU is measured against "
@@ -36,12 +37,11 @@ HARDWARE_NOTES: dict[str, str] = {
     "bf16-cpu": "fast bf16 matmuls on this CPU ({where})",
     "bf16-slow": ("this CPU has no native bf16 matmul instructions (no AVX512-BF16/AMX-BF16: {where}); bf16 "
                   "matmuls are converted in software and likely SLOWER than fp32"),
-    "bf16-fallback": ("WARNING: this CPU has no bf16 kernels (oneDNN does bf16 from AVX-512 on: {where}); native "
-                      "bf16 matmuls are a scalar fallback, many times slower than fp32 — use --amp-impl scratch "
-                      "or auto (emulated bf16)"),
-    "bf16-emulated": ("this CPU has no bf16 kernels (oneDNN does bf16 from AVX-512 on: {where}; PyTorch's own bf16 "
-                      "matmul is a scalar fallback), so bf16 is EMULATED: operands and results rounded to bf16, "
-                      "arithmetic in fp32 (bf16 numerics at fp32 speed); MFU is measured against the fp32 peak"),
+    "bf16-fallback": ("WARNING: " + _NO_BF16_KERNELS + "); native bf16 matmuls are a scalar fallback, many times "
+                      "slower than fp32 — use --amp-impl scratch or auto (emulated bf16)"),
+    "bf16-emulated": (_NO_BF16_KERNELS + "; PyTorch's own bf16 matmul is a scalar fallback), so bf16 is EMULATED: "
+                      "operands and results rounded to bf16, arithmetic in fp32 (bf16 numerics at fp32 speed); MFU "
+                      "is measured against the fp32 peak"),
     "fp16-gpu": "fp16 tensor cores",
     "fp16-cpu": ("fast fp16 matmuls on this CPU ({where}), but PyTorch's CPU fp16 convolution backward is a slow "
                  "path, many times slower than fp32 on CNNs — --amp-impl auto emulates fp16 instead"),

@@ -32,10 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from ..autocast import autocast as scratch_autocast
-from ..autocast.hooks import ForwardHooks
+from ..autocast.fp32_forward import Fp32Forward
 from .attribution import ModuleTracker, display_path
 from .nonfinite import NonFiniteEvent, NonFiniteWatch
 from .observer import OpObserver
@@ -70,38 +68,17 @@ class Fp32Modules:
     def __init__(self, model: nn.Module, names: Iterable[str], device_type: str) -> None:
         self.model = model
         self.names = list(dict.fromkeys(names))
-        self.device_type = device_type
-        self._hooks = ForwardHooks(self._pre, self._post)
-        self._stacks: list[contextlib.ExitStack] = []
-
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(self.device_type, enabled=False))
-        stack.enter_context(scratch_autocast(torch.bfloat16, enabled=False))
-        self._stacks.append(stack)
-
-        def up(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32:
-                return t.float()
-            return t
-
-        return tree_map(up, args), tree_map(up, kwargs)
-
-    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._stacks:
-            self._stacks.pop().close()
+        self._forward = Fp32Forward(device_type)
 
     def __enter__(self) -> Fp32Modules:
         modules = [self.model.get_submodule(name) for name in self.names]
         for m in modules:
             m.float()
-        self._hooks.install(modules)
+        self._forward.install(modules)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hooks.remove()
-        while self._stacks:
-            self._stacks.pop().close()
+        self._forward.remove()
 
 
 def replay_step(
