@@ -97,6 +97,17 @@ def test_the_bf16_kernels_answer_can_be_pinned(monkeypatch):
     assert hardware.has_bf16_kernels(cpu) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def test_a_bad_bf16_kernels_pin_is_one_line_naming_the_values(monkeypatch, cli):
+    from mixprec import hardware
+
+    monkeypatch.setenv(hardware.BF16_KERNELS_ENV, "yes")
+    code, out, err = cli("train", "--precision", "bf16-mixed", "--dataset", "synthetic", "--epochs", "1",
+                         "--device", "cpu")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "MIXPREC_CPU_BF16_KERNELS='yes'" in lines[0] and "set 1" in lines[0] and "or 0" in lines[0]
+
+
 def test_auto_impl_is_native_where_fp16_steps_are_fast(monkeypatch):
     from mixprec import hardware
 

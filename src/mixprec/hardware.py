@@ -86,8 +86,13 @@ def has_bf16_kernels(device: torch.device) -> bool:
     auto_mechanism`). Fast bf16 (:func:`has_fast_bf16`) needs more: AVX512-BF16 or AMX."""
     if device.type != "cpu":
         return True
-    pinned = os.environ.get(BF16_KERNELS_ENV)
-    if pinned in ("0", "1"):
+    pinned = os.environ.get(BF16_KERNELS_ENV, "").strip()
+    if pinned:
+        if pinned not in ("0", "1"):
+            from .errors import ConfigError
+
+            raise ConfigError(f"{BF16_KERNELS_ENV}={pinned!r}: set 1 (a CPU with bf16 kernels) or 0 (none: "
+                              "--amp-impl auto emulates bf16), or unset it to ask this CPU")
         return pinned == "1"
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
