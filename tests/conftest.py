@@ -23,6 +23,24 @@ torch.set_num_threads(1)
 os.environ["MIXPREC_CPU_BF16_KERNELS"] = "1"
 
 
+# ------------------------------------------------------------------------------ devices
+
+HAS_CUDA = torch.cuda.is_available() and torch.version.hip is None
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+"""Parametrize a device test over ``cpu`` and, where present, ``cuda``: ``@pytest.mark.parametrize("device",
+DEVICES)``. The CPU case stays in CI; the CUDA case carries the ``cuda`` marker and is skipped without a GPU."""
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none here; run benchmarks/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def spawn_two(worker, *args, timeout: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in 2 spawned processes; kill both and fail the test after ``timeout`` s."""
     import time

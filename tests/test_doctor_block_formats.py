@@ -201,7 +201,7 @@ def test_config_canonicalizes_aliases_and_refuses_unknown_formats():
         BlockFormatConfig.coerce("mxfp4,fp12")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (host syncs are a GPU matter)")
+@pytest.mark.cuda  # host syncs are a GPU matter
 def test_the_probe_hooks_make_no_host_sync_on_a_gpu():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).cuda()

@@ -488,6 +488,7 @@ def test_fp8_training_on_digits_is_within_2_points_of_fp32_and_native_equals_scr
 
 
 # -- the real FP8 path ---------------------------------------------------------------------------------------------
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None
                     or torch.cuda.get_device_capability() < (8, 9),
                     reason="real FP8 GEMMs (torch._scaled_mm) need an NVIDIA GPU of compute capability 8.9+")

@@ -169,7 +169,7 @@ def test_anything_else_is_refused():
         ScalerView({})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are only detectable on CUDA")
+@pytest.mark.cuda  # host syncs are only detectable on CUDA
 @pytest.mark.parametrize("kind", ["GradScaler", "DynamicLossScaler"])
 def test_reading_the_state_does_not_sync_the_host(kind):
     scaler = (torch.amp.GradScaler("cuda", init_scale=INIT) if kind == "GradScaler"
