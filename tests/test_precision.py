@@ -224,7 +224,7 @@ def test_the_description_table_covers_every_recipe():
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_describe_states_the_mechanism_the_scaler_and_the_param_dtype(name, impl):
     autocast, scaled, rounded_to = _STATES[name]
-    r = build_recipe(name, amp_impl=impl)
+    r = build_recipe(name, amp_impl=impl, device="cpu")
     d = r.describe()
     autocast_words, scaler_words = _WORDS[impl]
     assert d.startswith(f"{name} [{impl}]: ")
@@ -240,13 +240,14 @@ def test_describe_states_the_mechanism_the_scaler_and_the_param_dtype(name, impl
 
 
 def test_describe_states_the_scaler_settings_and_stochastic_rounding_asked_for():
-    d = build_recipe("fp16-mixed", scaler=ScalerConfig(init_scale=1024.0, growth_interval=10,
-                                                       backoff_factor=0.25)).describe()
+    d = build_recipe("fp16-mixed", device="cpu", scaler=ScalerConfig(init_scale=1024.0, growth_interval=10,
+                                                                     backoff_factor=0.25)).describe()
     assert "loss scale starts at 1024, x2 after 10 finite steps, x0.25 on overflow" in d
-    assert "updates rounded stochastically into bf16 params" in build_recipe("bf16-true", stochastic_rounding=True).describe()
-    assert "stochastically" not in build_recipe("bf16-true").describe()
+    assert "updates rounded stochastically into bf16 params" in build_recipe("bf16-true", stochastic_rounding=True,
+                                                                          device="cpu").describe()
+    assert "stochastically" not in build_recipe("bf16-true", device="cpu").describe()
     assert "params rounded to bf16 after each step stochastically" in build_recipe(
-        "bf16-master", stochastic_rounding=True).describe()
+        "bf16-master", stochastic_rounding=True, device="cpu").describe()
 
 
 def _tiny():
@@ -259,7 +260,7 @@ def test_clip_happens_on_true_gradients_not_scaled_ones(impl):
     """SGD lr=1 with clip c: if clipping saw unscaled grads the update norm is exactly c; clipping scaled grads
     (then unscaling) would shrink it by the scale (2**8), and no clipping would leave it at the true norm."""
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
-    recipe = build_recipe("fp16-mixed", amp_impl=impl, scaler=ScalerConfig(init_scale=2.0**8))
+    recipe = build_recipe("fp16-mixed", amp_impl=impl, scaler=ScalerConfig(init_scale=2.0**8), device="cpu")
     model = recipe.convert_module(_tiny())
     opt = recipe.build_optimizer(model, lambda p: torch.optim.SGD(p, lr=1.0))
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
@@ -275,7 +276,7 @@ def test_clip_happens_on_true_gradients_not_scaled_ones(impl):
 
 
 def test_recipe_without_scaler_raises_before_touching_params_on_nonfinite_loss():
-    recipe = build_recipe("bf16-mixed")
+    recipe = build_recipe("bf16-mixed", device="cpu")
     model = recipe.convert_module(_tiny())
     opt = recipe.build_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -289,7 +290,7 @@ def test_recipe_without_scaler_raises_before_touching_params_on_nonfinite_loss()
 
 @pytest.mark.parametrize("impl", ["native", "scratch"])
 def test_scaled_recipe_skips_inf_step_and_backs_off(impl):
-    recipe = build_recipe("fp16-mixed", amp_impl=impl, scaler=ScalerConfig(init_scale=1024.0))
+    recipe = build_recipe("fp16-mixed", amp_impl=impl, scaler=ScalerConfig(init_scale=1024.0), device="cpu")
     model = recipe.convert_module(_tiny())
     opt = recipe.build_optimizer(model, lambda p: torch.optim.SGD(p, lr=0.1))
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -382,7 +383,7 @@ def test_a_new_mechanism_is_one_registered_class(monkeypatch):
             return super().autocast(model)
 
     monkeypatch.setitem(MECHANISMS, "recording", Recording)
-    r = build_recipe("bf16-mixed", amp_impl="recording")
+    r = build_recipe("bf16-mixed", amp_impl="recording", device="cpu")
     assert r.impl == "recording" and r.label == "bf16-mixed [recording]" and isinstance(r.mechanism, Recording)
     assert "recording autocast" in r.describe()
     model = r.convert_module(_tiny())

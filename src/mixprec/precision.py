@@ -475,7 +475,7 @@ def _matmul_facts(spec: RecipeSpec, dev: torch.device, emulate: bool, fp8: Fp8Im
 def build_recipe(
     recipe: RecipeConfig | str = "fp32",
     *,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "auto",
     seed: int = 0,
     world_size: int = 1,
     for_target: bool = False,
@@ -487,8 +487,9 @@ def build_recipe(
         recipe: a :class:`RecipeConfig`, or a recipe name or alias (``amp``, ``bf16``...) with the
             config's other fields as keyword ``options`` (``amp_impl``, ``scaler``, ``stochastic_rounding``,
             ``keep_fp32``).
-        device: where the run trains. It must be one this machine has (``cuda`` without CUDA, or ``cuda:3``
-            on a two-GPU machine, raises RecipeError, as ``--device`` does), unless ``for_target``.
+        device: where the run trains; ``auto`` (or None) picks as ``--device auto`` does (cuda where available,
+            :func:`mixprec.hardware.resolve_device`). It must be one this machine has (``cuda`` without CUDA, or
+            ``cuda:3`` on a two-GPU machine, raises RecipeError, as ``--device`` does), unless ``for_target``.
         seed: seeds stochastic rounding.
         world_size: processes in the run (the loss scaler then agrees on skips across them).
         for_target: ``device`` is a target being planned for, not where this process will train: its presence
@@ -510,7 +511,7 @@ def build_recipe(
                           + (" without extra options" if options else ""))
     recipe.validate()
     spec = resolve_recipe(recipe.precision)
-    device = torch.device(device)
+    device = hardware.resolve_device("auto") if device is None or device == "auto" else torch.device(device)
     missing = None if for_target else hardware.missing_device(device)
     if missing is not None:
         raise RecipeError(

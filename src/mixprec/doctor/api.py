@@ -129,10 +129,12 @@ def _optimizer_factory(optimizer: Any, lr: float) -> Callable[[Iterable[torch.Te
 
 
 def _user_run(model: nn.Module, batch: Any, loss_fn: Callable | None, *, precision: str = "fp16-mixed",
-              optimizer: Any = None, lr: float = 1e-2, device: str | torch.device = "cpu", **flags: Any) -> Run:
+              optimizer: Any = None, lr: float = 1e-2, device: str | torch.device | None = "auto",
+              **flags: Any) -> Run:
     """A :class:`Run` over a deep copy of ``model`` (the caller's module is never modified) and the caller's
     batches, built by the trainer's one build path. ``flags`` are config flags (``amp_impl``, ``init_scale``...)."""
-    config = TrainConfig.from_flags(precision=precision, lr=lr, device=str(device), model=type(model).__name__,
+    device = "auto" if device is None else str(device)  # auto: as --device auto (cuda where available)
+    config = TrainConfig.from_flags(precision=precision, lr=lr, device=device, model=type(model).__name__,
                                     dataset=UserBatches.name, **flags)
     return build_run(config, data=UserBatches(_batches(batch)), model=copy.deepcopy(model), loss_fn=loss_fn,
                      make_optimizer=_optimizer_factory(optimizer, lr))
@@ -352,7 +354,7 @@ def diagnose(
     stochastic_rounding: bool = False,
     keep_fp32: tuple[str, ...] = (),
     clip_grad_norm: float | None = None,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = "auto",
     formats: Iterable[str] = DEFAULT_FORMATS,
     block_formats: BlockFormatConfig | Sequence[str] | str | None = BlockFormatConfig(),
     replay: bool = True,
@@ -371,6 +373,8 @@ def diagnose(
             reused over the recipe's tensors, which may be fp32 master copies), or ``params -> optimizer``.
         init_scale, growth_interval: the dynamic loss scaler (fp16 recipes); defaults are
             :class:`~mixprec.scaler.ScalerConfig`'s.
+        device: where the copy trains; ``auto`` (the default) picks as ``--device auto`` does (cuda where
+            available, :func:`mixprec.hardware.resolve_device`).
         formats: formats the range profile projects onto.
         block_formats: the block-format what-if section's formats or config (None: skip it).
         replay: classify non-finite steps and search the minimal fp32 module set.
@@ -404,7 +408,7 @@ def _first_batch(run: Run) -> Batch:
 
 
 def precision_map(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *, precision: str = "fp16-mixed",
-                  amp_impl: str = "auto", device: str | torch.device = "cpu") -> PrecisionMap:
+                  amp_impl: str = "auto", device: str | torch.device | None = "auto") -> PrecisionMap:
     """The precision map of one training step (forward, backward, optimizer step) of a copy of ``model``."""
     run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
     first = _first_batch(run)
@@ -437,7 +441,7 @@ def _objective(model: nn.Module, data: UserBatches, loss_fn: Callable | None) ->
 
 def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *, precision: str = "fp16-mixed",
                          amp_impl: str = "auto", loss_scale: float = 1.0, replay: bool = True,
-                         device: str | torch.device = "cpu") -> FaultAnalysis | None:
+                         device: str | torch.device | None = "auto") -> FaultAnalysis | None:
     """First non-finite op of one forward + ``(loss * loss_scale)`` backward under the recipe, classified.
 
     Returns None when the step is finite. Nothing is trained; ``model`` is not modified.
