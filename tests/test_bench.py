@@ -772,3 +772,39 @@ def test_a_plot_that_fails_mid_render_leaves_the_old_png_whole(tmp_path):
     assert old.read_bytes() == b"the previous plot" and sorted(p.name for p in tmp_path.iterdir()) == ["time.png"]
     with pytest.raises(OutputError, match="could not write"):
         write_figure(type("Fig", (), {"savefig": lambda self, f, **kw: f.write(b"png")})(), old / "x.png")
+
+
+H200_CNN = ROOT / "tests" / "fixtures" / "h200_2026-12-04_bench_cnn.json"
+
+
+def test_a_cuda_bench_compares_the_step_peak_with_the_plans():
+    """The H200 CNN bench (tests/fixtures/README.md) summarised again: the measured column and the ratio are the
+    step's peak above the resident state (``max_memory_allocated`` less what the step started with), the figure
+    the plan's ``step_peak_bytes`` predicts, not the process's ``max_memory_allocated``; so is the plot's point."""
+    from mixprec.bench.aggregate import aggregate
+    from mixprec.bench.plots import _measured_total
+    from mixprec.bench.predict import predictions
+    from mixprec.bench.report import table
+    from mixprec.train.report import format_bytes
+
+    doc = json.loads(H200_CNN.read_text())
+    assert doc["environment"]["device"] == "cuda"
+    rows = aggregate(doc["bench"]["precisions"], doc["runs"], flops_per_step=doc["flops_per_step"]["per_step"],
+                     peaks=doc["peaks"], matmul_dtype={p["recipe"]: p["matmul_dtype"] for p in doc["preflight"]},
+                     impl={p["recipe"]: p["impl"] for p in doc["preflight"]},
+                     predictions=predictions(doc["prediction"]))
+    fp32 = rows[0]
+    probe, planned = doc["runs"][0]["memory_probe"], doc["prediction"]["recipes"]["fp32"]
+    assert fp32.recipe == "fp32" and probe["method"] == "cuda max_memory_allocated"
+    step, plan = probe["step_peak_bytes"], planned["step_peak_bytes"]
+    assert fp32.measured_step_peak_bytes == step and fp32.cuda_peak_allocated_bytes > 1.5 * step  # the process's
+    assert fp32.prediction.peak_ratio == pytest.approx(step / plan) == pytest.approx(1.0, abs=0.01)
+    lines = table(rows).splitlines()
+    cells = dict(zip(COLUMNS, (c.strip() for c in lines[2].strip("|").split("|"))))
+    assert cells["step peak (measured)"] == format_bytes(step) == "117.27 MiB"
+    assert cells["step peak (plan)"] == format_bytes(plan) and cells["measured / plan"].startswith("peak 1.01x, ")
+    for r in rows:
+        assert r.prediction.peak_ratio == pytest.approx(1.0, abs=0.05), r.recipe  # the plan agrees for all three
+    assert "compares the step's peak above the resident state (CUDA max allocated less the step's start)" in lines[-1]
+    mem = fp32.memory
+    assert _measured_total(fp32) == mem["parameters"] + mem["optimizer_state"] + mem["master_weights"] + step

@@ -45,11 +45,10 @@ def build_document(p: Plan, machine: Machine, results: list[RunResult], state: s
     as plain JSON data (records as their ``to_dict()``)."""
     accum, flops, created = p.accum, machine.flops, _now()
     results = ordered(p, results)
-    device_type = str(machine.env.get("device", "cpu")).split(":")[0]
     rows = aggregate(p.recipes, results, flops_per_step=flops.total * accum, peaks=machine.peaks,
                      matmul_dtype={n: p.checks[n].matmul_dtype for n in p.recipes},
                      impl={n: p.checks[n].impl for n in p.recipes},
-                     predictions=predictions(machine.prediction, device_type))
+                     predictions=predictions(machine.prediction))
     this = {"number": p.invocation, "created": created, "environment": machine.env, "peaks": machine.peaks,
             "runs": [r.name for r in results if r.invocation == p.invocation]}
     earlier = p.previous.invocations if p.previous is not None else []

@@ -45,7 +45,7 @@ than one step, and the epoch clock itself is synchronised by the trainer.
   overhead -- which the ``VmHWM`` rise keeps beside it (``rss_step_peak_bytes``), the physical check. Where the
   profiler cannot give memory events, ``step_peak_bytes`` is the ``VmHWM`` rise, and the method says so.
 - CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the step, minus what was
-  allocated before it.
+  allocated before it (``step_peak_bytes``, compared with the plan as the CPU's allocator peak is).
 
 **Peak matmul rate.** MFU needs the machine's peak for the dtype the matmuls run in, measured here and
 now rather than read from a datasheet: square matmuls of growing size, best time of a few repeats, within

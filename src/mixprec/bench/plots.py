@@ -67,20 +67,26 @@ def _memory_plot(rows: list[SummaryRow], path: str, title: str) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     measured_x, measured_y = [], []
     for n, r, m in zip(names, rows, mems):
-        cuda = number(r.cuda_peak_allocated_bytes)
-        step = cuda or number(r.measured_step_peak_bytes)
-        if step and m:
-            static = 0 if cuda else sum(number(m.get(k)) or 0
-                                        for k in ("parameters", "optimizer_state", "master_weights"))
+        total = _measured_total(r)
+        if total is not None:
             measured_x.append(n)
-            measured_y.append((static + step) / mib)
+            measured_y.append(total / mib)
     if measured_x:
         ax.scatter(measured_x, measured_y, marker="D", color="black", zorder=3,
-                   label="measured (CUDA peak, or static + measured step peak)")
+                   label="measured (static + measured step peak)")
     ax.set_ylabel("MiB (exact accounting of a sampled step)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     write_figure(fig, path)
+
+
+def _measured_total(row: SummaryRow) -> float | None:
+    """The memory plot's measured point: the static state (parameters, optimizer state, masters) + the measured
+    step peak above it (on either device), beside the bars' exact accounting; None without both."""
+    step, mem = number(row.measured_step_peak_bytes), row.memory
+    if not step or not mem:
+        return None
+    return sum(number(mem.get(k)) or 0 for k in ("parameters", "optimizer_state", "master_weights")) + step
 
 
 def _loss_plot(rows: list[SummaryRow], results: list[RunResult], path: str, title: str) -> None:

@@ -14,11 +14,11 @@ matrix (it never overlaps a timed run). It writes its result after every recipe,
 be traced under fake tensors -- or that kills the process -- costs the predictions from that recipe on,
 never the bench: the recipes without one say why in one line. ``--no-plan`` turns it off.
 
-**What is compared.** Peak: on a CPU the probe measures what one step adds above the resident state
-(the allocator's peak, :mod:`.measure`; parameters, buffers, optimizer state, masters and the batch exist
-before the step), so the prediction compared is the plan's peak less those (``step_peak_bytes``); on CUDA
-the trainer's ``max_memory_allocated`` (resident included) against the plan's whole peak. Step time: the median timed
-step against the plan's roofline time, with ``--grad-accum K`` counted as K forward+backward passes and
+**What is compared.** Peak: the probe measures what one step adds above the resident state (:mod:`.measure`:
+on a CPU the allocator's peak, on CUDA ``max_memory_allocated`` less what was allocated before the step;
+parameters, buffers, optimizer state and masters exist before it), so the prediction compared is the plan's
+peak less those and the batch (``step_peak_bytes``), on either device. Step time: the median timed step
+against the plan's roofline time, with ``--grad-accum K`` counted as K forward+backward passes and
 one optimizer phase.
 """
 
@@ -93,11 +93,10 @@ def predict(p, machine, *, say=print) -> dict[str, Any] | None:
     return doc
 
 
-def predictions(doc: dict[str, Any] | None, device_type: str) -> dict[str, Prediction]:
+def predictions(doc: dict[str, Any] | None) -> dict[str, Prediction]:
     """Each recipe's :class:`Prediction` from the ``prediction`` section (ratios not set yet)."""
     if not isinstance(doc, dict):
         return {}
-    compared = "cuda_peak_allocated_bytes" if device_type == "cuda" else "measured_step_peak_bytes"
     out = {}
     for name, r in (doc.get("recipes") or {}).items():
         r = r if isinstance(r, dict) else {}
@@ -106,7 +105,7 @@ def predictions(doc: dict[str, Any] | None, device_type: str) -> dict[str, Predi
         else:
             out[name] = Prediction(target=doc.get("target_name"), peak_bytes=r.get("peak_bytes"),
                                    step_peak_bytes=r.get("step_peak_bytes"), step_time_s=r.get("bench_step_time_s"),
-                                   peak_compared_with=compared)
+                                   peak_compared_with="measured_step_peak_bytes")
     return out
 
 

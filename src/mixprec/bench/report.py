@@ -99,7 +99,7 @@ def _has_plan(rows: list[SummaryRow]) -> bool:
 
 def _cells(row: SummaryRow, *, invocations: bool, plan: bool = True) -> list[str]:
     et, sps = row.epoch_time_s, row.samples_per_s
-    measured = number(row.cuda_peak_allocated_bytes) or number(row.measured_step_peak_bytes)
+    measured = number(row.measured_step_peak_bytes)
     cells = [
         _label(row),
         format_bytes(row.memory_total_bytes) if number(row.memory_total_bytes) else DASH,
@@ -181,8 +181,10 @@ def _plan_notes(rows: list[SummaryRow]) -> list[str]:
     out = [f"- plan: no prediction for {', '.join(names)}: {why}" for why, names in missing.items()]
     shown = next((r.prediction for r in rows if r.prediction is not None and not r.prediction.reason), None)
     if shown is not None:
-        what = ("the step's peak above the resident state (the CPU allocator's)"
-                if shown.peak_compared_with == "measured_step_peak_bytes" else "CUDA max allocated")
+        cuda = any(str(r.measured_step_peak_method).startswith("cuda") for r in rows)
+        how = "CUDA max allocated less the step's start" if cuda else "the CPU allocator's"
+        what = (f"the step's peak above the resident state ({how})"
+                if shown.peak_compared_with == "measured_step_peak_bytes" else "CUDA max allocated")  # an older doc
         out.append(f"- plan: mixprec plan's prediction for target {shown.target} (traced under fake tensors before "
                    f"the runs); measured / plan compares {what} and the median step time")
     return out
@@ -260,7 +262,8 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "epoch (mean timed step x steps per epoch); ± is half the min..max range over repeats.",
         "- memory: exact accounting (params + grads + optimizer state + master copies + saved activations) "
         "of a sampled step. step peak (measured): "
-        + ("CUDA max allocated over one step." if env["device"].startswith("cuda") else
+        + ("CUDA max allocated over one step less what was allocated before it (params/optimizer state "
+           "excluded; compare with activations + gradients)." if env["device"].startswith("cuda") else
            "the CPU allocator's peak over one step (torch.profiler memory events; params/optimizer state "
            "excluded; compare with activations + gradients); results.json also holds the VmHWM rise "
            "(glibc's mmap threshold at 64 KiB, malloc_trim, clear_refs)."),

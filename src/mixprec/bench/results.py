@@ -293,12 +293,12 @@ class Prediction:
     """Predicted peak of the step, the resident state (parameters, optimizer state...) included."""
     step_peak_bytes: int | None = None
     """Predicted peak above the resident state (parameters, buffers, optimizer state, masters, the batch):
-    what the CPU probe's allocator peak measures."""
+    what the probe's step peak measures (``measured_step_peak_bytes``)."""
     step_time_s: float | None = None
     """Predicted time of one optimizer step (``--grad-accum`` micro-batches of forward and backward)."""
     peak_compared_with: str | None = None
-    """The measured figure the peak is compared with: ``measured_step_peak_bytes`` (CPU, with
-    ``step_peak_bytes``) or ``cuda_peak_allocated_bytes`` (CUDA, with ``peak_bytes``)."""
+    """The measured figure the peak is compared with: ``measured_step_peak_bytes``, with ``step_peak_bytes``
+    (an older results.json may name ``cuda_peak_allocated_bytes``, with ``peak_bytes``)."""
     peak_ratio: float | None = None
     """Measured peak / predicted peak (set by the summary)."""
     step_time_ratio: float | None = None
@@ -366,7 +366,8 @@ class SummaryRow:
     cuda_peak_reserved_bytes: float | None = None
     """CUDA: the probe's peak reserved memory (median)."""
     measured_step_peak_bytes: float | None = None
-    """The probe's measured step peak (median): CPU: the allocator's, CUDA: ``max_memory_allocated``'s."""
+    """The probe's measured step peak above the resident state (median): CPU: the allocator's, CUDA:
+    ``max_memory_allocated``'s rise over the step. The figure the plan's ``step_peak_bytes`` is compared with."""
     measured_step_rss_peak_bytes: float | None = None
     """CPU: the probe's resident-set (``VmHWM``) rise over the step (median)."""
     measured_step_peak_method: str | None = None
