@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import DEVICES
 from mixprec import hardware
 from mixprec.doctor import DoctorError, diagnose, find_first_nonfinite, precision_map
 from mixprec.doctor.attribution import display_path
@@ -574,3 +575,92 @@ def test_lost_update_counts_match_an_element_by_element_reference():
         monitor._count()
         for (*_, got, _), want in zip(pending, expected):
             assert vars(got) == vars(want), (trial, vars(got), vars(want))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the replay on a device
+# ---------------------------------------------------------------------------------------------------
+
+class _DictInput(nn.Module):
+    """A model called with a dict (a nested input: no tensor among the call's top-level arguments)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch):
+        return self.inner(batch["x"])
+
+
+def test_the_replays_device_comes_from_the_model_and_from_nested_inputs():
+    """Decided once for the watch and the replay: the first non-CPU device among the model's parameters and
+    buffers and the input's tensors at any depth (the meta device stands in for a GPU); the CPU otherwise."""
+    from mixprec.doctor.replay import ModelInputs, cuda_devices, step_device
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    nested = ModelInputs(({"x": torch.ones(2), "ids": [torch.ones(1)]},), {})
+    assert step_device(nn.Linear(2, 2, device="meta"), nested) == meta  # not the CPU for want of a top-level tensor
+    assert step_device(nn.Linear(2, 2), ModelInputs(({"x": [torch.ones(2, device="meta")]},), {})) == meta
+    assert step_device(nn.Linear(2, 2), ModelInputs((), {"batch": {"x": torch.ones(2, device="meta")}})) == meta
+    split = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))  # a CPU first layer, a device body
+    assert step_device(split) == step_device(split, torch.ones(2)) == meta
+    assert step_device(nn.Linear(2, 2), nested) == step_device(nn.Linear(2, 2)) == cpu
+    assert cuda_devices(split, nested) == []
+
+
+def test_a_replay_on_the_cpu_never_writes_a_cuda_generator(monkeypatch):
+    """A step recorded with a CUDA RNG state, replayed where the model computes on the CPU (a capture analysed
+    on the CPU, a nested input): the CUDA state is not restored anywhere (it would land in the live generator of
+    the current CUDA device, outside the fork)."""
+    from mixprec.doctor.replay import ModelInputs, replay_step
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a, **k: calls.append(a))
+    model = _DictInput(nn.Linear(16, 4))
+    x, y = _batch(n=4)
+    rng = (torch.get_rng_state(), torch.zeros(16, dtype=torch.uint8))
+    ev = replay_step(model, contextlib.nullcontext, F.cross_entropy, ModelInputs(({"x": x},), {}), y, rng=rng)
+    assert ev is None and calls == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_replay_restores_the_steps_rng_on_its_device_and_leaves_the_callers(device):
+    """The replay's dropout masks are the recorded step's (its RNG state restored on the model's device, even
+    for a nested input), and the caller's generators, CPU and CUDA, are as they were."""
+    from mixprec.doctor.replay import ModelInputs, replay_step
+
+    torch.manual_seed(0)
+    model = _DictInput(nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 4))).to(device)
+    x, y = (t.to(device) for t in _batch(n=8))
+    cuda = device == "cuda"
+
+    def states():
+        return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if cuda else [])
+
+    recorded = states()
+    step_out = model({"x": x}).detach()
+    torch.rand(100, device=device)  # the caller's generators move on
+    before, seen = states(), []
+
+    def loss_fn(out, target):
+        seen.append(out.detach())
+        return F.cross_entropy(out, target)
+
+    rng = (recorded[0], recorded[1] if cuda else None)
+    assert replay_step(model, contextlib.nullcontext, loss_fn, ModelInputs(({"x": x},), {}), y, rng=rng) is None
+    assert torch.equal(seen[0], step_out)  # the same dropout masks
+    assert all(torch.equal(a, b) for a, b in zip(states(), before))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fp32_search_turns_off_the_devices_autocast_for_a_nested_input(device):
+    """The fp32 modules run with the autocast of the model's device off (a CUDA model's, not the CPU's), so the
+    search finds the one layer that overflows fp16 whatever the input looks like."""
+    from mixprec.doctor.replay import ModelInputs, minimal_fp32_set
+
+    model = _DictInput(Overflowing()).to(device)
+    x, y = (t.to(device) for t in _batch(gain=10.0))
+    result = minimal_fp32_set(model, lambda: torch.autocast(torch.device(device).type, dtype=torch.float16),
+                              F.cross_entropy, ModelInputs(({"x": x},), {}), y)
+    assert result.modules == ["inner.big"], result.note
+    _no_global_state_left()

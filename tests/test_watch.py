@@ -16,19 +16,22 @@ import mixprec
 from mixprec.errors import NonFiniteError
 from mixprec.watching import WatchError, analyze_capture
 
-from watch_models import BACKWARD, FORWARD, Net, batches
+from conftest import DEVICES
+from watch_models import BACKWARD, FORWARD, Net, SplitNet, batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _loop(model, opt, data, *, dtype=torch.bfloat16, scaler=None, watch=None, on_step=None):
-    """The user's loop, unchanged whether watched or not."""
+def _loop(model, opt, data, *, dtype=torch.bfloat16, scaler=None, watch=None, on_step=None, device="cpu",
+          logged=lambda loss: loss):
+    """The user's loop, unchanged whether watched or not (``logged``: what it hands ``watch.log(loss=...)``)."""
     for i, (x, y) in enumerate(data):
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(torch.device(device).type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = nn.functional.cross_entropy(model(x).float(), y)
         if watch is not None:
-            watch.log(loss=loss)
+            watch.log(loss=logged(loss))
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -111,29 +114,33 @@ def test_bf16_weights_with_tiny_lr_show_lost_updates(tmp_path):
     assert all(s["lost_updates"]["fraction"] > 0.5 for s in rep["samples"])
 
 
-def _trained(watched: bool, tmp_path) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+def _trained(watched: bool, tmp_path, device="cpu") -> tuple[nn.Module, torch.optim.Optimizer, list]:
     torch.manual_seed(1)
-    model = Net(dropout=0.3)
+    model = Net(dropout=0.3).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # skips: the recorder replays them
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**24)  # skips: the recorder replays them
     data = batches(8, fault_at=5, mode=BACKWARD)
     if watched:
         with mixprec.watch(model, opt, scaler=scaler, out=str(tmp_path), every=2, plots=False) as w:
-            _loop(model, opt, data, dtype=torch.float16, scaler=scaler, watch=w)
+            _loop(model, opt, data, dtype=torch.float16, scaler=scaler, watch=w, device=device)
         assert w.faults and w.sampler.samples  # replays and sampled steps did run
     else:
-        _loop(model, opt, data, dtype=torch.float16, scaler=scaler)
-    return model, opt, torch.get_rng_state()
+        _loop(model, opt, data, dtype=torch.float16, scaler=scaler, device=device)
+    rng = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device == "cuda" else [])
+    return model, opt, rng
 
 
-def test_watched_run_is_bit_identical(tmp_path):
-    m0, o0, rng0 = _trained(False, tmp_path)
-    m1, o1, rng1 = _trained(True, tmp_path)
+@pytest.mark.parametrize("device", DEVICES)
+def test_watched_run_is_bit_identical(tmp_path, device):
+    """On CUDA the replays restore the step's CUDA RNG state inside ``fork_rng`` and leave the loop's generator
+    as it was: the next steps' dropout masks, hence the weights, are the unwatched run's."""
+    m0, o0, rng0 = _trained(False, tmp_path, device)
+    m1, o1, rng1 = _trained(True, tmp_path, device)
     for a, b in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(a, b)
     for s0, s1 in zip(o0.state.values(), o1.state.values()):
         assert all(torch.equal(s0[k], s1[k]) for k in s0)
-    assert torch.equal(rng0, rng1)  # no RNG drawn
+    assert all(torch.equal(a, b) for a, b in zip(rng0, rng1))  # no RNG drawn, on the CPU or the GPU
 
 
 class _Ops(TorchDispatchMode):
@@ -597,3 +604,125 @@ def test_watch_json_states_the_sample_size(tmp_path):
     s = rep["watch"]["sampling"]
     assert s["sample_elements"] == 32 and s["histogram_elements_binned"] < s["histogram_elements"]
     assert 0 < s["lost_update_elements_examined"] < s["lost_update_elements"]
+
+
+# ------------------------------------------------------------------------------ devices
+# The device tests run on cpu and (where present) cuda. Where a CPU run can show a bug that mixed devices cause,
+# the meta device stands in for an accelerator: tensors there have no data, and a tensor on the CPU (not 0-dim)
+# meeting one there raises as a CPU tensor meeting a CUDA one does.
+
+
+@pytest.fixture
+def meta_reads_as_zeros(monkeypatch):
+    """A host read (``tolist``) of a meta tensor gives zeros of its shape; returns the devices read, in order."""
+    tolist, devices = torch.Tensor.tolist, []
+
+    def read(self):
+        devices.append(self.device)
+        return tolist(torch.zeros(self.shape, dtype=self.dtype) if self.device.type == "meta" else self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", read)
+    return devices
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "cpu-first-layer"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_watch_runs_on_the_device_with_sampled_steps_and_a_cpu_loss(tmp_path, device, split):
+    """On the device: sampled steps (ranges, per-layer norms, lost updates), a loss handed to ``w.log`` as a CPU
+    tensor, the finite check and a planted forward fault localised by replay. ``split`` keeps the first layer on
+    the CPU (a CPU embedding before a device body): the watch's tensors meet on the device."""
+    torch.manual_seed(0)
+    model = SplitNet(device) if split else Net().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    logged = []
+
+    def on_cpu(loss):
+        logged.append(loss.detach().cpu())
+        return logged[-1]
+
+    with mixprec.watch(model, opt, out=str(tmp_path), every=2, plots=False) as w:
+        _loop(model, opt, batches(6, fault_at=5), device=device, watch=w, logged=on_cpu)
+    assert w.device.type == torch.device(device).type
+    assert [s["step"] for s in w.sampler.samples] == [0, 2, 4]
+    for s in w.sampler.samples:
+        norms = {r["layer"]: r["grad_norm"] for r in s["layers"]}
+        assert s["lost_updates"] is not None and norms["embed"] > 0 and norms["head"] > 0
+    fault = w.faults[0]
+    assert (fault.step, fault.classification, fault.event.module) == (5, "forward overflow", "boost")
+    rows = (tmp_path / "steps.csv").read_text().splitlines()[1:]
+    assert [float(r.split(",")[1]) for r in rows[:5]] == [float(t) for t in logged[:5]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_watch_under_a_gradscaler_on_the_device(tmp_path, device):
+    """fp16 with the device's GradScaler: the skip is seen, the backward fault localised, the scale history read."""
+    torch.manual_seed(0)
+    model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**8)
+    with mixprec.watch(model, opt, scaler=scaler, out=str(tmp_path), every=2, plots=False) as w:
+        _loop(model, opt, batches(6, fault_at=3, mode=BACKWARD), dtype=torch.float16, scaler=scaler, watch=w,
+              device=device)
+    rep = json.loads((tmp_path / "watch.json").read_text())
+    fault = _first_fault(rep)
+    assert fault["step"] == 3 and fault["event"]["phase"] == "backward" and fault["event"]["module"] == "boost"
+    hist = rep["loss_scale_history"]
+    assert [s["skipped"] for s in hist["steps"]] == [False, False, False, True, False, False]
+    assert [s["scale"] for s in hist["steps"]][2:5] == [256.0, 256.0, 128.0]
+
+
+def test_a_value_logged_from_another_device_moves_to_the_watchs_device():
+    from mixprec.watching.core import _scalar
+
+    meta = torch.device("meta")
+    for v in (torch.tensor(2.5), torch.ones(3), torch.ones(1, 1, dtype=torch.bfloat16), 2.5):
+        t = _scalar(v, meta)
+        assert t.device == meta and t.shape == () and t.dtype == torch.float32, v
+
+
+def test_the_exact_finite_check_gathers_gradients_from_several_devices(meta_reads_as_zeros):
+    """A model over two devices: the exact re-check's per-gradient flags are stacked on the watch's device."""
+    model = Net()
+    with mixprec.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), plots=False) as w:
+        w.device = torch.device("meta")  # the watch's device stands in for a GPU
+        w._grads_finite([torch.ones(3), torch.ones(2, 2, device="meta")], sharded=False)
+    assert meta_reads_as_zeros[0].type == "meta"
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_sampled_steps_histograms_meet_on_one_device(given):
+    """A sampled step's subsamples and extremes are kept on one device for its one ``bincount`` and read: the
+    device given (the watch's), else the first tensor's."""
+    from mixprec.watching.subsample import HistogramBatch
+
+    batch = HistogramBatch(limit=16, device="meta") if given else HistogramBatch(limit=16)
+    batch.add("first", torch.randn(8, device="cpu" if given else "meta"))
+    batch.add("subsampled", torch.randn(40, 3))  # over the limit: its exact extremes are kept too
+    batch.add("whole", torch.randn(8))
+    kept = batch._subs + [e for e in batch._extremes if e is not None]
+    assert len(kept) == 4 and {t.device.type for t in kept} == {"meta"}
+
+
+def test_lost_update_counts_are_made_on_the_device_of_the_stepped_tensors(meta_reads_as_zeros):
+    """The shadow step's counts and medians stay on the tensors' device (judged or not), and tensors on two
+    devices meet on the accelerator: one read, of a tensor there."""
+    from mixprec.doctor.lost_updates import LayerUpdates, LostUpdateMonitor
+
+    monitor = LostUpdateMonitor.__new__(LostUpdateMonitor)
+    monitor._pending, monitor.steps = [], 0
+    for device, judged in (("cpu", True), ("meta", False), ("meta", True)):
+        w = torch.ones(4, dtype=torch.bfloat16, device=device)
+        monitor._pending.append((w, w.clone(), torch.full((4,), 1e-5, device=device), LayerUpdates("l", "bf16"),
+                                 judged))
+    monitor._count()
+    assert [d.type for d in meta_reads_as_zeros] == ["meta"] and monitor.steps == 1
+
+
+def test_a_replays_seed_loss_takes_outputs_from_several_devices():
+    """Outputs on two devices (and a seed moved elsewhere, as a capture's is): the terms meet on the first's."""
+    from mixprec.watching.recorder import _Seed, _seed_loss
+
+    outs = (torch.ones(2, 3, device="meta"), torch.ones(4))
+    loss = _seed_loss(outs, _Seed("outputs", [torch.ones(2, 3), torch.ones(4)], 2.0))
+    assert loss.device.type == "meta" and loss.shape == ()
+    assert _seed_loss(outs, _Seed(None, [], 1.0)).device.type == "meta"

@@ -52,6 +52,20 @@ class Net(nn.Module):
         return self.head(self.boost(self.drop(self.act(self.embed(x))), x[:, 0]))
 
 
+class SplitNet(Net):
+    """``Net`` with its first layer on the CPU and the rest on ``device`` (a CPU embedding before a device body)."""
+
+    def __init__(self, device: str | torch.device, dropout: float = 0.0) -> None:
+        super().__init__(dropout)
+        self.to(device)
+        self.embed.cpu()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = self.head.weight.device
+        h = self.embed(x.cpu()).to(device)
+        return self.head(self.boost(self.drop(self.act(h)), x[:, 0].to(device)))
+
+
 class LossNet(Net):
     """``Net`` that returns its loss, as Hugging Face models do when given labels."""
 

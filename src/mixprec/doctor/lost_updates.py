@@ -287,27 +287,8 @@ class LostUpdateMonitor:
             self._count()
 
     def _count(self) -> None:
-        # every count and median stays on the device until one read at the end: a sampled step of the watch
-        # pays one host sync here, not four per parameter (no boolean indexing either: nanmedian over the
-        # moved, non-zero weights gives the same lower median as indexing them out)
-        rows, judged_rows = [], []
-        for p, before, delta, lu, judged in self._pending:
-            moved = delta != 0
-            if p.dtype == delta.dtype == torch.float32:  # IEEE addition rounds the exact sum once: no float64 needed
-                rounded = before + delta
-            else:
-                rounded = (before.double() + delta.double()).to(p.dtype)
-            lost = moved & (rounded == before)
-            unchanged = moved & (p.detach() == before)
-            ratio = torch.full((), math.nan)
-            if judged:
-                nz = moved & (before != 0)
-                ratio = torch.where(nz, delta.abs() / before.float().abs(), math.nan).flatten().nanmedian()
-            rows.append(torch.stack([moved.sum().double(), lost.sum().double(), unchanged.sum().double(),
-                                     ratio.double()]))
-            judged_rows.append((lu, judged))
-        values = torch.stack(rows).tolist() if rows else []
-        for (lu, judged), (updated, lost_n, unchanged_n, ratio) in zip(judged_rows, values):
+        values = self._counts().tolist() if self._pending else []  # the one host read
+        for (*_, lu, judged), (updated, lost_n, unchanged_n, ratio) in zip(self._pending, values):
             lu.updated += int(updated)
             lu.lost += int(lost_n)
             lu.unchanged += int(unchanged_n)
@@ -315,6 +296,33 @@ class LostUpdateMonitor:
                 lu.ratios.append(ratio)
         self._pending.clear()
         self.steps += 1
+
+    def _counts(self) -> torch.Tensor:
+        """Per pending tensor ``(updated, lost, unchanged, median ratio)`` (float64 rows), without a host read.
+
+        Every count and median stays on the device until the caller's one read: a sampled step of the watch
+        pays one host sync, not four per parameter (no boolean indexing either: nanmedian over the moved,
+        non-zero weights gives the same lower median as indexing them out). Each row is made on its tensor's
+        device; the rows are gathered on the first accelerator among them (a model over several devices).
+        """
+        rows = []
+        for p, before, delta, _, judged in self._pending:
+            moved = delta != 0
+            if p.dtype == delta.dtype == torch.float32:  # IEEE addition rounds the exact sum once: no float64 needed
+                rounded = before + delta
+            else:
+                rounded = (before.double() + delta.double()).to(p.dtype)
+            lost = moved & (rounded == before)
+            unchanged = moved & (p.detach() == before)
+            if judged:
+                nz = moved & (before != 0)
+                ratio = torch.where(nz, delta.abs() / before.float().abs(), math.nan).flatten().nanmedian()
+            else:
+                ratio = delta.new_full((), math.nan)
+            rows.append(torch.stack([moved.sum().double(), lost.sum().double(), unchanged.sum().double(),
+                                     ratio.double()]))
+        device = next((r.device for r in rows if r.device.type != "cpu"), rows[0].device)
+        return torch.stack([r.to(device) for r in rows])
 
     def result(self, order: Iterable[str] | None = None) -> LostUpdates:
         layers = list(self._layers.values())

@@ -19,6 +19,10 @@ so the run being diagnosed is never disturbed (BatchNorm statistics included).
 Running a module in fp32 (:class:`Fp32Modules`) means: its parameters and buffers converted to fp32 (on
 the copy), its floating inputs cast up, and autocast disabled inside it -- both ``torch.autocast`` and
 mixprec's scratch autocast, so the same replay works for either mechanism.
+
+Devices: a replay computes on :func:`step_device` (the model's accelerator; its autocast is the one the fp32
+modules turn off, its CUDA generator the one a recorded state is restored into) and forks the generator of
+every CUDA device the model and its inputs touch (:func:`cuda_devices`), so the caller's RNG is left as it was.
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..autocast.fp32_forward import Fp32Forward
 from .attribution import ModuleTracker, display_path
 from .nonfinite import NonFiniteEvent, NonFiniteWatch
 from .observer import OpObserver
 
-__all__ = ["Fp32Modules", "ModelInputs", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult"]
+__all__ = ["Fp32Modules", "ModelInputs", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult",
+           "step_device", "cuda_devices"]
 
 
 @dataclasses.dataclass
@@ -49,13 +55,24 @@ class ModelInputs:
     args: tuple
     kwargs: dict
 
-    @property
-    def device(self) -> torch.device:
-        """The device of the first tensor argument (CPU if there is none)."""
-        for t in (*self.args, *self.kwargs.values()):
-            if isinstance(t, torch.Tensor):
-                return t.device
-        return torch.device("cpu")
+
+def _tensors(model: nn.Module, x: Any) -> list[torch.Tensor]:
+    """The model's parameters and buffers, then every tensor in ``x`` (nested containers included)."""
+    inputs = tree_leaves((x.args, x.kwargs)) if isinstance(x, ModelInputs) else tree_leaves(x)
+    return [*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))]
+
+
+def step_device(model: nn.Module, x: Any = ()) -> torch.device:
+    """The device a step of ``model`` on ``x`` computes on: the first non-CPU device among the model's parameters
+    and buffers and the tensors of ``x`` (a tensor, a :class:`ModelInputs`, or containers of them, at any depth),
+    else the CPU. One rule for the watch, which records the step's autocast and CUDA RNG state on it, and for the
+    replay, which restores them there."""
+    return next((t.device for t in _tensors(model, x) if t.device.type != "cpu"), torch.device("cpu"))
+
+
+def cuda_devices(model: nn.Module, x: Any = ()) -> list[torch.device]:
+    """Every CUDA device the model's tensors and ``x``'s are on: the generators a replay forks."""
+    return list(dict.fromkeys(t.device for t in _tensors(model, x) if t.device.type == "cuda"))
 
 
 def _forward(model: nn.Module, x: Any) -> Any:
@@ -96,21 +113,20 @@ def replay_step(
 
     Args:
         x: the model's input, or a :class:`ModelInputs` (then the forward is ``model(*x.args, **x.kwargs)``).
-        rng: ``(cpu_state, cuda_state_or_None)`` to replay with (the failed step's dropout masks); the
-            caller's RNG state is restored afterwards either way.
+        rng: ``(cpu_state, cuda_state_or_None)`` to replay with (the failed step's dropout masks; the CUDA
+            state is :func:`step_device`'s); the caller's RNG state is restored afterwards either way.
     """
     replica = copy.deepcopy(model)
     replica.train(model.training)
-    device_type = x.device.type
+    device = step_device(model, x)
     tracker = ModuleTracker(replica)
     watch = NonFiniteWatch()
-    devices = [x.device] if x.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), tracker, Fp32Modules(replica, fp32, device_type), \
+    with torch.random.fork_rng(devices=cuda_devices(model, x)), tracker, Fp32Modules(replica, fp32, device.type), \
             OpObserver(tracker, [watch]):
         if rng is not None:
             torch.set_rng_state(rng[0])
-            if rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1], x.device)
+            if rng[1] is not None and device.type == "cuda":  # (a CUDA step replayed on the CPU: no GPU draws)
+                torch.cuda.set_rng_state(rng[1], device)
         with autocast():
             loss = loss_fn(_forward(replica, x), y)
         if watch.first is None:

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..doctor.api import FaultAnalysis
-from ..doctor.replay import ModelInputs
+from ..doctor.replay import ModelInputs, step_device
 from ..errors import NonFiniteError
 from ..memory import local_tensor
 from .config import WatchConfig
@@ -117,7 +117,9 @@ class Watch:
         self.model, self.optimizer, self.scaler, self.config = model, optimizer, scaler, config
         self.source = source
         self._auto = driver == "hooks"
-        self.device = next(model.parameters()).device
+        self.device = step_device(model)
+        """Where the step computes (its autocast, its CUDA RNG state) and where the watch's own tensors live: the
+        model's first accelerator; values from other devices (a CPU loss, a model split over devices) move here."""
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.step = 0
@@ -143,7 +145,8 @@ class Watch:
         self._devices_differ = any(p.device != self.device for p in stepped)
         self._norm_dtype = torch.float32 if any(p.dtype == torch.float16 for p in stepped) else None
         """fp16 gradients' norms are taken in fp32 (an fp16 norm overflows at 65504)."""
-        self.sampler = Sampler(model, optimizer, tuple(config.formats), config.lost_updates, config.sample_elements)
+        self.sampler = Sampler(model, optimizer, tuple(config.formats), config.lost_updates, config.sample_elements,
+                               device=self.device)
         from .output import Output
 
         self.output = Output(self)
@@ -235,7 +238,7 @@ class Watch:
             return
         loss = mb.attach_seed(output)
         if loss is not None:
-            self._open.model_losses.append(loss.detach())
+            self._open.model_losses.append(loss.detach().to(self.device))
 
     def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._open or self.open_step()
@@ -356,7 +359,7 @@ class Watch:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def _grads_finite(self, grads: list[torch.Tensor], sharded: bool) -> bool:
-        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all().float()
+        ok = torch.stack([torch.isfinite(g).all().to(self.device) for g in grads]).all().float()
         if sharded:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(self._read(ok, "check"))
@@ -500,8 +503,11 @@ class Watch:
 
 
 def _scalar(v: Any, device: torch.device) -> torch.Tensor:
+    """A logged value as a 0-dim fp32 tensor on ``device`` (a tensor from another device is copied there, no
+    host read; a number becomes a tensor there)."""
     if isinstance(v, torch.Tensor):
-        return v.detach().float().reshape(()) if v.numel() == 1 else v.detach().float().mean()
+        t = v.detach().float()
+        return (t.reshape(()) if t.numel() == 1 else t.mean()).to(device)
     return torch.tensor(float(v), device=device)
 
 

@@ -161,9 +161,11 @@ def _seed_loss(out: Any, seed: _Seed) -> torch.Tensor:
         factor = 1.0 if g is None else float(g) / seed.scale
         return find_loss(out).float() * factor
     outs = output_tensors(out)
-    terms = [(o.float() * (g.float() / seed.scale)).sum() for o, g in zip(outs, seed.grads) if g is not None]
+    device = outs[0].device if outs else torch.device("cpu")  # outputs on several devices meet on the first's
+    terms = [(o.float() * (g.to(o.device).float() / seed.scale)).sum().to(device)
+             for o, g in zip(outs, seed.grads) if g is not None]
     if not terms:  # no backward was recorded: the replay checks the forward only
-        return sum((o.float().sum() * 0.0 for o in outs), torch.zeros(()))
+        terms = [(o.float().sum() * 0.0).to(device) for o in outs] or [torch.zeros((), device=device)]
     return torch.stack(terms).sum()
 
 

@@ -77,8 +77,11 @@ class Sampler:
     """The observers of sampled steps; accumulates over samples and keeps one record per sample."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, formats: tuple[str, ...],
-                 lost_updates: bool, sample_elements: int = DEFAULT_SAMPLE_ELEMENTS) -> None:
+                 lost_updates: bool, sample_elements: int = DEFAULT_SAMPLE_ELEMENTS, *,
+                 device: torch.device | None = None) -> None:
         self.model = model
+        self.device = device
+        """Where a sample's tensors are gathered for its reads (the watch's device); None: the first one's."""
         self.formats = formats
         self.sample_elements = sample_elements
         self.modules = dict(profiled_layers(model))
@@ -96,7 +99,7 @@ class Sampler:
         self.samples: list[dict[str, Any]] = []
         self._handles: list[Any] = []
         self._current: dict[str, LayerRanges] = {}
-        self._batch = HistogramBatch(sample_elements)
+        self._batch = HistogramBatch(sample_elements, device=device)
         self._k = 0
         self._norms: dict[str, float] = {}
         self._pending_norms: tuple | None = None
@@ -112,7 +115,7 @@ class Sampler:
         """Before the step's first forward: hook the layers (``log2_scale``: the scale its backward uses)."""
         self._k = log2_scale
         self._current = {name: LayerRanges(name, kind) for name, kind in self.kinds.items()}
-        self._batch = HistogramBatch(self.sample_elements)
+        self._batch = HistogramBatch(self.sample_elements, device=self.device)
         self._norms = {}
         self.pre_done = False
         if self.monitor is not None:
@@ -157,7 +160,7 @@ class Sampler:
         for layer, gs in unmeasured.items():
             known[layer] += [n.float().square() for n in torch._foreach_norm(gs)]
         if known:
-            device = next(iter(known.values()))[0].device
+            device = self.device or next(iter(known.values()))[0].device
             sq = [torch.stack([n.float().to(device) for n in ns]).sum() for ns in known.values()]
             self._pending_norms = (list(known), torch.stack(sq).sqrt(), grads_log2_scale)
 

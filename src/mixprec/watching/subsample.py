@@ -29,8 +29,9 @@ flight recorder replays the step exactly.
 Binning
 -------
 Each subsample is copied as float64 (fp32 subnormals are normal float64 numbers, so the biased float64
-exponent is the exact binade of every fp32 value) and turned in place into its exponent plus an offset per
-tensor; at the end of the step one ``bincount`` over all of them and one host read give every histogram.
+exponent is the exact binade of every fp32 value) onto the batch's device (a model over several devices:
+everything meets there) and turned in place into its exponent plus an offset per tensor; at the end of the
+step one ``bincount`` over all of them and one host read give every histogram.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def flat_sample(t: torch.Tensor, stride: int, *, like: torch.Tensor | None = Non
 class HistogramBatch:
     """The histograms of one sampled step: tensors added as they appear, binned and read in one go."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, device: torch.device | str | None = None) -> None:
         self.limit = limit
+        self.device = None if device is None else torch.device(device)
+        """Where the step's subsamples and extremes are kept and binned; None: the first added tensor's."""
         self._subs: list[torch.Tensor] = []
         self._strides: list[int] = []
         self._extremes: list[torch.Tensor | None] = []
@@ -112,14 +115,17 @@ class HistogramBatch:
         sub = flat_sample(t, s)
         if sub.dtype == torch.float64:
             sub = sub.float()  # binned as float32 values, as Log2Histogram.add does
-        e = sub.to(torch.float64, copy=True).view(torch.int64)  # fp32 subnormals are normal here: exact binades
+        if self.device is None:
+            self.device = t.device
+        # fp32 subnormals are normal here: exact binades
+        e = sub.to(self.device, torch.float64, copy=True).view(torch.int64)
         e >>= 52
         e &= _F64_EXP - 1
         e += len(self.keys) * _F64_EXP  # this tensor's row of the step's one bincount
         self.keys.append(key)
         self._subs.append(e)
         self._strides.append(s)
-        self._extremes.append(torch.stack(torch.aminmax(t)).float() if s > 1 else None)
+        self._extremes.append(torch.stack(torch.aminmax(t)).float().to(self.device) if s > 1 else None)
         self.elements += t.numel()
         self.seen += sub.numel()
 
@@ -130,7 +136,7 @@ class HistogramBatch:
         """(key, histogram) per added tensor, in order: one device pass and one host read for all of them."""
         if not self.keys:
             return []
-        dev = self._subs[0].device
+        dev = self.device
         n = len(self.keys)
         c = torch.bincount(torch.cat(self._subs), minlength=n * _F64_EXP).view(n, _F64_EXP)
         if any(s > 1 for s in self._strides):
