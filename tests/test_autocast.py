@@ -1,4 +1,4 @@
-"""mixprec's from-scratch autocast against torch.autocast on CPU, plus its own features.
+"""mixprec's from-scratch autocast against torch.autocast on CPU (and, with a GPU, on CUDA), plus its own features.
 
 Tiers: where both autocasts run the same casts into the same kernels (every op and model below)
 outputs and gradients must be *identical* (rtol=0, atol=0) -- a looser tolerance would hide a
@@ -18,8 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import hardware
 from mixprec.autocast import autocast, autocast_dtype, is_autocast_active
+from mixprec.autocast.cpp_composites import cross_entropy_loss
 from mixprec.autocast.frame import STATE
-from mixprec.policy import CastPolicy, default_policy
+from mixprec.policy import CastKind, CastPolicy, default_policy
 
 LOWS = [torch.bfloat16, torch.float16]
 LOW_IDS = ["bf16", "fp16"]
@@ -760,6 +761,156 @@ def test_fp32_out_promote_and_composite_kinds():
         mha = nn.MultiheadAttention(8, 2)
         out, weights = mha(xl.float()[:, None], xl.float()[:, None], xl.float()[:, None])
         assert out.dtype == torch.bfloat16 and weights.dtype == torch.float32  # inner softmax
+
+
+# F.cross_entropy's C++ composite (LossNLL.cpp), one case per branch: (logits shape, target, weight,
+# ignore_index, label_smoothing); every case runs with reduction none, mean and sum.
+CROSS_ENTROPY_CASES = {
+    "index": ((4, 5), "index", False, -100, 0.0),
+    "index_1d": ((5,), "index", False, -100, 0.0),
+    "index_weight_ignore": ((4, 5), "index", True, 1, 0.0),
+    "index_3d": ((2, 5, 3), "index", True, -100, 0.0),
+    "index_4d": ((2, 5, 3, 2), "index", False, 2, 0.0),
+    "smoothing": ((4, 5), "index", False, -100, 0.1),
+    "smoothing_weight_ignore": ((4, 5), "index", True, 1, 0.2),
+    "smoothing_5d": ((2, 5, 2, 2, 2), "index", True, 3, 0.1),
+    "probs": ((4, 5), "probs", False, -100, 0.0),
+    "probs_1d_weight": ((5,), "probs", True, -100, 0.0),
+    "probs_weight_smoothing": ((2, 5, 3), "probs", True, -100, 0.3),
+    "empty_batch": ((0, 5), "index", True, -100, 0.1),
+}
+
+
+def _cross_entropy_args(case: str, dtype: torch.dtype):
+    shape, target_kind, weighted, ignore_index, label_smoothing = CROSS_ENTROPY_CASES[case]
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    class_dim = 0 if len(shape) == 1 else 1
+    if target_kind == "probs":
+        target = torch.randn(shape).softmax(class_dim)
+    else:
+        target = torch.randint(0, shape[class_dim], shape[:class_dim] + shape[class_dim + 1:])
+        if ignore_index >= 0 and target.numel():
+            target.view(-1)[0] = ignore_index
+    weight = torch.rand(shape[class_dim], dtype=dtype) if weighted else None
+    return x, target, weight, ignore_index, label_smoothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CROSS_ENTROPY_CASES))
+def test_cross_entropy_transcription_is_the_cpp_composite(case, dtype):
+    # Without autocast the transcription runs the ATen ops torch's cross_entropy_loss runs, in the same order
+    # (only Scalar/Tensor overloads of mul/add/div differ: Python wraps the scalar), with the same values.
+    x, target, weight, ignore_index, label_smoothing = _cross_entropy_args(case, dtype)
+    for reduction in (0, 1, 2):  # at::Reduction: none, mean, sum
+        results = []
+        for fn in (torch._C._nn.cross_entropy_loss, cross_entropy_loss):
+            x.grad = None
+            with Record() as rec:
+                out = fn(x, target, weight, reduction, ignore_index, label_smoothing)
+                out.float().sum().backward()
+            results.append((rec.ops, out, x.grad))
+        (want_ops, want, want_grad), (got_ops, got, got_grad) = results
+        assert got_ops == want_ops
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)
+
+
+_IGNORE = 2
+
+
+def _composite_by_hand(variant: str, x, w, target, probs, low):
+    """What CUDA autocast computes for F.cross_entropy(F.linear(x, w), ...): the composite's log_softmax with
+    dtype=low (autocast keeps an explicit dtype), its nll_loss in fp32 (on the fp32 list), its sums with
+    dtype=float32 (fp32_set_opt_dtype) and the rest by type promotion."""
+    lsm = torch.log_softmax(F.linear(x.to(low), w.to(low)), 1, dtype=low)
+    if variant == "index":
+        return F.nll_loss(lsm.float(), target)
+    if variant == "smoothing":  # label_smoothing=0.1, ignore_index=_IGNORE, reduction mean
+        nll = F.nll_loss(lsm.float(), target, ignore_index=_IGNORE)
+        ignored = target == _IGNORE
+        smooth = (-lsm.sum(1, dtype=torch.float32)).masked_fill(ignored, 0.0)
+        count = (~ignored).sum()
+        return (1 - 0.1) * nll + smooth.sum() / count * (0.1 / 5)
+    return -(lsm * probs).sum() / 4  # class probabilities (fp32), mean over 4 rows
+
+
+@pytest.mark.parametrize("variant", ["index", "smoothing", "probs"])
+@pytest.mark.parametrize("low", LOWS, ids=LOW_IDS)
+def test_cuda_lists_run_cross_entropys_log_softmax_low_and_its_nll_loss_in_fp32(low, variant):
+    # AutocastCUDA has no cross_entropy_loss kernel (AutocastCPU does: all fp32), so on CUDA the composite runs:
+    # _log_softmax in the logits' low dtype, nll_loss in fp32 -- not the whole loss in fp32.
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    target, probs = torch.tensor([0, 2, 4, 1]), torch.randn(4, 5).softmax(1)
+    loss_fn = {"index": nn.CrossEntropyLoss(),
+               "smoothing": nn.CrossEntropyLoss(ignore_index=_IGNORE, label_smoothing=0.1),
+               "probs": nn.CrossEntropyLoss()}[variant]
+    with Record() as rec:
+        with autocast(low, policy=cuda_lists_on_cpu()):
+            got = loss_fn(F.linear(x, w), probs if variant == "probs" else target)
+    low_name = str(low)[6:]
+    assert [d for op, d in rec.ops if op == "_log_softmax"] == [(low_name,)]
+    assert [d for op, d in rec.ops if op == "nll_loss_forward"] == ([] if variant == "probs" else
+                                                                    [("float32", "float32")])
+    got.backward()
+    got_grads = x.grad, w.grad
+    x.grad = w.grad = None
+    want = _composite_by_hand(variant, x, w, target, probs, low)
+    want.backward()
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, wg in zip(got_grads, (x.grad, w.grad)):
+        torch.testing.assert_close(g, wg, rtol=0, atol=0)
+    # the whole loss in fp32, on request
+    with Record() as rec, autocast(low, policy=cuda_lists_on_cpu().with_ops(CastKind.FP32, ["cross_entropy_loss"])):
+        loss_fn(F.linear(x, w), probs if variant == "probs" else target)
+    assert [d for op, d in rec.ops if op == "_log_softmax"] == [("float32",)]
+
+
+class TinyLM(nn.Module):
+    """A pre-norm causal transformer block and a vocabulary head: linear, matmul, softmax, layer_norm, gelu."""
+
+    def __init__(self, d: int = 32, heads: int = 2, vocab: int = 37):
+        super().__init__()
+        self.heads = heads
+        self.inp, self.ln1, self.qkv, self.proj = nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.inp(x)
+        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        att = (q @ k.transpose(-2, -1) * (d // self.heads) ** -0.5).masked_fill(causal, float("-inf")).softmax(-1)
+        h = h + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        h = h + self.out(F.gelu(self.fc(self.ln2(h))))
+        return self.head(self.ln_f(h))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("low", LOWS, ids=LOW_IDS)
+def test_transformer_loss_and_backward_match_torch_autocast_cuda(low, label_smoothing):
+    torch.manual_seed(0)
+    model = TinyLM().cuda()
+    x, y = torch.randn(3, 16, 32, device="cuda"), torch.randint(0, 37, (3, 16), device="cuda")
+    results = []
+    for ctx in (torch.autocast("cuda", dtype=low), autocast(low, device_type="cuda")):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, 37), y.reshape(-1), label_smoothing=label_smoothing)
+        loss.backward()
+        results.append((logits, loss, [p.grad for p in model.parameters()]))
+    (want_logits, want, want_grads), (got_logits, got, got_grads) = results
+    assert got_logits.dtype == want_logits.dtype == low and got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_banned_op_raises_with_the_fix():

@@ -2,6 +2,8 @@
 behaviour; the dataclass validates, derives and describes."""
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +19,8 @@ def _registered(dispatch_key: str, *, overloads: bool = False) -> set[str]:
     return names if overloads else {n.split(".")[0] for n in names}
 
 
-# Listed on purpose although torch registers no kernel under that name on that device
-# (the reasons are in policy.py).
+# Listed on purpose although torch registers no AutocastCPU kernel under that name (the reasons are in policy.py).
 CPU_EXTRAS = {"einsum", "inner", "linalg_multi_dot", "chain_matmul", "lstm"}
-CUDA_EXTRAS = {"lstm", "gru", "rnn_tanh", "rnn_relu", "cross_entropy_loss", "linalg_norm"}
 
 
 def _listed(policy: CastPolicy) -> set[str]:
@@ -35,12 +35,106 @@ def test_cpu_lists_are_exactly_torchs_autocast_cpu_registrations():
     assert listed - registered == CPU_EXTRAS
 
 
-def test_cuda_lists_cover_torchs_autocast_cuda_registrations():
-    # The CPU build of torch still registers the AutocastCUDA kernels, so this runs without a GPU.
-    listed = _listed(default_policy("cuda"))
-    registered = _registered("AutocastCUDA")
-    assert registered - listed == set(), "torch casts these on CUDA but the policy does not"
-    assert listed - registered == CUDA_EXTRAS
+# What AutocastCUDA registers, by cast policy: the AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
+# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (fp32_append_dtype) and AT_FORALL_PROMOTE
+# macros of aten/src/ATen/autocast_mode.h, plus the KERNEL_CUDA lines and the banned binary_cross_entropy of
+# TORCH_LIBRARY_IMPL(aten, Autocast, m) in aten/src/ATen/autocast_mode.cpp, torch 2.13 (the two tests below check it
+# against the installed torch's registrations and header).
+# Nothing else: in particular no cross_entropy_loss (AutocastCPU has one; CUDA runs the C++ composite).
+AUTOCAST_CUDA = {
+    "lower_precision_fp": {
+        "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc",
+        "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "prelu", "addmm",
+        "addmv", "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm",
+        "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell",
+        "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
+        "scaled_dot_product_attention",
+        "cudnn_convolution", "cudnn_convolution_transpose",  # KERNEL_CUDA in autocast_mode.cpp
+    },
+    "fp32": {
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+        "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+        "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
+        "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+        "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+        "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+        "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+        "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
+        "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+        "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    },
+    "fp32_set_opt_dtype": {
+        "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+        "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+    },
+    "fp32_append_dtype": {"norm.Scalar", "norm.ScalarOpt_dim"},
+    "promote": {
+        "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put", "tensordot",
+        "scatter_add",
+    },
+    "banned": {"binary_cross_entropy"},
+}
+# torch's cast policy -> the policy's kind (fp32_set_opt_dtype and fp32_append_dtype both add dtype=float32)
+KIND_OF_CATEGORY = {
+    "lower_precision_fp": CastKind.LOW, "fp32": CastKind.FP32, "fp32_set_opt_dtype": CastKind.FP32_OUT,
+    "fp32_append_dtype": CastKind.FP32_OUT, "promote": CastKind.PROMOTE, "banned": CastKind.BANNED,
+}
+# What the CUDA policy lists beyond AutocastCUDA's kernels, and why (policy.py has the details)
+CUDA_POLICY_EXTRAS = {
+    # nn.LSTM/GRU/RNN reach _cudnn_rnn, which cudnn/AutocastRNN.cpp registers under the same key
+    "lstm": CastKind.LOW, "gru": CastKind.LOW, "rnn_tanh": CastKind.LOW, "rnn_relu": CastKind.LOW,
+    "linalg_norm": CastKind.FP32_OUT,  # runs linalg_vector_norm / linalg_matrix_norm
+    # entered: their inner ops meet the lists (a Python body, or cross_entropy_loss's C++ composite transcribed)
+    "multi_head_attention_forward": CastKind.COMPOSITE, "normalize": CastKind.COMPOSITE,
+    "softmin": CastKind.COMPOSITE, "cross_entropy_loss": CastKind.COMPOSITE,
+}
+
+
+def test_autocast_cuda_table_is_what_the_installed_torch_registers():
+    # The CPU build of torch registers the AutocastCUDA kernels too, so this runs without a GPU.
+    listed = set().union(*AUTOCAST_CUDA.values())
+    assert listed == _registered("AutocastCUDA", overloads=True)
+
+
+def test_cuda_policy_kinds_are_autocast_cuda_categories():
+    # the policy names an op without its overload, except _convolution's two (CPU autocast tells them apart)
+    want = {op if op == "_convolution.deprecated" else op.split(".")[0]: KIND_OF_CATEGORY[category]
+            for category, ops in AUTOCAST_CUDA.items() for op in ops}
+    want.update(CUDA_POLICY_EXTRAS)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert dict(default_policy("cuda", dtype).table) == want
+
+
+def _header_macro(text: str, name: str) -> set[str]:
+    """The entries of ``#define AT_FORALL_<name>(_)`` in autocast_mode.h, as ``op`` or ``op.overload``."""
+    body = re.search(rf"#define AT_FORALL_{name}\(_\)((?:.*\\\n)*.*)", text).group(1)
+    if name == "DIFFERENT_REDISPATCH_SIGNATURE":
+        return set(re.findall(r'"([\w.]+)"', body))
+    return {".".join(part.strip() for part in entry.split(",")) for entry in re.findall(r"_\(([^()]*)\)", body)}
+
+
+def test_autocast_cuda_table_follows_the_installed_autocast_mode_h():
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    if not header.exists():
+        pytest.skip(f"this torch ships no C++ headers ({header} is missing)")
+    text = header.read_text()
+    assert _header_macro(text, "LOWER_PRECISION_FP") == AUTOCAST_CUDA["lower_precision_fp"] - {
+        "cudnn_convolution", "cudnn_convolution_transpose"}
+    assert _header_macro(text, "FP32") == AUTOCAST_CUDA["fp32"]
+    assert _header_macro(text, "FP32_SET_OPT_DTYPE") == AUTOCAST_CUDA["fp32_set_opt_dtype"]
+    assert _header_macro(text, "DIFFERENT_REDISPATCH_SIGNATURE") == AUTOCAST_CUDA["fp32_append_dtype"]
+    assert _header_macro(text, "PROMOTE") == AUTOCAST_CUDA["promote"]
+
+
+def test_cross_entropy_loss_is_fp32_on_cpu_and_its_composite_on_cuda():
+    # AutocastCPU runs cross_entropy_loss in fp32 as a whole; AutocastCUDA has no kernel for it, so there its
+    # C++ composite runs: log_softmax in the logits' dtype (an explicit dtype), then nll_loss in fp32.
+    assert "cross_entropy_loss" in _registered("AutocastCPU")
+    assert "cross_entropy_loss" not in _registered("AutocastCUDA")
+    assert default_policy("cpu").kind("cross_entropy_loss") is CastKind.FP32
+    assert default_policy("cuda").kind("cross_entropy_loss") is CastKind.COMPOSITE
+    assert default_policy("cuda").kind("nll_loss") is CastKind.FP32
+    assert default_policy("cuda").kind("log_softmax") is CastKind.FP32_OUT
 
 
 @pytest.mark.parametrize("device_type, key", [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])

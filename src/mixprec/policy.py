@@ -20,12 +20,14 @@ The cast kinds are those of ``aten/src/ATen/autocast_mode.{h,cpp}``:
   (torch's ``fp32_set_opt_dtype`` / ``fp32_append_dtype``).
 * ``PROMOTE`` -- cast every floating input to the widest floating input dtype (``cat``,
   ``stack``, ``index_put``, ``addcmul``...), so mixing an fp32 and a low-precision tensor works.
+  Inputs of both low dtypes go to fp32 (torch raises where one of the other low dtype comes
+  before any fp32 input; see :mod:`mixprec.autocast`).
 * ``BANNED`` -- refuse with an explanation (``binary_cross_entropy`` on CUDA).
 * ``COMPOSITE`` -- a function that a function-level hook sees as one call: a Python function
   (``F.multi_head_attention_forward``), whose body the autocast runs with the policy active so its
   inner linears/softmax follow the lists above, or a C++ composite that the autocast runs as a Python
-  transcription of its C++ code for the same reason (``lstm_cell``, ``tensordot`` on CPU; the
-  transcriptions are in :mod:`mixprec.autocast.cpp_composites`).
+  transcription of its C++ code for the same reason (``lstm_cell``, ``tensordot`` on CPU,
+  ``cross_entropy_loss`` on CUDA; the transcriptions are in :mod:`mixprec.autocast.cpp_composites`).
 
 Everything else runs untouched in whatever dtype its inputs have (``relu``, ``gelu``, ``add``,
 ``dropout``, ``view``...), with PyTorch's ordinary type promotion.
@@ -40,7 +42,9 @@ name (``einsum``/``inner``/``linalg_multi_dot`` run through ``bmm``/``mm``; ``ls
 ``mkldnn_rnn_layer``), so that the function-level autocast lands on the same dtypes. Where that
 shortcut would differ from torch, the composite is listed as ``composite`` and transcribed instead:
 the RNN cells (torch lowers their two inner linears and returns what the fp32 hidden state makes of
-them) and ``tensordot`` (which refuses inputs of different dtypes before its inner ``mm``).
+them) and ``tensordot`` (which refuses inputs of different dtypes before its inner ``mm``). On CUDA
+``cross_entropy_loss`` is such a composite too: torch registers no CUDA kernel for it, so its
+``log_softmax`` runs in the logits' dtype and only its ``nll_loss`` in fp32.
 
 An entry ``name.overload`` applies to one overload of an ATen op: CPU autocast lowers only the
 12-argument ``_convolution.deprecated``, not the 13-argument ``_convolution``.
@@ -235,9 +239,6 @@ _CUDA_FP32 = frozenset({
     "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
     "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
     "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
-    # not registered on CUDA, but its decomposition (log_softmax with dtype=fp32, then nll_loss
-    # in fp32) gives the same fp32 result
-    "cross_entropy_loss",
 })
 
 _CUDA_FP32_OUT = frozenset({
@@ -253,8 +254,12 @@ _CUDA_PROMOTE = frozenset({
 })
 
 # Python composites whose inner ops are on the CUDA fp32 lists (F.normalize -> norm,
-# F.softmin -> softmax).
-_CUDA_COMPOSITE = _COMPOSITE_ALL | {"normalize", "softmin"}
+# F.softmin -> softmax), and cross_entropy_loss: AutocastCUDA has no kernel for it (unlike
+# AutocastCPU, which runs it all in fp32), so its C++ composite runs under autocast --
+# log_softmax(x, dtype=x.dtype) in the logits' dtype, then nll_loss in fp32 -- and is transcribed
+# (mixprec.autocast.cpp_composites). To run the whole loss in fp32 instead:
+# policy.with_ops(CastKind.FP32, ["cross_entropy_loss"]), or keep_fp32 on the loss module.
+_CUDA_COMPOSITE = _COMPOSITE_ALL | {"normalize", "softmin", "cross_entropy_loss"}
 
 
 POLICY_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")

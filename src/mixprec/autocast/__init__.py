@@ -50,18 +50,24 @@ ATen ops run forward and backward (casts included) are the same, in the same ord
 Differences from ``torch.autocast`` (deliberate or inherent to a function-level hook)
 ------------------------------------------------------------------------------------
 * C++ composites are seen as one call, except those with a Python transcription
-  (:mod:`.cpp_composites`: the RNN cells and ``tensordot`` on CPU). On CPU torch lowers the gate
-  matmuls inside ``aten::gru`` / ``rnn_tanh`` and returns fp32; here the GRU/vanilla RNN *layers*
-  run in fp32 (``nn.GRUCell``/``nn.RNNCell`` match torch). ``einsum`` is lowered as a whole (torch
-  lowers it only when the equation contracts through ``bmm``).
+  (:mod:`.cpp_composites`: the RNN cells and ``tensordot`` on CPU, ``cross_entropy_loss`` on
+  CUDA). On CPU torch lowers the gate matmuls inside ``aten::gru`` / ``rnn_tanh`` and returns fp32;
+  here the GRU/vanilla RNN *layers* run in fp32 (``nn.GRUCell``/``nn.RNNCell`` match torch).
+  ``einsum`` is lowered as a whole (torch lowers it only when the equation contracts through
+  ``bmm``).
 * Inference fast paths (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` in eval under
   ``no_grad``) are never taken, so they follow the policy op by op as in training; torch.autocast
   on CPU takes them and casts their fused kernels differently (other dtypes/values than in
   training).
-* fp16 LSTM on CPU runs (torch's oneDNN LSTM raises for fp16); mixed fp16/bf16 inputs of a
-  promote op go to fp32 (torch raises); a cast made under ``no_grad`` is never reused with grad
-  enabled, and the cache is keyed by dtype, so nested contexts of different dtypes do not share
-  casts.
+* fp16 LSTM on CPU runs (torch's oneDNN LSTM raises for fp16); a cast made under ``no_grad`` is
+  never reused with grad enabled, and the cache is keyed by dtype, so nested contexts of different
+  dtypes do not share casts.
+* Promote ops run where torch raises "Unexpected floating ScalarType in at::autocast::prioritize":
+  torch folds the inputs left to right from the autocast dtype and raises on meeting the other low
+  dtype before any fp32 input (under bf16, ``dot(fp16, fp32)`` raises, ``dot(fp32, fp16)`` runs in
+  fp32). Here inputs of different dtypes go to fp32 and inputs of one dtype stay in it, which is
+  torch's answer wherever torch has one -- except that torch leaves ``bilinear``'s optional
+  ``bias`` out of the choice (it casts it to the chosen dtype), which counts here.
 """
 
 from .context import autocast

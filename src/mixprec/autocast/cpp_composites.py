@@ -3,11 +3,12 @@
 ``torch.autocast`` works at the dispatcher, so it sees the ops *inside* an ATen composite: on CPU
 ``aten::lstm_cell`` is not on any list, but the two ``aten::linear`` calls it makes are, and the
 cell returns fp32 computed from low-precision gates. A function-level autocast sees one
-``lstm_cell`` call. For the composites listed here the mode instead runs a Python transcription of
-the C++ CPU code path (same ATen ops, same order, in-place ops included) with itself re-entered,
-so the inner ops are cast exactly as torch casts them -- values, dtypes and gradients identical.
+``lstm_cell`` call. For the composites a policy lists as ``composite`` the mode instead runs a
+Python transcription of the C++ code path (same ATen ops, same order, in-place ops included) with
+itself re-entered, so the inner ops are cast exactly as torch casts them -- values, dtypes and
+gradients identical.
 
-Transcribed (from ``aten/src/ATen/native/RNN.cpp`` and ``Linear.cpp`` of torch 2.13):
+Transcribed (from ``aten/src/ATen/native/RNN.cpp``, ``Linear.cpp`` and ``LossNLL.cpp`` of torch 2.13):
 
 * ``lstm_cell``, ``gru_cell``, ``rnn_tanh_cell``, ``rnn_relu_cell``: the non-fused cell bodies
   (``LSTMCell``, ``GRUCell``, ``SimpleCell``), i.e. the CPU path. ``nn.LSTMCell``/``GRUCell``/
@@ -16,6 +17,10 @@ Transcribed (from ``aten/src/ATen/native/RNN.cpp`` and ``Linear.cpp`` of torch 2
   dims away, then contracts through one ``mm`` -- the op CPU autocast lowers. Casting the inputs
   up front instead would hide the dtype error torch raises for mixed inputs and would run those
   sums in the low dtype.
+* ``cross_entropy_loss`` (the CUDA lists; CPU autocast casts it to fp32 as a whole):
+  ``log_softmax(x, class_dim, dtype=x.dtype)`` -- an explicit dtype, which autocast keeps, so it
+  runs in the logits' dtype -- then ``nll_loss``/``nll_loss2d`` (fp32 lists) through
+  ``nll_loss_nd``; the label-smoothing and class-probability branches likewise.
 
 The mode uses a transcription only when a tensor argument is eligible (on the autocast's device);
 otherwise the C++ op runs as is.
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 __all__ = ["TRANSCRIPTIONS"]
 
 Tensor = torch.Tensor
+_nn = torch._C._nn
 
 
 def _check_cell(input: Tensor, hx: Sequence[Tensor], w_ih: Tensor, w_hh: Tensor,
@@ -120,11 +126,134 @@ def tensordot(a: Tensor, b: Tensor, dims_a: Sequence[int], dims_b: Sequence[int]
     return torch.mm(t1, t2).reshape(sizes_a + sizes_b)
 
 
-#: ATen name -> Python transcription of its C++ CPU code path.
+_NONE, _MEAN, _SUM = 0, 1, 2  # at::Reduction
+
+
+def _nll_loss_nd(input: Tensor, target: Tensor, weight: Tensor | None, reduction: int,
+                 ignore_index: int) -> Tensor:
+    if input.dim() < 1:
+        raise ValueError(f"Expected 1 or more dimensions (got {input.dim()})")
+    if input.dim() != 1 and input.size(0) != target.size(0):
+        raise ValueError(f"Expected input batch_size ({input.size(0)}) to match target batch_size "
+                         f"({target.size(0)}).")
+    if input.dim() in (1, 2):
+        return _nn.nll_loss(input, target, weight, reduction, ignore_index)
+    if input.dim() == 4:
+        return _nn.nll_loss2d(input, target, weight, reduction, ignore_index)
+    # dim 3 or > 4: folded into nll_loss2d's (N, C, 1, -1)
+    n, c = input.size(0), input.size(1)
+    out_size = [n, *input.shape[2:]]
+    if target.shape[1:] != input.shape[2:]:
+        raise RuntimeError(f"Expected target size {out_size}, got {list(target.shape)}")
+    input = input.contiguous()
+    target = target.contiguous()
+    input = input.view(n, c, 1, -1) if input.numel() > 0 else input.view(n, c, 0, 0)
+    target = target.view(n, 1, -1) if target.numel() > 0 else target.view(n, 0, 0)
+    out = _nn.nll_loss2d(input, target, weight, reduction, ignore_index)
+    return out if reduction != _NONE else out.view(out_size)
+
+
+def _invalid_reduction(reduction: int) -> RuntimeError:
+    return RuntimeError(f"Invalid reduction type encountered in cross_entropy: {reduction}")
+
+
+def _check_label_smoothing(label_smoothing: float) -> None:
+    if label_smoothing > 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+
+
+def _cross_entropy_prob_target(input: Tensor, target_: Tensor, weight: Tensor | None, reduction: int,
+                               label_smoothing: float) -> Tensor:
+    class_dim = 0 if input.dim() == 1 else 1
+    n_classes = input.size(class_dim)
+    if weight is not None and not (weight.dim() == 1 and weight.numel() == n_classes):
+        raise RuntimeError(f"cross_entropy: weight tensor should be defined either for all {n_classes} classes "
+                           f"or no classes but got weight tensor of shape: {list(weight.shape)}")
+    input = torch.log_softmax(input, class_dim, input.dtype)
+    if label_smoothing > 0.0:
+        _check_label_smoothing(label_smoothing)
+        target = target_ * (1 - label_smoothing) + label_smoothing / n_classes
+    else:
+        target = target_
+    if weight is not None:
+        if input.dim() > 1:
+            shape = [1] * input.dim()
+            shape[1] = weight.size(0)
+            weight = weight.view(shape)
+        terms = input * target * weight
+    else:
+        terms = input * target
+    if reduction == _MEAN:
+        if input.numel() == 0:
+            return -terms.sum().fill_(math.nan)
+        return -terms.sum() / (input.numel() // n_classes)
+    if reduction == _SUM:
+        return -terms.sum()
+    if reduction == _NONE:
+        return -terms.sum(class_dim)
+    raise _invalid_reduction(reduction)
+
+
+def _cross_entropy_label_smoothing(input: Tensor, target: Tensor, weight: Tensor | None, reduction: int,
+                                   ignore_index: int, label_smoothing: float) -> Tensor:
+    class_dim = 0 if input.dim() == 1 else 1
+    input = torch.log_softmax(input, class_dim, input.dtype)
+    nllloss = _nll_loss_nd(input, target, weight, reduction, ignore_index)
+    n_classes = input.size(class_dim)
+    if weight is not None:
+        shape = [1] * input.dim()
+        shape[class_dim] = weight.size(0)
+        smooth_loss = -(input * weight.view(shape)).sum(class_dim)
+    else:
+        smooth_loss = -input.sum(class_dim)
+    ignore_mask = target == ignore_index
+    smooth_loss.masked_fill_(ignore_mask, 0.0)
+    if reduction == _MEAN:
+        if weight is not None:
+            if torch._C._dispatch_isTensorSubclassLike(weight):
+                filtered_target = target.masked_fill(ignore_mask, 0)
+                tgt_weights = weight.gather(0, filtered_target.flatten())
+                weight_sum = tgt_weights.masked_fill_(ignore_mask.flatten(), 0).sum()
+                ret = smooth_loss.sum() / weight_sum
+            else:
+                weight_sum = weight.gather(0, target.masked_select(~ignore_mask).flatten()).sum()
+                ret = smooth_loss.sum() / weight_sum
+        else:
+            true_mask = ~ignore_mask
+            count = true_mask.sum()  # the divisor first: C++ evaluated the right operand first
+            ret = smooth_loss.sum() / count
+    elif reduction == _SUM:
+        ret = smooth_loss.sum()
+    elif reduction == _NONE:
+        ret = smooth_loss
+    else:
+        raise _invalid_reduction(reduction)
+    return (1 - label_smoothing) * nllloss + ret * (label_smoothing / n_classes)
+
+
+def cross_entropy_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, reduction: int = _MEAN,
+                       ignore_index: int = -100, label_smoothing: float = 0.0) -> Tensor:
+    if input.shape == target.shape:  # class probabilities
+        if not target.is_floating_point():
+            raise RuntimeError(f"Expected floating point type for target with class probabilities, got "
+                               f"{target.dtype}")
+        if ignore_index >= 0:
+            raise RuntimeError("ignore_index is not supported for floating point target")
+        return _cross_entropy_prob_target(input, target, weight, reduction, label_smoothing)
+    if label_smoothing > 0.0:
+        _check_label_smoothing(label_smoothing)
+        return _cross_entropy_label_smoothing(input, target, weight, reduction, ignore_index, label_smoothing)
+    class_dim = 0 if input.dim() == 1 else 1
+    return _nll_loss_nd(torch.log_softmax(input, class_dim, input.dtype), target, weight, reduction,
+                        ignore_index)
+
+
+#: ATen name -> Python transcription of its C++ code path.
 TRANSCRIPTIONS: dict[str, Callable] = {
     "lstm_cell": lstm_cell,
     "gru_cell": gru_cell,
     "rnn_tanh_cell": _simple_cell("rnn_tanh_cell", torch.tanh),
     "rnn_relu_cell": _simple_cell("rnn_relu_cell", torch.relu),
     "tensordot": tensordot,
+    "cross_entropy_loss": cross_entropy_loss,
 }
