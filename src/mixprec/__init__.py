@@ -44,10 +44,27 @@ from .policy import CastKind, CastPolicy, default_policy
 from .precision import RECIPES, Recipe, RecipeConfig, ScalerConfig, StepResult, build_recipe, resolve_recipe
 from .scaler import DynamicLossScaler
 from .scaler_view import ScalerView
-from .planning import plan
-from .watching import watch
 
 __version__ = "0.1.0"
+
+_LAZY = {"plan": ("planning", "plan"), "watch": ("watching", "watch")}
+
+
+def __getattr__(name: str):
+    """``mixprec.plan`` and ``mixprec.watch`` load their packages (and the trainer under them) on first use, so
+    that ``import mixprec`` is the engine alone."""
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
 
 __all__ = [
     "autocast",
