@@ -1,6 +1,9 @@
 """Issue 12: the user's own model, data and loss through train, bench and doctor (CLI and API)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,9 +145,42 @@ def test_fit_takes_factories():
     assert r.history and r.summary["model"].endswith(":transformer")
 
 
-def test_fit_refuses_lambdas_for_code_other_processes_must_import():
-    with pytest.raises(UsageError, match="lambda"):
-        fit(lambda num_classes: torch.nn.Linear(64, num_classes), "digits")
+def test_fit_uses_the_callables_it_is_handed_even_a_lambda():
+    """fit trains in this process: a lambda or a notebook's function is used as handed, never imported again."""
+    r = fit(lambda num_classes: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, num_classes)), "digits",
+            precision="fp32", max_steps=2, epochs=1, log_every=0, progress="off")
+    assert r.history and r.summary["model"].endswith("<lambda>")
+
+
+FIT_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+print("TOP-LEVEL RAN", flush=True)
+import torch
+from mixprec.train import fit
+
+def make_opt(params, lr):
+    return torch.optim.SGD(params, lr=lr)
+
+r = fit("mlp", "digits", precision="fp32", optimizer=make_opt, max_steps=2, width=16, depth=1, log_every=0,
+        progress="off")
+print("OPTIMIZER", r.summary["optimizer"] if "optimizer" in r.summary else "", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_fit_in_a_script_without_a_main_guard_runs_its_top_level_once(tmp_path):
+    """A script without ``if __name__ == "__main__":`` passing its own optimizer factory: the top level (fit
+    included) ran twice when fit re-imported the script by path to name the factory; from ``python -c`` (no file,
+    as in a notebook) fit refused the factory."""
+    code = FIT_SCRIPT.format(tests=str(ROOT / "tests"))
+    script = tmp_path / "train_me.py"
+    script.write_text(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for argv in ([sys.executable, str(script)], [sys.executable, "-c", code]):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.count("TOP-LEVEL RAN") == 1, r.stdout
 
 
 @pytest.mark.slow

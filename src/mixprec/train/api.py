@@ -18,7 +18,7 @@ from .build import build_run
 from .config import TrainConfig
 from .loop import TrainResult, train
 from .data.sources import data_from_splits
-from .usercode import UserCodeError, reference_of
+from .usercode import UserCodeError, in_process_reference
 
 __all__ = ["fit"]
 
@@ -38,11 +38,11 @@ def fit(model: nn.Module | Callable | str = "mlp", data: Any = "fashion-mnist", 
             default: the loss the model returns, else the task's (cross-entropy, BCE, MSE; see ``task``).
         flags: any ``mixprec train`` flag by its Python name (``epochs``, ``batch_size``, ``lr``, ``out``,
             ``task="regression"``...); ``optimizer`` may also be a factory ``(params, [lr, ...]) ->
-            torch.optim.Optimizer`` defined at the top level of a module (it is stored by reference, as
-            ``--optimizer module:callable``).
+            torch.optim.Optimizer``. Callables are used as handed (this process trains; nothing is imported
+            again); the run's config records them as ``module:qualname``.
     """
     if callable(flags.get("optimizer")):
-        flags["optimizer"] = reference_of(flags["optimizer"], "--optimizer")
+        flags["optimizer"] = in_process_reference(flags["optimizer"], "--optimizer")
     instance = model if isinstance(model, nn.Module) else None
     names = {"model": type(model).__name__ if instance is not None else _name(model, "--model"),
              "dataset": _name(data, "--dataset") if not isinstance(data, (tuple, list)) else "user data"}
@@ -59,5 +59,5 @@ def _name(obj: Any, flag: str) -> str:
     if isinstance(obj, str):
         return obj
     if callable(obj):
-        return reference_of(obj, flag)
+        return in_process_reference(obj, flag)
     raise UserCodeError(f"{flag}: expected a name, a 'module:callable' string or a callable, got {type(obj).__name__}")

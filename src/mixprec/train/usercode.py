@@ -24,7 +24,10 @@ from typing import Any
 
 from ..errors import UsageError, one_line
 
-__all__ = ["UserCodeError", "is_reference", "load_callable", "call_declared", "reference_of"]
+__all__ = ["UserCodeError", "is_reference", "load_callable", "call_declared", "reference_of", "in_process_reference"]
+
+_IN_PROCESS: dict[str, Callable] = {}
+"""Callables handed to ``fit`` in this process, by the reference its run's config records for them."""
 
 
 class UserCodeError(UsageError):
@@ -38,6 +41,8 @@ def is_reference(name: str) -> bool:
 
 def load_callable(ref: str, flag: str) -> Callable:
     """Import the callable ``ref`` names; ``flag`` (``--model``...) is quoted in errors."""
+    if ref in _IN_PROCESS:
+        return _IN_PROCESS[ref]
     module_part, _, attr = ref.rpartition(":")
     if not module_part or not attr:
         raise UserCodeError(f"{flag} {ref!r}: expected package.module:callable or path/to/file.py:callable")
@@ -123,3 +128,16 @@ def reference_of(obj: Any, flag: str) -> str:
         raise UserCodeError(f"{flag}: {qual} lives in an interactive session, which another process cannot import; "
                             "put it in a .py file and pass it (or 'path/to/file.py:name')")
     return f"{os.path.abspath(path)}:{qual}"
+
+
+def in_process_reference(obj: Any, flag: str) -> str:
+    """A reference to ``obj`` for this process only (``fit``, which trains here): the run's config records it as
+    ``module:qualname`` and :func:`load_callable` returns ``obj`` itself, so nothing is imported again (a script's
+    top level runs once; a notebook's functions work)."""
+    if isinstance(obj, str):
+        return obj
+    if not callable(obj):
+        raise UserCodeError(f"{flag}: expected a callable or a 'module:callable' string, got {type(obj).__name__}")
+    ref = f"{getattr(obj, '__module__', None) or '__main__'}:{getattr(obj, '__qualname__', type(obj).__name__)}"
+    _IN_PROCESS[ref] = obj
+    return ref
