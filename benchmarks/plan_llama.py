@@ -5,6 +5,8 @@
 Prints the plan, the wall time and the peak RSS of this process (the issue's budget: under two minutes and
 3 GB for the three recipes), and the hand calculation of parameter, gradient and AdamW-state bytes beside
 the plan's (they must match exactly). ``tests/test_plan.py::test_llama_8b_plan`` runs it (slow).
+``--optimizer sgd``: mixprec's default optimizer, whose fused step has no fake kernel in PyTorch
+(``mixprec.planning.trace.NO_FAKE_KERNEL``); no hand calculation then.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a quick check)")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from mixprec.planning import plan
@@ -70,12 +73,12 @@ def main(argv=None) -> None:
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     t0 = time.perf_counter()
     p = plan(precisions=args.precisions, target=args.target, model=llama_factory(cfg),
-             batch={"input_ids": ids, "labels": ids}, optimizer="adamw", lr=1e-4)
+             batch={"input_ids": ids, "labels": ids}, optimizer=args.optimizer, lr=1e-4)
     wall = time.perf_counter() - t0
     print(format_plan(p))
     n = hand_count(cfg)
     print(f"\nhand calculation: {n:,} parameters")
-    for r in p.recipes:
+    for r in p.recipes if args.optimizer == "adamw" else ():
         h = hand_bytes(n, r.recipe)
         steps = r.memory["optimizer_state"] - h["adam_moments"]
         print(f"  {r.recipe:12s} parameters {h['parameters']:,} (plan {r.memory['parameters']:,}), gradients "

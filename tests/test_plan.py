@@ -202,9 +202,11 @@ def test_small_hugging_face_llama_plans_exact_parameters():
 
 @pytest.mark.slow
 def test_llama_8b_plan_matches_the_hand_calculation(tmp_path):
-    """Llama-3-8B at 1 x 2048, three recipes, planned in a subprocess with under 3 GB of RSS; parameter, gradient
-    and optimizer bytes equal the hand calculation. (Its wall time is a benchmark: benchmarks/plan_llama.py.)"""
+    """Llama-3-8B at 1 x 2048, three recipes, planned in a subprocess with under 3 GB of RSS (and of address
+    space: more fails instead of being killed); parameter, gradient and optimizer bytes equal the hand
+    calculation. (Its wall time is a benchmark: benchmarks/plan_llama.py.)"""
     pytest.importorskip("transformers")
+    import resource
     import subprocess
     import sys
 
@@ -212,7 +214,8 @@ def test_llama_8b_plan_matches_the_hand_calculation(tmp_path):
 
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_llama.py"), "--target", "h100-sxm",
                         "--json", str(tmp_path / "llama.json")], capture_output=True, text=True, timeout=600,
-                       cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+                       cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)))
     assert r.returncode == 0, r.stderr[-2000:]
     rss = float(r.stdout.rsplit("peak RSS ", 1)[1].split()[0])
     assert rss < 3.0
@@ -405,3 +408,143 @@ def test_cpu_target_times_gemms_convolutions_and_attention_once_per_distinct_cal
                   bandwidth=1.0, source="test", launch_s=0.0)  # 1 FLOP/s: every call priced far above a second
     assert _measured(cpu.ops, slow, KernelTimes()) == {}
     assert _measured(cpu.ops, get_target("cpu"), KernelTimes()).keys() == set(measured)
+
+
+# ------------------------------------------------------------------- nothing is built or run for real
+
+def _corpus(tmp_path, n=21000):
+    """A text corpus whose test split (10%) holds a 2048-character window."""
+    path = tmp_path / "corpus.txt"
+    path.write_text(("the quick brown fox jumps over the lazy dog. " * (n // 45 + 1))[:n])
+    return path
+
+
+@pytest.mark.slow
+def test_llama_3_8b_from_a_factory_plans_under_a_3_gb_memory_limit(tmp_path):
+    """`mixprec plan --model file:make` on the real Llama-3-8B config (32 GB of fp32 parameters), with the default
+    fused SGD, in a subprocess whose address space is capped at 3 GB: building the model or taking its optimizer
+    step for real would fail there (an allocation error), so a regression fails instead of being killed."""
+    pytest.importorskip("transformers")
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    factory = tmp_path / "llama8b.py"
+    factory.write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n\n\n"
+        "def make():\n"
+        "    return LlamaForCausalLM(LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,\n"
+        "        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False))\n")
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+    run = "import sys; from mixprec.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", limit + run, "plan", "--model", f"{factory}:make", "--dataset", "text",
+                        "--data-path", str(_corpus(tmp_path)), "--block-size", "2048", "--batch-size", "1",
+                        "--target", "h100-sxm", "--precisions", "fp32", "--json", str(tmp_path / "plan.json")],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["traced"] == "fake" and doc["recipes"][0]["memory"]["parameters"] == 4 * 8_030_261_248
+
+
+def test_the_default_fused_sgd_step_is_traced_without_running_anything_for_real(monkeypatch):
+    """PyTorch's fused SGD step has no fake kernel; FakeTensorMode would run it for real on zero-filled full-size
+    copies of every parameter and gradient. The planner gives it one and never takes that fallback."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    def no_real_run(mode, func, *a, **k):
+        raise AssertionError(f"{func} ran for real")
+
+    monkeypatch.setattr(fake_tensor, "run_fallback_kernel", no_real_run)
+    p = plan(precisions="fp32", target="h100-sxm", model=LinearNormLinear, batch_size=16, dataset="digits",
+             optimizer="sgd", momentum=0.9)
+    assert p.traced == "fake"
+    for r in p.recipes:
+        assert r.memory["optimizer_state"] == 4 * (64 * 64 + 64 + 2 * 64 + 64 * 10 + 10)  # the momentum buffers
+
+
+INIT_READS_VALUES = """from torch import nn
+
+
+class InitReadsValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+        while (self.fc.weight.abs() > 1.0).any():  # a host read at initialisation (rejection sampling)
+            nn.init.normal_(self.fc.weight)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+"""
+
+
+def test_a_model_whose_init_reads_values_is_built_for_real_only_with_fallback_real(cli, tmp_path):
+    factory = tmp_path / "init_reads.py"
+    factory.write_text(INIT_READS_VALUES)
+    code, out, err = cli("plan", "--model", f"{factory}:InitReadsValues", "--dataset", "digits", "--target", "l4",
+                         "--precisions", "fp32")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "cannot be built under fake tensors: " in err and "_local_scalar_dense" in err and "--fallback-real" in err
+    p = plan(precisions="fp32", target="l4", model=f"{factory}:InitReadsValues", batch_size=8, fallback_real=True,
+             **FLAGS)
+    r = p.recipes[0]
+    assert p.traced == "fake" and r.memory["parameters"] == 4 * (64 * 10 + 10)
+    assert any("built for real once (--fallback-real)" in n for n in r.notes)
+
+
+def test_built_in_and_deep_copied_models_are_built_under_fake_tensors():
+    """The built-in vision transformer (no trunc_normal_ host read) and a user model whose nn.TransformerEncoder
+    deep-copies its layer: fake parameters of the planner's one fake mode, as many as the real model has."""
+    import sys
+
+    from conftest import ROOT
+
+    from mixprec.planning.trace import FakeModelSource, planning_fake_mode
+    from mixprec.train.models import build_model
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from userpkg.factories import transformer
+
+    for build in (lambda: build_model("transformer", input_shape=(1, 8, 8), num_classes=10),
+                  lambda: transformer((1, 8, 8), 10)):
+        mode = planning_fake_mode()
+        source = FakeModelSource(build, mode)
+        fake, real = source.make(), build()
+        assert source.path == "fake"
+        assert all(p.fake_mode is mode for p in fake.parameters())
+        assert [p.shape for p in fake.parameters()] == [p.shape for p in real.parameters()]
+        assert len({p.untyped_storage()._cdata for p in fake.parameters()}) == len(list(real.parameters()))
+
+
+def test_a_module_instance_is_planned_as_a_fake_copy_and_left_unchanged():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    before = [p.clone() for p in model.parameters()]
+    p = plan(precisions="fp32,bf16-true", target="l4", model=model, batch_size=8, **FLAGS)
+    assert p.traced == "fake" and p.by_name("bf16-true").memory["parameters"] == 2 * (64 * 10 + 10)
+    assert all(q.dtype == torch.float32 and torch.equal(q, b) for q, b in zip(model.parameters(), before))
+
+
+def test_the_built_in_transformer_attends_as_on_the_targets_device():
+    """On the CPU a bf16 q/k/v is attended in fp32 (mixprec.train.attention); on CUDA in bf16. A GPU target's
+    plan, traced on fake CPU tensors, takes the CUDA branch; the cpu target's the CPU one."""
+    from mixprec.planning.api import Planner
+    from mixprec.train.attention import planned_device
+    from mixprec.train.config import TrainConfig
+
+    config = TrainConfig.from_flags(model="transformer", dataset="digits", batch_size=8, optimizer="adamw")
+    dtypes = {}
+    for target in ("h100-sxm", CPU):
+        ops = Planner(config=config, target=target).trace("bf16-mixed")[0].ops
+        dtypes[target if isinstance(target, str) else "cpu"] = {
+            (o.phase, o.dtype) for o in ops if o.name.startswith("_scaled_dot_product")}
+    assert dtypes["h100-sxm"] == {("forward", "bf16"), ("backward", "bf16")}
+    assert dtypes["cpu"] == {("forward", "fp32"), ("backward", "fp32")}
+    with planned_device("cuda"):
+        with planned_device(None):
+            pass
+        from mixprec.train import attention as A
+
+        assert A._PLANNED.device_type == "cuda"
+    assert A._PLANNED.device_type is None

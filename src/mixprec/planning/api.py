@@ -27,7 +27,7 @@ from ..errors import UsageError
 from .kernels import KernelTimes
 from .roofline import StepTime, efficiency_for, step_time
 from .targets import Target, get_target
-from .trace import FakeModelSource, StepTrace, TraceError, trace_step
+from .trace import FakeModelSource, StepTrace, TraceError, planning_fake_mode, trace_step
 
 __all__ = ["RecipePlan", "Plan", "plan", "PlanError", "Planner", "TaskLoss"]
 
@@ -180,15 +180,18 @@ def plan(
             measured) or a GPU of :data:`mixprec.planning.targets.TARGETS`.
         config: a :class:`~mixprec.train.config.TrainConfig`; else one is made from ``flags`` (train's flag
             names: ``model="mlp"``, ``dataset="digits"``, ``batch_size=64``, ``optimizer="adamw"``...).
-        model: instead of the config's model: a module (copied, never changed) or a zero-argument factory
-            (called under fake tensors: a Hugging Face ``LlamaForCausalLM(config)`` allocates nothing).
+        model: instead of the config's model: a module (copied as fake tensors, never changed) or a
+            zero-argument factory (called under fake tensors: a Hugging Face ``LlamaForCausalLM(config)``
+            allocates nothing).
         batch: instead of a batch from the config's data: ``(inputs, targets)``, ``(in_1, ..., targets)`` or a
             dict (the model contract, :mod:`mixprec.train.contract`).
         loss_fn, make_optimizer: an explicit loss ``(raw output, targets)`` and ``params -> optimizer``
             (default: the config's ``--loss`` -- else the model's own, else the task's, resolved as train
             resolves it: :class:`TaskLoss` -- and the config's optimizer).
-        fallback_real: when the model cannot be traced under fake tensors, run the same step for real on the
-            CPU on ``fallback_batch_size`` samples and scale what grows with the batch (instead of failing).
+        fallback_real: when the model cannot be built under fake tensors (its initialisation reads values),
+            build it for real once and trace fake copies; when its step cannot be traced, run the same step for
+            real on the CPU on ``fallback_batch_size`` samples and scale what grows with the batch. Without it
+            either is a :class:`~.trace.TraceError` naming the op, and nothing is built or run for real.
     """
     from ..train.config import TrainConfig
 
@@ -199,7 +202,7 @@ def plan(
     if isinstance(model, str):  # a model name or module:factory, as --model takes it
         flags["model"], model = model, None
     planner = Planner(config=config or TrainConfig.from_flags(**flags), target=target, model=model, batch=batch,
-                      loss_fn=loss_fn, make_optimizer=make_optimizer)
+                      loss_fn=loss_fn, make_optimizer=make_optimizer, fallback_real=fallback_real)
     names = [_canonical(p) for p in precisions]
     traced, scale = "fake", 1.0
     try:
@@ -223,12 +226,11 @@ class Planner:
     the loss and the optimizer factory, the fake mode -- and one trace per recipe (:meth:`trace`).
 
     ``data``: the config's data, already loaded (bench passes its own), so that it is not loaded again.
+    ``fallback_real``: a model that cannot be built under fake tensors is built for real (:class:`.FakeModelSource`).
     """
 
     def __init__(self, *, config, target: str | Target = "cpu", model=None, batch=None, loss_fn=None,
-                 make_optimizer=None, data=None) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
+                 make_optimizer=None, data=None, fallback_real: bool = False) -> None:
         from ..train.build import loss_from_config, optimizer_factory
 
         config.validate()
@@ -238,8 +240,9 @@ class Planner:
         self.loss_fn = loss_fn or loss_from_config(config.model)
         self.default_loss = TaskLoss(config, data, self.batch)
         self.make_optimizer = make_optimizer or optimizer_factory(config.optim)
-        self.fake_mode = FakeTensorMode()
-        self.models = FakeModelSource(self.build, self.fake_mode)
+        self.fake_mode = planning_fake_mode()
+        self.models = FakeModelSource(self.build, self.fake_mode, fallback_real=fallback_real,
+                                      real=model if isinstance(model, nn.Module) else None)
         self.kernel_times = KernelTimes() if self.target.kind == "cpu" else None
         """The cpu target's kernels timed on this CPU (:mod:`.kernels`), shared by the recipes."""
 

@@ -25,8 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON")
     g.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG of memory at the peak by category")
     g.add_argument("--fallback-real", action="store_true",
-                   help="if the model cannot be traced under fake tensors, run the step for real on a small "
-                        "batch on this CPU and scale what grows with the batch")
+                   help="what cannot be done under fake tensors is done for real on this CPU: a model whose "
+                        "initialisation reads values is built for real (every parameter allocated) and traced as a "
+                        "fake copy; a step that reads values runs for real on a small batch, and what grows with "
+                        "the batch is scaled. Without it either is an error naming the op")
     p.set_defaults(func=plan_main)
     return p
 

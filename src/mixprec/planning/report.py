@@ -16,7 +16,8 @@ _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "opti
 
 
 DEVICE_BRANCH_LIMIT = ("the step is traced on fake CPU tensors, so model code that branches on the device type "
-                       "(x.is_cuda, x.device.type == 'cuda', a CUDA-only kernel) takes its CPU branch")
+                       "(x.is_cuda, x.device.type == 'cuda', a CUDA-only kernel) takes its CPU branch (the built-in "
+                       "models' attention is told the target's device)")
 """What a plan for a GPU target cannot see (also in the README's "Plan before you run")."""
 
 

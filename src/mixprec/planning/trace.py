@@ -34,13 +34,25 @@ gradients, optimizer state and fp32 masters by :func:`mixprec.memory.static_memo
 the optimizer's foreach intermediates, FP8 transposes in backward), from :class:`.recorder.StepRecorder`;
 on the ``cpu`` target also the workspace a kernel allocates and frees inside an op (:mod:`.workspace`).
 
-**Building the model under fake tensors.** The model is built with its parameters fake when its
-initialisation allows (Hugging Face models do); initialisation that reads values (``nn.init.trunc_normal_``
-checks ``mask.any()``) cannot run on fake tensors, so such a model is built for real on the CPU, once, and
-each recipe gets a fake copy of it. ``Module.to()`` swaps fake parameters with ``torch.utils.swap_tensors``,
+**Building the model under fake tensors.** The model is built with its parameters fake (Hugging Face models,
+the built-in ones, a model that deep-copies its layers: the planner's fake mode is shared by every copy, never
+copied itself), so a model far larger than this machine's memory is planned. Initialisation that reads values
+(``nn.init.trunc_normal_`` checks ``mask.any()``) cannot run on fake tensors: without ``--fallback-real`` that
+is a :class:`TraceError` naming the op and the flag; with it the model is built for real on the CPU, once, and
+each recipe gets a fake copy. ``Module.to()`` swaps fake parameters with ``torch.utils.swap_tensors``,
 which refuses tensors that have weak references -- and FakeTensorMode's converter keeps one to each tensor it
 makes -- so around ``convert_module`` and ``build_optimizer`` that memo is emptied and holds plain references
 until the conversion ends (:func:`_swappable`).
+
+**Nothing runs for real under the fake mode** (:func:`planning_fake_mode`). FakeTensorMode by default runs an
+aten op that has no fake kernel for real, on zero-filled copies of its inputs at full size: PyTorch's fused SGD
+step (``_fused_sgd_``, the default optimizer's) would allocate every parameter and gradient. Here that fallback
+is off: the fused SGD and Adagrad steps (in-place updates that return nothing, so their fake result is nothing:
+:data:`NO_FAKE_KERNEL`) are given one, and any other such op is a :class:`TraceError` naming it.
+
+**The built-in models are told the target.** Their attention picks its kernel by the tensors' device
+(:func:`mixprec.train.attention.attention`); a GPU target's step runs under
+:func:`~mixprec.train.attention.planned_device` ``("cuda")``, so it takes the CUDA branch on fake CPU tensors.
 """
 
 from __future__ import annotations
@@ -54,7 +66,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError, one_line
 from ..memory import CATEGORIES, SavedTensorTracker, static_memory
@@ -63,7 +76,8 @@ from .recorder import OpRecord, StepRecorder
 from .workspace import cpu_workspace
 from .targets import Target
 
-__all__ = ["TraceError", "StepTrace", "FakeModelSource", "trace_step", "recipe_for_target", "AT_PEAK_CATEGORIES"]
+__all__ = ["TraceError", "StepTrace", "FakeModelSource", "trace_step", "recipe_for_target", "planning_fake_mode",
+           "AT_PEAK_CATEGORIES", "NO_FAKE_KERNEL"]
 
 AT_PEAK_CATEGORIES = (*CATEGORIES, "buffers", "temporary")
 """Every category of the memory alive at the peak; they add up to the peak."""
@@ -94,6 +108,30 @@ class StepTrace:
     notes: list[str]
     path: str
     """``fake`` (the model built under fake tensors) or ``real-then-fake``."""
+
+
+# ------------------------------------------------------------------------------------------ fake mode
+
+NO_FAKE_KERNEL = frozenset({"_fused_sgd_", "_fused_adagrad_"})
+"""Aten ops without a fake kernel that update their input lists in place and return nothing (fused optimizer
+steps): under fake tensors there is nothing to compute, so their fake result is nothing."""
+
+
+def planning_fake_mode() -> FakeTensorMode:
+    """The planner's fake mode: it never runs an op for real (no fallback kernels, see the module docstring),
+    and ``copy.deepcopy`` of a fake tensor keeps it (a deep copy of the mode would be a second, foreign one)."""
+    mode = FakeTensorMode(allow_fallback_kernels=False)
+    mode.__deepcopy__ = lambda memo: mode  # copy.deepcopy looks __deepcopy__ up on the instance
+    return mode
+
+
+class _FakeKernels(TorchDispatchMode):
+    """Above the fake mode: the ops of :data:`NO_FAKE_KERNEL` return nothing; every other op goes on down."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in NO_FAKE_KERNEL:
+            return None
+        return func(*args, **(kwargs or {}))
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -154,45 +192,55 @@ def _clone_structure(model: nn.Module, convert: Callable[[torch.Tensor, bool], t
 class FakeModelSource:
     """Makes a fresh fake model per recipe, from a builder of real or fake models (shared by all recipes).
 
-    ``build`` is tried under the fake mode first (nothing is allocated); if its initialisation reads values,
-    it is built for real once and each call returns a fake copy.
+    ``build`` is run under the fake mode (nothing is allocated). If its initialisation reads values, that is a
+    :class:`TraceError` naming ``--fallback-real``; with ``fallback_real`` the model is built for real once
+    instead and each call returns a fake copy. ``real``: a model that exists already (``plan(model=module)``):
+    each call returns a fake copy of it, and it is never changed. Without a fake mode (the real fallback step)
+    every call builds a fresh real model.
     """
 
-    def __init__(self, build: Callable[[], nn.Module], fake_mode: FakeTensorMode | None) -> None:
+    def __init__(self, build: Callable[[], nn.Module], fake_mode: FakeTensorMode | None, *,
+                 fallback_real: bool = False, real: nn.Module | None = None) -> None:
         self._build = build
         self._fake_mode = fake_mode
-        self._real: nn.Module | None = None
+        self._fallback_real = fallback_real
+        self._real = real
         self.path = "fake" if fake_mode is not None else "real"
         self.fake_error: str | None = None
 
     def make(self) -> nn.Module:
-        if self._fake_mode is None:  # --fallback-real: a fresh real model per recipe
+        if self._fake_mode is None:  # --fallback-real's real step: a fresh real model per recipe
             return self._build()
         if self._real is None and self.path == "fake":
             try:
                 with self._fake_mode, _swappable(self._fake_mode), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                     model = self._build()  # (a model may call .to() or deepcopy layers as it is built)
-                if all(getattr(t, "fake_mode", None) is self._fake_mode for t in model.parameters()):
+                foreign = [t for t in model.parameters() if getattr(t, "fake_mode", None) is not self._fake_mode]
+                if not foreign:
                     return model
-                # deepcopy of a fake layer (nn.TransformerEncoder copies its layer) copies the fake mode too
-                self.fake_error = "its layers were deep-copied with a fake mode of their own"
-                self.path = "real-then-fake"
-            except Exception as e:  # noqa: BLE001 -- any init that needs values: build for real instead
-                if not _data_dependent(e):
+                error = f"{len(foreign)} of its parameters were made outside the planner's fake mode"
+            except Exception as e:  # noqa: BLE001 -- an init that needs values, or an op with no fake kernel
+                if not _needs_real_tensors(e):
                     raise
-                self.fake_error = one_line(e)
-                self.path = "real-then-fake"
+                error = one_line(e)
+            if not self._fallback_real:
+                raise TraceError(f"the model cannot be built under fake tensors: {error}; plan with --fallback-real "
+                                 "to build it for real on this CPU (every parameter is allocated) and trace a "
+                                 "fake copy")
+            self.fake_error, self.path = error, "real-then-fake"
         if self._real is None:
             self._real = self._build()
         return _to_fake(self._real, self._fake_mode)
 
 
-def _data_dependent(e: BaseException) -> bool:
+def _needs_real_tensors(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it came from) is fake tensors' limit: a value read on the host, an output
+    shape that depends on values, or an op with no fake kernel."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     while e is not None:
-        if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+        if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)):
             return True
         text = str(e)
         if "data-dependent" in text or "_local_scalar_dense" in text or "Cannot copy out of meta" in text:
@@ -267,10 +315,14 @@ def trace_step(
     """Trace one steady-state training step of one recipe (see the module docstring). Without a
     ``fake_mode`` the same step runs for real on the CPU (``--fallback-real``, on a small batch)."""
     from ..fp8 import planned_gemm_path
+    from ..train.attention import planned_device
 
     recipe, autocast_for, fp8_path = recipe_for_target(recipe_config, target)
     model = models.make()
-    with fake_mode or contextlib.nullcontext(), recipe.run_context(), planned_gemm_path(fp8_path):
+    kernels = _FakeKernels() if fake_mode is not None else contextlib.nullcontext()
+    device = None if target.kind == "cpu" else target.kind
+    with fake_mode or contextlib.nullcontext(), kernels, recipe.run_context(), planned_gemm_path(fp8_path), \
+            planned_device(device):
         with _swappable(fake_mode):
             model = recipe.convert_module(model)
             optimizer = recipe.build_optimizer(model, make_optimizer)
@@ -302,7 +354,7 @@ def trace_step(
     totals["buffers"] = sum(b.numel() * b.element_size() for b in model.buffers())
     notes = [] if models.path != "real-then-fake" else [
         f"the model could not be built under fake tensors ({models.fake_error}), so it was built for real once "
-        "and traced as a fake copy"]
+        "(--fallback-real) and traced as a fake copy"]
     return StepTrace(recipe=recipe.name, label=recipe.label, batch_size=len(batch), totals=totals,
                      at_peak=_at_peak(rec), peak_bytes=rec.peak, phase_peak=dict(rec.phase_peak),
                      batch_bytes=_batch_bytes(rec), ops=rec.ops, notes=notes, path=models.path)

@@ -8,11 +8,14 @@ cost less in fp32 than the bf16 kernel's overhead, and the numerics are better, 
 is (emulated with fp32 carriers on CPUs under --amp-impl auto, or the native kernels). Elsewhere (CUDA) attention
 runs in the input dtype, as autocast wants.
 The choice is made here, below both autocasts (torch's and mixprec's), so a doctor precision map shows it.
+``mixprec plan`` traces a GPU target on fake CPU tensors; :func:`planned_device` tells this module which device
+to choose for instead (training never sets it: the tensors' device decides).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +24,7 @@ from torch import nn
 from ..autocast import autocast as scratch_autocast
 from ..autocast import is_autocast_active
 
-__all__ = ["attention", "SelfAttention"]
+__all__ = ["attention", "SelfAttention", "planned_device"]
 
 _LOW = (torch.bfloat16,)  # fp16 on the CPU is emulated (fp32 carriers) or a slow native fallback anyway
 
@@ -30,10 +33,27 @@ _SCRATCH_OFF = {dt: scratch_autocast(dt, device_type="cpu", enabled=False) for d
 """One re-entrant disabled frame per dtype: building an autocast context per call costs more than the op."""
 
 
+_PLANNED = threading.local()
+
+
+@contextlib.contextmanager
+def planned_device(device_type: str | None):
+    """Choose the attention kernel in this thread as on ``device_type`` (``"cuda"``, ``"cpu"``), whatever the
+    tensors' device: ``mixprec plan`` traces a GPU target on fake CPU tensors. None: the tensors' device
+    decides, as always. Restored on exit."""
+    prev = getattr(_PLANNED, "device_type", None)
+    _PLANNED.device_type = device_type
+    try:
+        yield
+    finally:
+        _PLANNED.device_type = prev
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               dropout_p: float = 0.0) -> torch.Tensor:
     """``scaled_dot_product_attention``, in fp32 on the CPU for bf16 inputs (see the module doc)."""
-    if q.device.type != "cpu" or q.dtype not in _LOW:
+    device_type = getattr(_PLANNED, "device_type", None) or q.device.type
+    if device_type != "cpu" or q.dtype not in _LOW:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
     scratch = _SCRATCH_OFF[q.dtype] if is_autocast_active() else contextlib.nullcontext()
     with torch.autocast("cpu", enabled=False), scratch:
