@@ -26,7 +26,7 @@ import torch
 
 from mixprec import hardware
 from mixprec.bench.flops import count_step_flops
-from mixprec.bench.measure import measure_matmul_peak
+from mixprec.hardware import measure_matmul_peak
 from mixprec.train.build import build_run
 from mixprec.train.config import TrainConfig
 from mixprec.train.step import compile_warmup, train_step

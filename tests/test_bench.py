@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from mixprec import hardware
 from mixprec.bench import BenchConfig, compare, measure, parity, runner, worker
 from mixprec.bench.command import config_from_args
 from mixprec.bench.config import RESUME_MAY_CHANGE
@@ -715,7 +716,7 @@ def test_timing_from_history_drops_warmup_of_every_epoch():
 
 
 def test_matmul_peak_micro_benchmark():
-    p = measure.measure_matmul_peak(torch.float32, "cpu", budget_s=0.2, sizes=(64, 128))
+    p = hardware.measure_matmul_peak(torch.float32, "cpu", budget_s=0.2, sizes=(64, 128))
     assert p["flops_per_s"] > 0 and p["n"] in (64, 128) and p["dtype"] == "float32"
     assert torch.get_float32_matmul_precision() == "highest"  # restored
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import time
 from typing import Any
 
 import torch
@@ -250,3 +251,53 @@ def environment(device: torch.device) -> dict[str, Any]:
                       "capability": list(torch.cuda.get_device_capability(device)),
                       "cuda": torch.version.cuda}
     return env
+
+
+def measure_matmul_peak(
+    dtype: torch.dtype, device: torch.device | str = "cpu", *, budget_s: float = 1.0, tf32: bool = False,
+    sizes: tuple[int, ...] | None = None,
+) -> dict[str, Any]:
+    """Best measured rate (FLOP/s) of square ``n x n @ n x n`` matmuls in ``dtype`` on ``device``.
+
+    Sizes grow (CPU 512..2048, CUDA 2048..8192) while the predicted time of one matmul fits the budget;
+    each size gets one warm-up and then as many repeats as the budget allows (at least one); the best
+    time wins. ``tf32`` allows TF32 tensor cores for fp32 (restored afterwards).
+    """
+    device = torch.device(device)
+    sizes = sizes or ((2048, 4096, 8192) if device.type == "cuda" else (512, 1024, 2048))
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    best_rate, best_n, best_t = 0.0, None, None
+    start = time.perf_counter()
+    try:
+        for n in sizes:
+            flops = 2.0 * n**3
+            used = time.perf_counter() - start
+            if best_rate and flops / best_rate > max(0.0, budget_s - used) / 2:
+                break  # one warm-up + one timed run would not fit
+            a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+            b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+            synchronize(device)
+            t0 = time.perf_counter()
+            a @ b  # warm-up: kernel selection, page faults
+            synchronize(device)
+            t_warm = time.perf_counter() - t0
+            best = t_warm
+            deadline = start + budget_s
+            reps = 0
+            while reps < 1 or (time.perf_counter() + best < deadline and reps < 10):
+                t0 = time.perf_counter()
+                a @ b
+                synchronize(device)
+                best = min(best, time.perf_counter() - t0)
+                reps += 1
+            rate = flops / best
+            if rate > best_rate:
+                best_rate, best_n, best_t = rate, n, best
+            del a, b
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    return {"flops_per_s": best_rate, "n": best_n, "seconds": best_t,
+            "dtype": str(dtype).replace("torch.", ""), "tf32": tf32, "device": str(device)}
+

@@ -1,6 +1,6 @@
 """What a bench measures about the machine before its runs: the model's FLOPs per step (on the plan's
 fp32 reference run, :mod:`mixprec.bench.flops`), the peak matmul rate of every dtype the recipes' matmuls
-run in (:func:`mixprec.bench.measure.measure_matmul_peak`) and the software and hardware it ran on.
+run in (:func:`mixprec.hardware.measure_matmul_peak`) and the software and hardware it ran on.
 Every invocation measures them afresh, a resumed one included.
 """
 
@@ -15,7 +15,6 @@ import torch
 from .. import __version__, hardware
 from ..train.contract import as_batch
 from .flops import StepFlops, count_step_flops
-from .measure import measure_matmul_peak
 from .plan import Plan
 
 __all__ = ["Machine", "measure_machine"]
@@ -45,7 +44,7 @@ def measure_machine(p: Plan) -> Machine:
     ref.train_loader.set_epoch(0)
     batch = as_batch(next(iter(ref.train_loader))).to(ref.device)  # one micro-batch; a step runs `accum`
     flops = count_step_flops(ref.model, batch, ref.objective)
-    peaks = {dt: measure_matmul_peak(_DTYPES[dt], ref.device, budget_s=p.config.peak_seconds, tf32=(dt == "tf32"))
+    peaks = {dt: hardware.measure_matmul_peak(_DTYPES[dt], ref.device, budget_s=p.config.peak_seconds, tf32=(dt == "tf32"))
              for dt in dict.fromkeys(c.matmul_dtype for c in p.checks.values())}
     env = _environment(ref.device)
     p.reference = None  # the reference run's model and data are not needed any more

@@ -168,9 +168,9 @@ def _target(spec: Any):
 
 
 def _recipe_doc(planner, name: str, accum: int) -> dict[str, Any]:
-    from ..planning.api import _canonical
+    from ..precision import resolve_recipe
 
-    tr, notes, tf32 = planner.trace(_canonical(name))
+    tr, notes, tf32 = planner.trace(resolve_recipe(name).name)
     rp = planner.recipe_plan(tr, tf32=tf32, notes=notes)
     resident = sum(rp.at_peak.get(c, 0) for c in RESIDENT) + _batch_bytes(planner.batch)
     doc = rp.to_dict()
@@ -206,7 +206,7 @@ def run_planner(spec: dict[str, Any], out_path: str) -> None:
         target = _target(spec["target"])
         doc.update(target_name=target.name, target=target.to_dict(), efficiency=efficiency_for(target).source)
         write_json(out_path, doc)
-        planner = Planner(config=config, target=target)
+        planner = Planner(config=config, target=target, fallback_real=True)  # bench builds the model anyway
     except Exception as e:  # noqa: BLE001 -- every recipe then says why
         doc["died"] = f"the planner could not start: {one_line(e)}"
         doc["done"] = True

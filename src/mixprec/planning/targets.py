@@ -9,7 +9,7 @@ gigabytes (``80 GB`` = 80e9 bytes): the card has a little more (80 GiB), and the
 the CUDA context, cuBLAS workspaces and allocator fragmentation, which the plan does not model.
 
 ``cpu`` is *this* machine, measured when asked for: the matmul peaks of bench
-(:func:`mixprec.bench.measure.measure_matmul_peak`: square GEMMs, best of a few), the bandwidth of a large
+(:func:`mixprec.hardware.measure_matmul_peak`: square GEMMs, best of a few), the bandwidth of a large
 copy, and ``MemTotal`` from ``/proc/meminfo``. fp16 counts as fast only where the CPU has AVX512-FP16 or
 AMX-FP16 (:mod:`mixprec.hardware`), and FP8 is emulated on every CPU (bf16 GEMMs: :mod:`mixprec.fp8`).
 """
@@ -172,16 +172,14 @@ def _mem_total() -> int:
 @functools.lru_cache(maxsize=1)
 def measure_cpu(budget_s: float = 0.5) -> Target:
     """This machine as a target: measured matmul peaks and bandwidth, MemTotal (once per process)."""
-    from ..bench.measure import measure_matmul_peak
-
     cpu = torch.device("cpu")
-    peaks = {"fp32": measure_matmul_peak(torch.float32, cpu, budget_s=budget_s)["flops_per_s"]}
+    peaks = {"fp32": hardware.measure_matmul_peak(torch.float32, cpu, budget_s=budget_s)["flops_per_s"]}
     if hardware.has_fast_bf16(cpu):
-        peaks["bf16"] = measure_matmul_peak(torch.bfloat16, cpu, budget_s=budget_s)["flops_per_s"]
+        peaks["bf16"] = hardware.measure_matmul_peak(torch.bfloat16, cpu, budget_s=budget_s)["flops_per_s"]
     if hardware.has_fast_fp16(cpu):
-        peaks["fp16"] = measure_matmul_peak(torch.float16, cpu, budget_s=budget_s)["flops_per_s"]
+        peaks["fp16"] = hardware.measure_matmul_peak(torch.float16, cpu, budget_s=budget_s)["flops_per_s"]
     return cpu_target(peaks, source=f"measured now on this machine ({torch.get_num_threads()} threads): "
-                                    "square-matmul peaks (bench's measure_matmul_peak), a 256 MiB copy, "
+                                    "square-matmul peaks (hardware.measure_matmul_peak), a 256 MiB copy, "
                                     "/proc/meminfo MemTotal")
 
 
