@@ -234,3 +234,51 @@ def test_build_run_offers_only_declared_arguments(tmp_path):
                and m.__file__ == str(src))
     assert mod.seen["num_classes"] == 10 and mod.seen["input_shape"] == (1, 8, 8)
     assert {"vocab_size", "block_size"} <= set(mod.seen) and run.model is not None
+
+
+USER_MODELS = """
+import torch
+
+
+def make_model(num_classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, num_classes))
+
+
+def make_data():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16
+    y = torch.tensor(d.target)
+    return (x[:256], y[:256]), (x[256:320], y[256:320])
+"""
+
+
+@pytest.mark.slow
+def test_compare_runs_functions_from_a_module_on_the_callers_sys_path(tmp_path, monkeypatch):
+    """``sys.path.insert(0, d); import user_models as um; compare(um.make_model, ...)``: every worker failed with
+    "cannot import 'user_models'"; the workers now see the caller's sys.path."""
+    from mixprec.bench import compare
+
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "user_models_for_compare.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(d))
+    import user_models_for_compare as um
+
+    c = compare(um.make_model, um.make_data, precisions=["fp32"], repeats=1, out=str(tmp_path / "c"),
+                batch_size=64, max_steps=2, warmup_steps=1, plots=False, predict=False)
+    assert c.exit_code == 0 and [r["status"] for r in c.doc["runs"]] == ["ok"]
+
+
+def test_compare_refuses_main_functions_before_any_run(tmp_path):
+    """A function of a notebook cell or a script's top level (``__main__``) cannot be imported by a worker: one
+    line naming the fix, and nothing is written."""
+    from mixprec.bench import compare
+
+    def make_model(num_classes):
+        return torch.nn.Linear(64, num_classes)
+
+    make_model.__module__, make_model.__qualname__ = "__main__", "make_model"
+    with pytest.raises(UsageError, match=r"__main__.*move it to a module.*mixprec\.train\.fit") as e:
+        compare(make_model, "digits", precisions=["fp32"], out=str(tmp_path / "c"))
+    assert "\n" not in str(e.value) and not (tmp_path / "c").exists()

@@ -136,7 +136,9 @@ def _run(p, target) -> dict[str, Any]:
         write_json(spec_path, {"config": p.base.to_dict(), "precisions": list(p.recipes), "target": target})
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out_path)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        from .runner import worker_env
+
+        env = worker_env()
         with open(log_path, "w", encoding="utf-8") as log:
             proc = subprocess.Popen([sys.executable, "-m", "mixprec.bench.predict", spec_path, out_path],
                                     stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -202,6 +202,18 @@ def _run_one(spec: RunSpec, out_dir: str, timeout: float | None, env: dict[str, 
     return result
 
 
+def worker_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker process: this process's (or ``env``), unbuffered, with this process's
+    ``sys.path`` first on ``PYTHONPATH``, so a worker imports what the caller imported (a module its script or
+    notebook found through ``sys.path.insert``)."""
+    child = dict(os.environ if env is None else env)
+    child.setdefault("PYTHONUNBUFFERED", "1")
+    paths = [os.path.abspath(p or os.curdir) for p in sys.path]
+    paths = [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
+    child["PYTHONPATH"] = os.pathsep.join(paths + [p for p in child.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return child
+
+
 def execute_matrix(
     specs: list[RunSpec],
     out_dir: str,
@@ -220,8 +232,7 @@ def execute_matrix(
     """
     os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
-    child_env = dict(os.environ if env is None else env)
-    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    child_env = worker_env(env)
     results: list[RunResult] = []
     for i, spec in enumerate(specs):
         results.append(_run_one(spec, out_dir, timeout, child_env, invocation))

@@ -108,7 +108,8 @@ def call_declared(fn: Callable, offered: dict[str, Any], *, ref: str, flag: str)
 
 
 def reference_of(obj: Any, flag: str) -> str:
-    """The reference string that imports ``obj`` again in another process (API users pass callables)."""
+    """The reference string that imports ``obj`` again in another process (``compare``'s workers); a lambda, a
+    nested function or one defined in ``__main__`` is refused in one line."""
     if isinstance(obj, str):
         return obj
     if not callable(obj):
@@ -118,16 +119,11 @@ def reference_of(obj: Any, flag: str) -> str:
         raise UserCodeError(f"{flag}: {qual} is defined inside a function or is a lambda; another process cannot "
                             "import it — define it at the top level of a module or file")
     module = getattr(obj, "__module__", None)
-    if module and module != "__main__":
-        return f"{module}:{qual}"
-    try:
-        path = inspect.getfile(obj)
-    except TypeError:
-        path = None
-    if not path or not path.endswith(".py") or not os.path.isfile(path):
-        raise UserCodeError(f"{flag}: {qual} lives in an interactive session, which another process cannot import; "
-                            "put it in a .py file and pass it (or 'path/to/file.py:name')")
-    return f"{os.path.abspath(path)}:{qual}"
+    if not module or module == "__main__":
+        raise UserCodeError(f"{flag}: {qual} is defined in __main__ (a script or a notebook), which a worker process "
+                            f"cannot import; move it to a module on sys.path (or a file: 'path/to/file.py:{qual}'), "
+                            "or train in this process with mixprec.train.fit")
+    return f"{module}:{qual}"
 
 
 def in_process_reference(obj: Any, flag: str) -> str:
