@@ -8,12 +8,47 @@ and name the fix.
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+
 __all__ = ["UsageError", "RecipeError", "ConfigError", "CheckpointError", "ScalerConfigError", "NonFiniteError",
-           "OutputError", "one_line"]
+           "OutputError", "UnknownKeywordError", "check_keywords", "keywords_checked", "one_line"]
 
 
 class UsageError(ValueError):
     """A mistake in what the user asked for; the message says how to fix it."""
+
+
+class UnknownKeywordError(UsageError, TypeError):
+    """A public function called with a keyword it does not take (a ``TypeError`` too, as Python's own)."""
+
+
+def check_keywords(call: str, given: Iterable[str], valid: Iterable[str], hints: dict[str, str] | None = None,
+                   error: type[UsageError] = UnknownKeywordError) -> None:
+    """Refuse the first of ``given`` not in ``valid``, in one line: the closest valid name (or ``hints``' answer
+    for a known mistake) and every valid one."""
+    valid = sorted(set(valid))
+    for k in given:
+        if k in valid:
+            continue
+        close = (hints or {}).get(k) or next(iter(difflib.get_close_matches(k, valid, n=1, cutoff=0.5)), None)
+        guess = f" (did you mean {close}?)" if close else ""
+        raise error(f"{call}(..., {k}=...): unknown keyword{guess}; it takes: {', '.join(valid)}")
+
+
+def keywords_checked(fn: Callable) -> Callable:
+    """Decorate a public function without ``**kwargs``: a keyword it does not take is :func:`check_keywords`' one
+    line instead of Python's ``TypeError``."""
+    valid = set(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        check_keywords(fn.__name__, kwargs, valid)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 class RecipeError(UsageError):

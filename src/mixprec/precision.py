@@ -37,7 +37,7 @@ from torch import nn
 
 from . import hardware, recipe_text
 from .blocklinear import BlockLinear
-from .errors import NonFiniteError, RecipeError
+from .errors import NonFiniteError, RecipeError, check_keywords
 from .fp8_impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
 from .gemm_recipes import linear_recipe
 from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism, slow_dtypes
@@ -502,6 +502,8 @@ def build_recipe(
     fp16 on a CPU and bf16 on a CPU without bf16 kernels, which get scratch emulation).
     """
     if isinstance(recipe, str):
+        check_keywords("build_recipe", options, {f.name for f in dataclasses.fields(RecipeConfig)} - {"precision"}
+                       | {"device", "seed", "world_size", "for_target"})
         options = {k: v for k, v in options.items() if v is not None}
         if "keep_fp32" in options:
             options["keep_fp32"] = tuple(options["keep_fp32"])

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..errors import check_keywords
 from ..train.config import TrainConfig
 from ..train.usercode import reference_of
 from .config import RUN_TRAIN_DEFAULTS, BenchConfig
@@ -62,6 +63,9 @@ class Comparison:
         return list(self.doc.get("plots") or [])
 
 
+_OWN = {"precisions", "repeats", "out", "loss", "warmup_steps", "timeout", "peak_seconds", "plots", "predict"}
+
+
 def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist", *,
             precisions: Sequence[str] | str = _DEFAULT.precisions, repeats: int = _DEFAULT.repeats,
             out: str | os.PathLike | None = None, loss: Callable | str | None = None,
@@ -71,16 +75,12 @@ def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist
     """Train ``model`` on ``data`` under each recipe ``repeats`` times and compare them (see ``mixprec bench``).
 
     ``train_settings`` are :data:`TRAIN_SETTINGS` by their Python names (``epochs=3``, ``batch_size=256``,
-    ``max_steps=50``...); any other keyword is a ``TypeError`` naming it, before anything runs. Returns a
+    ``max_steps=50``...); any other keyword is an ``UnknownKeywordError`` (a ``TypeError``) naming it and the closest valid
+    one, before anything runs. Returns a
     :class:`Comparison`; its ``table()`` is the printed table. ``predict=False`` skips the plan's prediction
     (``--no-plan``).
     """
-    unknown = sorted(set(train_settings) - set(TRAIN_SETTINGS))
-    if unknown:
-        hint = " (name the recipes with precisions=[...])" if "precision" in unknown else ""
-        raise TypeError(f"compare() got unexpected keyword argument(s): {', '.join(unknown)}{hint}; it takes "
-                        f"precisions, repeats, out, loss, warmup_steps, timeout, peak_seconds, plots, predict and the "
-                        f"train settings mixprec.bench.api.TRAIN_SETTINGS lists")
+    check_keywords("compare", train_settings, set(TRAIN_SETTINGS) | _OWN, hints={"precision": "precisions"})
     flags = {**RUN_TRAIN_DEFAULTS, **train_settings, "model": reference_of(model, "--model"),
              "dataset": reference_of(data, "--dataset")}
     if loss is not None:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import NonFiniteError, UsageError
+from ..errors import NonFiniteError, UsageError, keywords_checked
 from ..scaler import ScalerConfig
 from ..train.build import Run, build_run, probe
 from ..train.config import TrainConfig
@@ -339,6 +339,7 @@ def _report(run: Run, watch: _Watch, scale: float, title: dict[str, Any] | None)
     )
 
 
+@keywords_checked
 def diagnose(
     model: nn.Module,
     batch: Any,
@@ -407,6 +408,7 @@ def _first_batch(run: Run) -> Batch:
     return as_batch(raw).to(run.device)
 
 
+@keywords_checked
 def precision_map(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *, precision: str = "fp16-mixed",
                   amp_impl: str = "auto", device: str | torch.device | None = "auto") -> PrecisionMap:
     """The precision map of one training step (forward, backward, optimizer step) of a copy of ``model``."""
@@ -439,6 +441,7 @@ def _objective(model: nn.Module, data: UserBatches, loss_fn: Callable | None) ->
     return probe(model, data, config, loss_fn)[0]
 
 
+@keywords_checked
 def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *, precision: str = "fp16-mixed",
                          amp_impl: str = "auto", loss_scale: float = 1.0, replay: bool = True,
                          device: str | torch.device | None = "auto") -> FaultAnalysis | None:

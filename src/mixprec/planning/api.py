@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, check_keywords
 from .kernels import KernelTimes
 from .roofline import StepTime, efficiency_for, step_time
 from .targets import Target, get_target
@@ -195,6 +195,9 @@ def plan(
     """
     from ..train.config import TrainConfig
 
+    own = {"precisions", "target", "config", "model", "batch", "loss_fn", "make_optimizer", "fallback_real",
+           "fallback_batch_size"}
+    check_keywords("plan", flags, (set(TrainConfig().flags()) - {"precision"}) | own, hints={"precision": "precisions"})
     precisions = [p.strip() for p in (precisions.split(",") if isinstance(precisions, str) else precisions)
                   if p.strip()]
     if not precisions:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import check_keywords
 from .build import build_run
 from .config import TrainConfig
 from .loop import TrainResult, train
@@ -41,6 +42,7 @@ def fit(model: nn.Module | Callable | str = "mlp", data: Any = "fashion-mnist", 
             torch.optim.Optimizer``. Callables are used as handed (this process trains; nothing is imported
             again); the run's config records them as ``module:qualname``.
     """
+    check_keywords("fit", flags, (set(TrainConfig().flags()) - {"dataset"}) | {"data"}, hints={"dataset": "data"})
     if callable(flags.get("optimizer")):
         flags["optimizer"] = in_process_reference(flags["optimizer"], "--optimizer")
     instance = model if isinstance(model, nn.Module) else None

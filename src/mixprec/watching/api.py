@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import check_keywords
 from .config import WatchConfig, WatchError, check_watch_args, unwrap_model
 from .core import Watch
 
@@ -41,10 +42,7 @@ def start(model: nn.Module, optimizer: Any, *, scaler: Any = None, driver: str =
           **settings: Any) -> Watch:
     """:func:`watch` for the integrations: ``driver="callbacks"`` leaves ending steps to the caller."""
     fields = set(WatchConfig.__dataclass_fields__)
-    unknown = sorted(set(settings) - fields)
-    if unknown:
-        raise WatchError(f"mixprec.watch(..., {unknown[0]}=...): unknown option; the options are: "
-                         f"{', '.join(sorted(fields))}")
+    check_keywords("mixprec.watch", settings, fields | {"model", "optimizer", "scaler"}, error=WatchError)
     config = WatchConfig(**{k: (tuple(v) if k == "formats" else v) for k, v in settings.items()})
     config.validate()
     opt = check_watch_args(model, optimizer, scaler)
