@@ -548,3 +548,13 @@ def test_the_built_in_transformer_attends_as_on_the_targets_device():
 
         assert A._PLANNED.device_type == "cuda"
     assert A._PLANNED.device_type is None
+
+
+def test_a_batch_larger_than_the_data_is_planned_as_asked():
+    """``--batch-size 256`` on 64 samples planned a batch of 64 and said so only in its header: a plan is of a step
+    that has not happened (its tensors are fake), so it plans 256 and says where the samples came from."""
+    small = plan(precisions="fp32", target=CPU, model="mlp", batch_size=256, limit_train=64, width=32, **FLAGS)
+    full = plan(precisions="fp32", target=CPU, model="mlp", batch_size=256, width=32, **FLAGS)
+    assert small.batch_size == 256
+    assert small.recipes[0].peak_bytes == full.recipes[0].peak_bytes
+    assert any("holds 64 samples: the batch of 256 is planned from them" in n for n in small.recipes[0].notes)

@@ -240,6 +240,12 @@ class Planner:
         self.config = config
         self.target = get_target(target)
         self.build, self.model_name, self.batch, data = _inputs(config, model, batch, data)
+        self.notes: list[str] = []
+        want = config.optim.batch_size
+        if batch is None and len(self.batch) < want:  # a plan is of the step asked for: its tensors are fake
+            self.notes.append(f"the data holds {len(self.batch)} samples: the batch of {want} is planned from them, "
+                              "repeated")
+            self.batch = _repeat_batch(self.batch, want)
         self.loss_fn = loss_fn or loss_from_config(config.model)
         self.default_loss = TaskLoss(config, data, self.batch)
         self.make_optimizer = make_optimizer or optimizer_factory(config.optim)
@@ -263,7 +269,7 @@ class Planner:
         tr = trace_step(recipe_config=recipe_config, target=self.target, models=models, fake_mode=fake_mode,
                         batch=batch, make_optimizer=self.make_optimizer, loss_fn=self.loss_fn,
                         default_loss=self.default_loss, clip_grad_norm=self.config.optim.clip_grad_norm)
-        return tr, list(notes), _tf32(name)
+        return tr, self.notes + list(notes), _tf32(name)
 
     def recipe_plan(self, trace: StepTrace, *, tf32: bool, notes: list[str], scaled_ops: float = 1.0) -> RecipePlan:
         return _recipe_plan(trace, self.target, tf32=tf32, notes=notes, scaled_ops=scaled_ops,
@@ -339,6 +345,21 @@ def _tf32(name: str) -> bool:
     from ..precision import resolve_recipe
 
     return resolve_recipe(name).tf32
+
+
+def _repeat_batch(batch, n: int):
+    """``batch`` grown to ``n`` samples by repeating it (every tensor whose first dimension is the batch's)."""
+    from ..train.contract import Batch
+
+    k = len(batch)
+
+    def grow(t):
+        if not (isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == k):
+            return t
+        return t.repeat(-(-n // k), *([1] * (t.dim() - 1)))[:n]
+
+    return Batch(tuple(grow(a) for a in batch.args), {key: grow(v) for key, v in batch.kwargs.items()},
+                 grow(batch.targets))
 
 
 def _slice_batch(batch, n: int):
