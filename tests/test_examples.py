@@ -24,3 +24,16 @@ def test_hf_example_trains_gpt2_on_text(cli):
                          "--progress", "off", "--precision", "bf16-mixed", "--optimizer", "adamw", "--lr", "1e-3")
     assert code == 0, err
     assert "bits/char" in out
+
+
+def test_the_readmes_notebook_example_runs_as_written():
+    import re
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"<!-- notebook example -->\n```python\n(.*?)```", text, re.S).group(1)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    loss, acc = r.stdout.splitlines()[-2].split()
+    assert float(loss) > 0 and 0.5 < float(acc) <= 1 and "verdict on h100-sxm" in r.stdout
