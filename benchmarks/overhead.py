@@ -24,7 +24,8 @@ steps between synchronised clock reads with no ``.item()`` inside. The result pe
 rounds of (its time per step / plain's time per step in the same round): a ratio measured side by side,
 robust to the machine getting slower or faster between rounds. Target: mixprec / plain <= 1.03.
 
-Run it on a quiet machine: ``python benchmarks/overhead.py`` (about a minute), ``--quick`` for a smoke run.
+Run it on a quiet machine: ``python benchmarks/overhead.py`` (about a minute), ``--quick`` for a smoke run;
+``--flags mlp:width=4096,depth=4,batch_size=1024`` sizes a model and its batch (gpu_check.sh's GPU configs).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from mixprec.precision import resolve_recipe
 from mixprec.train.config import TrainConfig
 from mixprec.train.build import build_run
 from mixprec.train.step import train_step
+from profile_ops import parse_flags  # benchmarks/, on the path when this script runs
 
 LOOPS = ("plain", "mixprec", "fabric", "accelerate")
 
@@ -118,10 +120,12 @@ def _available(name: str) -> bool:
 
 
 def measure(model_name: str, recipe: str, args) -> dict:
+    flags = parse_flags(args.flags.get(model_name, ""))
+    batch_size = flags.pop("batch_size", args.batch_size)
     config = TrainConfig.from_flags(precision=recipe, amp_impl="native", model=model_name, dataset="synthetic",
-                         synthetic_train=args.batch_size * args.batches, synthetic_test=64,
-                         batch_size=args.batch_size, lr=0.01, log_every=0, progress="off", device=args.device,
-                         seed=0)
+                         synthetic_train=batch_size * args.batches, synthetic_test=64,
+                         batch_size=batch_size, lr=0.01, log_every=0, progress="off", device=args.device,
+                         seed=0, **flags)
     run = build_run(config)
     device = run.device
     fp32_init = copy.deepcopy(run.model).float()  # same initial weights for every loop
@@ -169,7 +173,7 @@ def measure(model_name: str, recipe: str, args) -> dict:
         "model": model_name,
         "recipe": recipe,
         "params": sum(p.numel() for p in run.model.parameters()),
-        "batch_size": args.batch_size,
+        "batch_size": batch_size,
         "step_ms": {n: 1e3 * statistics.median(v) for n, v in per_round.items()},
         "ratio_vs_plain": {n: statistics.median(v) for n, v in ratios.items()},
         "ratio_range": {n: [min(v), max(v)] for n, v in ratios.items()},
@@ -188,10 +192,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20, help="steps per timed turn")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--flags", action="append", default=[], metavar="MODEL:KEY=VALUE,...",
+                   help="a model's settings as TrainConfig flags, e.g. mlp:width=4096,depth=4,batch_size=1024 "
+                        "(repeatable)")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 rounds of 5 steps")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.loops = {"plain", "mixprec"} | set(args.loops.split(","))
+    args.flags = dict(f.split(":", 1) for f in args.flags)
     if args.quick:
         args.warmup, args.steps, args.rounds = 3, 5, 3
     device = hardware.resolve_device(args.device)

@@ -49,6 +49,7 @@ import mixprec.watching.subsample
 from mixprec.precision import resolve_recipe
 from mixprec.train.build import build_run
 from mixprec.train.config import TrainConfig
+from profile_ops import parse_flags  # benchmarks/, on the path when this script runs
 
 
 def _sync(device: torch.device) -> None:
@@ -109,10 +110,12 @@ def _count_syncs(fn, batches, n: int) -> int:
 
 
 def measure(model_name: str, recipe: str, args) -> dict:
+    flags = parse_flags(args.flags.get(model_name, ""))
+    batch_size = flags.pop("batch_size", args.batch_size)
     config = TrainConfig.from_flags(precision="fp32", model=model_name, dataset="synthetic",
-                                    synthetic_train=args.batch_size * args.batches, synthetic_test=64,
-                                    batch_size=args.batch_size, lr=0.01, log_every=0, progress="off",
-                                    device=args.device, seed=0)
+                                    synthetic_train=batch_size * args.batches, synthetic_test=64,
+                                    batch_size=batch_size, lr=0.01, log_every=0, progress="off",
+                                    device=args.device, seed=0, **flags)
     run = build_run(config)
     device = run.device
     init = copy.deepcopy(run.model).float()
@@ -172,7 +175,7 @@ def measure(model_name: str, recipe: str, args) -> dict:
     added = (_count_syncs(quiet, batches, n) - _count_syncs(plain2, batches, n)) / n
     wq.close()
     return {"model": model_name, "recipe": recipe, "params": sum(p.numel() for p in init.parameters()),
-            "batch_size": args.batch_size, "every": args.every, "sample_elements": args.sample_elements,
+            "batch_size": batch_size, "every": args.every, "sample_elements": args.sample_elements,
             "step_ms": {k: 1e3 * statistics.median(v) for k, v in per_round.items()},
             "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
             "unsampled_ratio": statistics.median(unsampled_ratios),
@@ -203,9 +206,13 @@ def main(argv=None) -> int:
                    help="wall: perf_counter (a quiet machine); cpu: the process's CPU time, for a loaded CPU-only "
                         "machine with --threads 1 (other processes' load then stretches it much less)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--flags", action="append", default=[], metavar="MODEL:KEY=VALUE,...",
+                   help="a model's settings as TrainConfig flags, e.g. mlp:width=4096,depth=4,batch_size=1024 "
+                        "(repeatable)")
     p.add_argument("--quick", action="store_true", help="smoke run: every=5, 2 rounds, tiny counts")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    args.flags = dict(f.split(":", 1) for f in args.flags)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:

@@ -403,6 +403,41 @@ def test_the_protocol_refuses_what_lacks_a_member():
     assert isinstance(FixedBatches([]), Loader)
 
 
+def _tensors(batch):
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    return [t for v in (batch.values() if isinstance(batch, dict) else batch) for t in _tensors(v)]
+
+
+def test_every_loader_yields_contiguous_tensors(tmp_path):
+    """A model may ``.view`` its inputs and targets (nanoGPT's ``targets.view(-1)``): every batch of every loader
+    and every evaluation batch is contiguous, as a DataLoader's collate makes it, whatever the data's strides."""
+    x, y = torch.randn(5, 3, 40).permute(2, 1, 0), torch.arange(80)[::2]  # (40, 3, 5) and (40,): neither contiguous
+    assert not (x.is_contiguous() or x[:4].is_contiguous() or y.is_contiguous())
+    strided = {
+        "tensors": TensorData(name="t", x_train=x, y_train=y, x_test=x, y_test=y, num_classes=40,
+                              input_shape=(3, 5), source="test"),
+        "several inputs": TensorData(name="t", x_train=(x, x), y_train=y, x_test=(x, x), y_test=y, num_classes=40,
+                                     input_shape=(3, 5), source="test"),
+        "dict": TensorData(name="t", x_train={"x": x, "labels": y}, y_train=None, x_test={"x": x, "labels": y},
+                           y_test=None, num_classes=40, input_shape=(3, 5), source="test"),
+        "user batches": UserBatches([(x[:4], y[:4]), {"x": x[4:8], "labels": y[4:8]}]),
+        "map-style": data_from_splits((_Pairs(x, y), _Pairs(x, y)), "test:pairs"),
+    }
+    sources = {**_sources(tmp_path), **strided}
+    loaders = {what: [src.loader(4, seed=0), src.loader(4, seed=0, rank=1, world_size=2)]
+               for what, src in sources.items()}
+    loaders["in order"] = [BatchLoader(x, y, 4, shuffle=False),
+                           BatchLoader({"x": x, "labels": y}, None, 4, shuffle=False)]
+    for what, some in loaders.items():
+        for loader in some:
+            for batch in [*loader, *loader.iter_from(1)]:
+                assert all(t.is_contiguous() for t in _tensors(batch)), what
+    for what, src in sources.items():
+        for batch in src.eval_batches(torch.arange(min(6, src.n_test)), 4):
+            assert all(t.is_contiguous() for t in _tensors(batch)), what
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_map_style_path_gives_batch_loaders_batches(world_size):
     """The DataLoader path (seeded DistributedSampler) yields exactly BatchLoader's batches, resumed ones too."""

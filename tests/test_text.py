@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from conftest import ROOT
 from mixprec.errors import UsageError
 from mixprec.train.data import BatchLoader, DataError, TextWindowLoader
 from mixprec.train.data.text import (
@@ -14,6 +15,8 @@ from mixprec.train.data.text import (
     load_text_corpus,
     perplexity,
 )
+
+USERPKG = ROOT / "tests" / "userpkg"
 
 
 def write(path, text: str):
@@ -221,3 +224,14 @@ def test_fortunes_corpus():
     assert corpus.test_unknown < 100  # almost all test characters occur in the training split
     assert corpus.x_test.shape == ((len(corpus.test) - 1) // 64, 64)
     assert "%\n" in corpus.decode(corpus.x_test[:20].flatten())  # the '%' separators are kept
+
+
+@pytest.mark.slow  # trains through the CLI
+def test_a_model_that_views_its_inputs_and_targets_trains_on_text(cli, tmp_path):
+    """nanoGPT's forward does ``targets.view(-1)``: the text batches must be contiguous, as a collated batch is."""
+    corpus = write(tmp_path / "t.txt", "the quick brown fox jumps over the lazy dog\n" * 40)
+    code, out, err = cli("train", "--model", f"{USERPKG / 'viewgpt.py'}:model", "--dataset", "text", "--data-path",
+                         corpus, "--block-size", "16", "--batch-size", "8", "--max-steps", "2", "--epochs", "1",
+                         "--limit-test", "4", "--log-every", "0", "--progress", "off", "--device", "cpu")
+    assert code == 0, err
+    assert "bits/char" in out

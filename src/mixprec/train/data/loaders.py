@@ -21,12 +21,15 @@ world_size, ...`` of it.
 Each ``iter_from(k)`` starts the epoch at batch ``k`` without building the skipped batches (the text loader
 draws their positions, so the generator is where it would have been): a resumed run sees exactly the batches
 the interrupted run would have seen next.
+
+Every tensor of every batch is contiguous (:func:`contiguous`), as a ``DataLoader``'s collate makes it: a model may
+``.view`` its inputs and targets (nanoGPT's ``targets.view(-1)``), whatever the strides of the data it came from.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,7 +42,7 @@ from ..contract import as_batch, normalize_batch
 from .protocol import Batch, DataError
 
 __all__ = ["BatchLoader", "FixedBatches", "MapLoader", "TextWindowLoader", "select_batches", "assemble", "collate",
-           "length"]
+           "contiguous", "length"]
 
 
 def _check_rank(owner: str, rank: int, world_size: int) -> None:
@@ -79,12 +82,23 @@ def _rows(x: Any, a: int, b: int) -> Any:
     return tuple(v[a:b] for v in x)
 
 
-def assemble(xb: Any, yb: torch.Tensor | None) -> Batch:
-    """One batch in the contract's shape: ``(x, y)``, ``(x_1, ..., x_n, y)``, or the dict itself."""
-    if yb is None:
-        return xb
-    return (*xb, yb) if isinstance(xb, tuple) else (xb, yb)
+def contiguous(batch: Any) -> Any:
+    """``batch`` with every tensor in it contiguous (a tensor, or a tuple, list or dict of them; other items as
+    they are). A contiguous tensor is returned itself, not copied."""
+    if isinstance(batch, torch.Tensor):
+        return batch.contiguous()
+    if isinstance(batch, Mapping):
+        return {k: contiguous(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(contiguous(v) for v in batch)
+    return batch
 
+
+def assemble(xb: Any, yb: torch.Tensor | None) -> Batch:
+    """One batch in the contract's shape: ``(x, y)``, ``(x_1, ..., x_n, y)``, or the dict itself; contiguous."""
+    if yb is None:
+        return contiguous(xb)
+    return contiguous((*xb, yb) if isinstance(xb, tuple) else (xb, yb))
 
 
 class BatchLoader:
@@ -180,7 +194,10 @@ def select_batches(x: Any, y: torch.Tensor | None, indices: torch.Tensor,
 
 
 class FixedBatches(list):
-    """Given batches with the loader interface: the same order every epoch."""
+    """Given batches with the loader interface: the same order every epoch, each made contiguous once."""
+
+    def __init__(self, batches=()):
+        super().__init__(contiguous(b) for b in batches)
 
     def set_epoch(self, epoch: int) -> None:
         pass
@@ -210,8 +227,9 @@ class _FromSample(DistributedSampler):
 
 def collate(samples: list[Any]) -> Batch:
     """``default_collate``, then the contract's dtypes (:func:`~mixprec.train.contract.normalize_batch`): the
-    same rule as for tensors. Module level, so DataLoader workers can pickle it."""
-    return normalize_batch(default_collate(samples))
+    same rule as for tensors; contiguous (a dtype conversion keeps the strides it is given). Module level, so
+    DataLoader workers can pickle it."""
+    return contiguous(normalize_batch(default_collate(samples)))
 
 
 class MapLoader:
@@ -253,7 +271,7 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 class TextWindowLoader:
     """Seeded random windows of a token sequence, for next-token prediction.
 
-    Each "epoch" is ``steps_per_epoch`` batches ``(x, y)``, both int64 ``(batch_size, block_size)`` on the
+    Each "epoch" is ``steps_per_epoch`` batches ``(x, y)``, both contiguous int64 ``(batch_size, block_size)`` on the
     device of ``tokens`` (move the tokens once, before building the loader): windows at start positions
     ``i`` uniform over the ``N - T`` valid ones, ``x = tokens[i : i+T]``, ``y = tokens[i+1 : i+T+1]`` (the
     target at each position is the next token). The positions come from a ``torch.Generator`` seeded by
@@ -305,8 +323,9 @@ class TextWindowLoader:
             if k < first:
                 continue
             mine = starts[self.rank :: self.world_size].to(self.tokens.device)
-            windows = self.tokens[mine[:, None] + self._offsets].long()  # (B, T + 1)
-            yield windows[:, :-1], windows[:, 1:]
+            windows = self.tokens[mine[:, None] + self._offsets]  # (B, T + 1), the tokens' dtype
+            yield (windows[:, :-1].to(torch.int64, memory_format=torch.contiguous_format),
+                   windows[:, 1:].to(torch.int64, memory_format=torch.contiguous_format))
 
     def __len__(self) -> int:
         return self.steps_per_epoch
