@@ -287,3 +287,28 @@ def test_torchao_runs_the_recipes_it_has(one_thread, recipe, model):
     tao = {n for n, m in run.model.named_modules() if type(m).__name__ == TORCHAO_LAYER[recipe]}
     assert tao == FP8_LAYERS[EXPECTED[recipe].fp8[1]][model]
     assert run.recipe.facts()["fp8_impl"] == "torchao"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", ["native", "scratch"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_every_recipe_takes_two_steps_on_cuda(recipe, impl):
+    """Each recipe and mechanism on a GPU: params of the recipe's dtype on the device, the first Linear's output
+    in its compute dtype, finite losses, and the weights moved (the CPU matrix above pins the numerics)."""
+    run = build_run(TrainConfig.from_flags(precision=recipe, amp_impl=impl, model="mlp", **MODEL_FLAGS["mlp"],
+                                           **DATA_FLAGS, **{**RUN_FLAGS, "device": "cuda"}))
+    e = EXPECTED[recipe]
+    params = dict(run.model.named_parameters())
+    assert all(p.device.type == "cuda" and p.dtype == e.params for p in params.values()), recipe
+    outs = []
+    first_linear = next(m for m in run.model.modules() if isinstance(m, nn.Linear))
+    first_linear.register_forward_hook(lambda m, i, o: outs.append(o.dtype))
+    before = {n: p.detach().clone() for n, p in params.items()}
+    batches = iter(run.train_loader)
+    with run.recipe.run_context():
+        for step in (1, 2):
+            xb, yb = next(batches)
+            loss, _ = train_step(run.ctx, xb, yb, step=step)
+            assert torch.isfinite(torch.as_tensor(loss)).all()
+    assert outs and outs[0] == (e.compute or torch.float32)
+    assert any(not torch.equal(before[n], p.detach()) for n, p in params.items())
