@@ -17,6 +17,7 @@ from torch import nn
 from .build import build_run
 from .config import TrainConfig
 from .loop import TrainResult, train
+from .resume import resume_folder
 from .data.sources import data_from_splits
 from .usercode import UserCodeError, reference_of
 
@@ -39,8 +40,11 @@ def fit(model: nn.Module | Callable | str = "mlp", data: Any = "fashion-mnist", 
         flags: any ``mixprec train`` flag by its Python name (``epochs``, ``batch_size``, ``lr``, ``out``,
             ``task="regression"``...); ``optimizer`` may also be a factory ``(params, [lr, ...]) ->
             torch.optim.Optimizer`` defined at the top level of a module (it is stored by reference, as
-            ``--optimizer module:callable``).
+            ``--optimizer module:callable``). ``resume`` without ``out`` continues in the checkpoint's folder,
+            as ``mixprec train --resume`` does.
     """
+    if flags.get("resume") is not None and "out" not in flags:
+        flags["out"] = resume_folder(flags["resume"])
     if callable(flags.get("optimizer")):
         flags["optimizer"] = reference_of(flags["optimizer"], "--optimizer")
     instance = model if isinstance(model, nn.Module) else None
