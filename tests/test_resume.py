@@ -48,9 +48,11 @@ def _crafted(tmp_path, *, config: dict, mech: dict | None) -> Path:
 def test_a_resume_takes_the_checkpoints_config_and_only_the_typed_flags(saved):
     stored = TrainConfig.from_dict(torch.load(saved / "last.pt", weights_only=True)["config"])
     config = resume_config({"resume": str(saved), "epochs": 7, "log_every": 2})
-    assert config == stored.with_flags(epochs=7, log_every=2, resume=str(saved), overwrite=False)
+    # the run continues where its checkpoint is (the fixture stored --out run, as first typed)
+    assert config == stored.with_flags(epochs=7, log_every=2, resume=str(saved), overwrite=False, out=str(saved))
+    assert stored.run.out == "run"
     assert config.recipe.precision == "bf16-mixed"  # the fixture stored the alias it was given: bf16
-    assert (config.model.width, config.optim.batch_size, config.optim.max_steps, config.run.out) == (8, 256, 3, "run")
+    assert (config.model.width, config.optim.batch_size, config.optim.max_steps) == (8, 256, 3)
 
 
 @pytest.mark.parametrize("spelling", ["bf16", "bf16-mixed", "BF16"])
@@ -208,3 +210,92 @@ def test_a_checkpoint_written_by_an_older_version_resumes(cli, saved, monkeypatc
     assert [h["steps"] for h in ck["history"]] == [steps]  # the interrupted epoch's record covers all its steps
     assert ck["config"]["recipe"]["precision"] == "bf16-mixed" and ck["config"]["optim"]["max_steps"] is None
     assert ck["mechanism"]["impl"] == "native"
+
+
+# ------------------------------------------------------------------------------ a resume continues where it is
+
+
+def test_a_resume_continues_in_the_folder_or_the_files_folder_it_resumes_from(saved):
+    """The fixture stored --out run (as first typed); a resume of a copy, a moved folder or a file continues there."""
+    assert resume_config({"resume": str(saved)}).run.out == str(saved)
+    assert resume_config({"resume": str(saved / "last.pt")}).run.out == str(saved)
+    assert resume_config({"resume": str(saved), "out": "elsewhere"}).run.out == "elsewhere"  # a flag typed now wins
+
+
+@pytest.mark.parametrize("stored, typed, expected", [
+    ("runA/metrics.json", {}, "{new}/metrics.json"),  # inside the old folder: follows the run
+    ("runA/sub/m.json", {}, "{new}/sub/m.json"),
+    ("runA.json", {}, "runA.json"),  # outside it: stays
+    ("runA/metrics.json", {"metrics_json": "mine.json"}, "mine.json"),  # typed now: wins
+    ("runA/metrics.json", {"out": "other"}, "other/metrics.json"),  # follows the --out typed now
+])
+def test_a_stored_metrics_json_inside_the_old_folder_follows_the_run(tmp_path, stored, typed, expected):
+    config = TrainConfig.from_dict(torch.load(FIXTURE, weights_only=True)["config"])
+    path = _crafted(tmp_path, config=config.with_flags(out="runA", metrics_json=stored).to_dict(), mech=None)
+    resumed = resume_config({"resume": str(path), **typed})
+    assert resumed.run.metrics_json == expected.format(new=path)
+
+
+def test_a_checkpoint_file_beside_another_runs_last_pt_is_refused_naming_the_folder(cli, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(FIXTURE, run / "epoch1.pt")
+    shutil.copy(FIXTURE, run / "last.pt")  # another file: continuing epoch1.pt here would replace it
+    before = (run / "last.pt").read_bytes()
+    code, out, err = cli("train", "--resume", run / "epoch1.pt")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"--resume {run / 'epoch1.pt'} continues in its folder {run}, which holds another checkpoint" in lines[0]
+    assert "pass --out DIR to continue elsewhere, or --overwrite" in lines[0]
+    assert (run / "last.pt").read_bytes() == before
+
+
+def test_the_api_resume_continues_in_place(saved, monkeypatch):
+    import mixprec.train.api as api
+
+    seen = []
+
+    def capture(config, **kw):
+        seen.append(config)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "build_run", capture)
+    for kw in ({"resume": str(saved)}, {"resume": str(saved / "last.pt")}, {"resume": str(saved), "out": "x"}):
+        with pytest.raises(KeyboardInterrupt):
+            api.fit("mlp", "digits", **kw)
+    assert [c.run.out for c in seen] == [str(saved), str(saved), "x"]
+
+
+@pytest.mark.slow
+def test_copied_moved_and_file_resumes_continue_in_place_bit_identical(cli, tmp_path, monkeypatch):
+    """Train to runA and stop mid-epoch; a copy (runB), a copy resumed by its file (runD/last.pt) and runA itself
+    moved (runC) each continue where they are — checkpoint, metrics (stored inside runA) and watch reports there;
+    runA untouched, and not recreated once moved — and end bit-identical to the run that never stopped."""
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--dataset", "digits", "--model", "mlp", "--width", "32", "--depth", "1", "--batch-size", "256",
+            "--epochs", "2", "--momentum", "0.9", "--log-every", "0", "--progress", "off"]  # 6 steps an epoch
+    assert cli("train", *tiny, "--out", "straight")[0] == 0
+    code, _, err = cli("train", *tiny, "--max-steps", "5", "--out", "runA", "--metrics-json", "runA/metrics.json")
+    assert code == 0, err
+    saved = {p.name: p.read_bytes() for p in Path("runA").iterdir()}
+    assert set(saved) == {"last.pt", "metrics.json"}
+    ref = torch.load("straight/last.pt", weights_only=True)
+    for resume, folder in (("runB", "runB"), ("runD/last.pt", "runD"), ("runC", "runC")):
+        if folder == "runC":
+            shutil.move("runA", "runC")
+        else:
+            shutil.copytree("runA", folder)
+        code, out, err = cli("train", "--resume", resume, "--max-steps", "none", "--watch", "3")
+        assert code == 0, err
+        got = torch.load(Path(folder) / "last.pt", weights_only=True)
+        assert got["global_step"] == ref["global_step"] == 12 and got["config"]["run"]["out"] == folder
+        assert all(torch.equal(ref["model"][k], got["model"][k]) for k in ref["model"])
+        for k, v in ref["optimizer"]["state"].items():
+            assert all(torch.equal(v[n], got["optimizer"]["state"][k][n]) for n in v)
+        assert [h["loss_curve"] for h in got["history"]] == [h["loss_curve"] for h in ref["history"]]
+        metrics = json.loads((Path(folder) / "metrics.json").read_text())
+        assert [e["epoch"] for e in metrics["epochs"]] == [0, 1] and metrics["config"]["run"]["out"] == folder
+        assert (Path(folder) / "watch").is_dir()
+        if folder != "runC":  # the original, as it was saved
+            assert {p.name: p.read_bytes() for p in Path("runA").iterdir()} == saved
+    assert not Path("runA").exists()  # the moved folder was not recreated

@@ -3,9 +3,10 @@
 Kinds, most urgent first:
 
 * ``keep-fp32`` -- named modules overflow the low format: the fp32 replay (or the range profile) names them;
-* ``not-precision`` -- non-finite even in fp32, or updates larger than the weights (learning rate, data,
-  model): precision is not the cause; the update-to-weight check names the layers that show it and is only
-  judged on tensors with a scale of their own (zero-initialised ones are left out, see ``lost_updates``);
+* ``not-precision`` -- a batch that holds inf/nan, non-finite even in fp32, or updates larger than the weights
+  (learning rate, data, model): precision is not the cause; the update-to-weight check names the layers that
+  show it and is only judged on tensors with a scale of their own (zero-initialised ones are left out, see
+  ``lost_updates``);
 * ``init-scale`` -- another loss scale loses fewer gradients to underflow, or avoids skipped steps;
 * ``switch-bf16`` -- fp16's range cannot hold these gradients at any loss scale;
 * ``master-weights`` -- updates are rounded away in low-precision weights;
@@ -57,6 +58,10 @@ def _faults(report: Any, low: str | None) -> list[dict[str, str]]:
     fault = report.first_fault()
     if fault is None:
         return []
+    if fault.data:
+        return [{"kind": "not-precision", "text": f"the batch of step {fault.step} holds inf/nan "
+                 f"({'; '.join(fault.data)}): the data is at fault, not the model or the precision — fix or filter "
+                 "those samples (a corrupt record, or a division by zero in preprocessing?)"}]
     replay = fault.replay
     if replay is not None and replay.modules:
         shown, flag = _names(replay.modules)

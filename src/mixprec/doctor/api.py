@@ -78,12 +78,16 @@ class FaultAnalysis:
     classification: str
     """``scale overflow`` (finite at a smaller loss scale), ``forward overflow``, ``forward nan``,
     ``backward overflow``, ``backward nan``, ``optimizer step`` (forward and backward finite, the update
-    was not), ``non-finite inputs`` (the batch or the weights already were) or ``not reproduced``."""
+    was not), ``non-finite batch`` (the step's batch held inf/nan: the data, not the model; ``data`` names the
+    tensors), ``non-finite inputs`` (the weights already were) or ``not reproduced``."""
     loss_scale: float = 1.0
     max_finite_scale: float | None = None
     """Scale overflows: the largest power of two at which the same step is finite."""
     replay: ReplayResult | None = None
     """Faults: the fp32 replay's minimal module set."""
+    data: tuple[str, ...] = ()
+    """A non-finite batch: its tensors that hold inf/nan, with their counts
+    (:meth:`~mixprec.train.contract.Batch.nonfinite`)."""
 
     @property
     def is_fault(self) -> bool:
@@ -93,7 +97,9 @@ class FaultAnalysis:
         s = f"{self.classification}"
         if not short:
             s = f"step {self.step}, {s} at loss scale {self.loss_scale:g}"
-        if self.event is not None:
+        if self.data:
+            s += f": the batch holds inf/nan ({'; '.join(self.data)}) — the data is at fault, not the model"
+        elif self.event is not None:
             s += f": {self.event.describe()}"
         elif self.classification == "optimizer step":
             s += ": forward and backward were finite, the weights after the update were not"
@@ -105,7 +111,8 @@ class FaultAnalysis:
         return {"step": self.step, "classification": self.classification, "loss_scale": self.loss_scale,
                 "event": None if self.event is None else self.event.to_dict(),
                 "max_finite_scale": self.max_finite_scale,
-                "replay": None if self.replay is None else self.replay.to_dict(), "description": self.describe()}
+                "replay": None if self.replay is None else self.replay.to_dict(), "data": list(self.data),
+                "description": self.describe()}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -209,7 +216,11 @@ def _locate(run: Run, pre_step: nn.Module, batch: Batch, rng: tuple, step: int, 
     The replay runs the step's forward and scaled backward on a copy of the weights before the step, with
     the step's RNG state (same dropout masks) and loss scale, under the non-finite watch. ``bisect``: find
     the largest finite loss scale for backward overflows; ``search``: the minimal fp32 module set for faults.
+    A batch that already holds inf/nan is the data's fault: it is named, and nothing is replayed.
     """
+    bad = batch.nonfinite()
+    if bad:
+        return FaultAnalysis(step, None, "non-finite batch", loss_scale=scale, data=tuple(bad))
     autocast = run.recipe.autocast
     loss_fn, x, y = _replay_call(run.objective, batch)
     base = list(run.recipe.keep_fp32)
@@ -454,4 +465,4 @@ def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None 
     with run.recipe.run_context():
         fa = _locate(run, run.model, first, _rng_state(run.device), 0, loss_scale, False, bisect=replay,
                      search=replay)
-    return None if fa.event is None else fa
+    return None if fa.classification == "not reproduced" else fa

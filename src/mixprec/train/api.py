@@ -18,6 +18,7 @@ from ..errors import check_keywords
 from .build import build_run
 from .config import TrainConfig
 from .loop import TrainResult, train
+from .resume import resume_folder
 from .data.sources import data_from_splits
 from .usercode import UserCodeError, in_process_reference
 
@@ -40,9 +41,12 @@ def fit(model: nn.Module | Callable | str = "mlp", data: Any = "fashion-mnist", 
         flags: any ``mixprec train`` flag by its Python name (``epochs``, ``batch_size``, ``lr``, ``out``,
             ``task="regression"``...); ``optimizer`` may also be a factory ``(params, [lr, ...]) ->
             torch.optim.Optimizer``. Callables are used as handed (this process trains; nothing is imported
-            again); the run's config records them as ``module:qualname``.
+            again); the run's config records them as ``module:qualname``. ``resume`` without ``out`` continues in
+            the checkpoint's folder, as ``mixprec train --resume`` does.
     """
     check_keywords("fit", flags, (set(TrainConfig().flags()) - {"dataset"}) | {"data"}, hints={"dataset": "data"})
+    if flags.get("resume") is not None and "out" not in flags:
+        flags["out"] = resume_folder(flags["resume"])
     if callable(flags.get("optimizer")):
         flags["optimizer"] = in_process_reference(flags["optimizer"], "--optimizer")
     instance = model if isinstance(model, nn.Module) else None

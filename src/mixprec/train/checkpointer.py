@@ -163,6 +163,19 @@ class Checkpointer:
             return f"; the last good state (before step {step}) is saved in {self.out}/{LAST}"
         return "; the parameters are already non-finite, so nothing was saved" + self.on_disk()
 
+    def intact(self) -> str:
+        """The clause that names the last checkpoint, left as it was by a stop that writes nothing."""
+        if self.out is None:
+            return "no checkpoint is written without --out"
+        last = os.path.join(self.out, LAST)
+        if self.saved_step is not None:
+            return f"the last checkpoint, {last} (step {self.saved_step}), is intact"
+        if self.resumed is not None:
+            where, step = self.resumed
+            return f"nothing was saved to {self.out} yet; the checkpoint resumed from, {where} (step {step}), is intact"
+        return "no checkpoint of this run had been written yet" + (
+            f" ({last} is still the earlier run's file that --overwrite was to replace)" if self.earlier else "")
+
     def on_disk(self) -> str:
         """The clause that says where the run's last good state is, if anywhere (never a file that is not there)."""
         if self.out is None:

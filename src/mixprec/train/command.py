@@ -2,6 +2,10 @@
 
 ``--resume DIR`` continues the run saved there with its own config: only the flags typed on the command line
 apply to it, and only those a resume may change (:mod:`mixprec.train.resume`).
+
+Exit codes: 0 the run finished; 1 it stopped with its reason (non-finite, skipped steps, diverged ranks) or
+could not write its outputs; 2 a usage mistake; 3 out of memory in a step (:mod:`mixprec.train.oom`); 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import argparse
 import contextlib
 import os
 import signal
+import sys
 
 from .args import add_output_arguments, add_train_arguments, typed_flags
 
@@ -26,10 +31,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def train_main(args: argparse.Namespace) -> int:
-    from . import distributed
+    from . import distributed, oom
     from .build import build_run
     from .config import TrainConfig
     from .loop import train
+    from .oom import StepOutOfMemoryError
+    from .report import write_line
     from .resume import resume_config
 
     typed = typed_flags(args)
@@ -40,6 +47,15 @@ def train_main(args: argparse.Namespace) -> int:
             result = train(run)
             if run.world_size > 1:
                 _finish_together()
+    except StepOutOfMemoryError as e:  # one line, its own exit code; the last checkpoint is intact
+        write_line(sys.stderr, f"mixprec train: error: {e}")
+        return oom.EXIT_CODE
+    except RuntimeError:  # under torchrun: a collective broken by a rank that stopped alone stops this one too
+        peer = distributed.peer_stop()
+        if peer is None:
+            raise
+        write_line(sys.stderr, f"mixprec train: error: {peer}")
+        return oom.EXIT_CODE
     finally:
         distributed.teardown()  # leave torchrun's process group (no-op in a one-process run)
     return 1 if result.stopped else 0

@@ -69,6 +69,11 @@ loss when any rank's is bad: all ranks stop at the same step and save the same l
 stop rule decides on values that are equal on every rank too (see :mod:`.stops`); the loop logs the stop on
 every rank and ends in :func:`barrier`, so no rank exits before rank 0 has written its files.
 
+Out of memory in a step is local to a rank: the rank stops at once, outside any collective, and leaves its
+reason in the process group's store (:func:`stop_alone`); a peer whose collective then fails for the lost
+connection finds the reason there (:func:`peer_stop`) and stops with it, and one that waits on (NCCL) is
+ended by torchrun. Both ignore torchrun's SIGTERM once they are stopping, so each rank gets its line out.
+
 Not covered: BatchNorm running statistics under FSDP stay per rank (each rank normalizes its own batches;
 rank 0's are saved). DDP broadcasts rank 0's buffers before every forward, so they agree there.
 """
@@ -80,6 +85,8 @@ import dataclasses
 import gc
 import math
 import os
+import signal
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -108,6 +115,8 @@ __all__ = [
     "load_state_dicts",
     "check_consistency",
     "local_tensor",
+    "stop_alone",
+    "peer_stop",
 ]
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _owns_process_group = False  # True when setup() created the group (teardown() then destroys it)
@@ -206,6 +215,43 @@ def teardown() -> None:
 
 def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+_STOP_KEY = "mixprec/stop"
+
+
+def stop_alone(reason: str) -> None:
+    """This rank stops on its own, outside any collective (out of memory in a step): leave the reason in the
+    process group's store for the ranks that wait for it in a collective (:func:`peer_stop`), and ignore
+    torchrun's SIGTERM from here on, so that a peer that stopped first does not cut this rank's line short.
+    No-op on one process."""
+    if not _active():
+        return
+    with contextlib.suppress(Exception):  # no store (a group without one): torchrun ends the peers
+        dist.distributed_c10d._get_default_store().set(_STOP_KEY, f"rank {dist.get_rank()}: {reason}")
+    _ignore_sigterm()
+
+
+def peer_stop() -> str | None:
+    """``rank 0 of 2 stopped with rank 1: <its reason>`` when another rank stopped alone (:func:`stop_alone`)
+    and this rank's collective failed because of it; None otherwise. Ignores SIGTERM from then on, as
+    :func:`stop_alone` does."""
+    if not _active():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if not store.check([_STOP_KEY]):
+            return None
+        reason = store.get(_STOP_KEY).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 -- the store went with the rank that hosted it
+        return None
+    _ignore_sigterm()
+    return f"rank {dist.get_rank()} of {dist.get_world_size()} stopped with {reason}"
+
+
+def _ignore_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # ------------------------------------------------------------------------------------------ wrapping

@@ -19,12 +19,14 @@ import torch
 from .. import hardware
 from ..errors import NonFiniteError
 from ..jsonio import write_json
-from . import distributed
+from . import distributed, oom
+from .baddata import data_fault
 from .build import Run, build_run
 from .checkpointer import Checkpointer, TrainState
 from .config import TrainConfig
 from .contract import as_batch
 from .meter import EpochMeter, test_metrics
+from .oom import StepOutOfMemoryError
 from .report import Reporter, quality, summary_table
 from .results import METRIC_KEYS, EvalRecord, RunSummary, TrainResult
 from .schedule import planned_steps
@@ -63,7 +65,9 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
             rec = meter.record(epoch, epoch_time, *_epoch_evaluation(run, state))
             state.history.append(rec)
             reporter.epoch_done(rec, run.recipe.name)
-            stopped = stopped or checkpointer.after_epoch(state, epoch, meter) or StopRules.after_epoch(rec)
+            stopped = stopped or checkpointer.after_epoch(state, epoch, meter) or StopRules.after_epoch(
+                rec, data=lambda j: data_fault(run, epoch=epoch, position=j * config.optim.grad_accum),
+                first_step=state.global_step - meter.n_steps)
             if stopped:
                 break
     if stopped:
@@ -98,7 +102,11 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
             loss, res = accumulate_step(run.ctx, micro_batches, step=state.global_step, tracker=tracker)
         except NonFiniteError as e:
             e.step = state.global_step
-            return meter, _stop_nonfinite(run, e, state, epoch, batch_idx, checkpointer, meter)
+            return meter, _stop_nonfinite(run, e, state, epoch, batch_idx, checkpointer, meter, micro_batches)
+        except StepOutOfMemoryError as e:  # nothing is saved (a half-done step leaves the state suspect)
+            text = oom.message(run, e, step=state.global_step, epoch=epoch, batch=batch_idx, kept=checkpointer.intact())
+            distributed.stop_alone(text)
+            raise StepOutOfMemoryError(text, phase=e.phase) from None
         meter.step_done(loss, res, batch_idx + len(micro_batches), tracker)
         state.global_step += 1
         state.consecutive_skips = state.consecutive_skips + 1 if res.skipped else 0
@@ -109,7 +117,8 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
         if eval_every and state.global_step % eval_every == 0:
             with meter.paused():
                 _evaluate_mid_run(run, state, epoch, reporter)
-        rule = stops.after_step(state, meter.skipped)
+        rule = stops.after_step(state, meter.skipped,
+                                data=lambda: data_fault(run, epoch=epoch, position=batch_idx, batches=micro_batches))
         if rule:  # keep the state when it is the last good one (skipped steps change nothing)
             return meter, ((checkpointer.save(state, epoch, meter.pos, meter) if rule.save else None) or rule.reason)
         stop = checkpointer.after_step(state, epoch, meter)
@@ -201,11 +210,15 @@ def _announce(run: Run, reporter: Reporter) -> None:
 
 
 def _stop_nonfinite(run: Run, e: NonFiniteError, state: TrainState, epoch: int, batch_idx: int,
-                    checkpointer: Checkpointer, meter: EpochMeter) -> str:
-    """Save the last good state (if it is still finite) and explain what to do."""
+                    checkpointer: Checkpointer, meter: EpochMeter, batches: list) -> str:
+    """Save the last good state (if it is still finite) and explain what to do: fix the data when the step's
+    batch held inf/nan, else the recipe's remedies."""
     kept = checkpointer.keep_last_good(state, epoch, batch_idx, e.step, meter)
-    return (f"non-finite {e.what} at step {e.step} (epoch {epoch}, batch {batch_idx}) with {run.recipe.name}, which "
-            f"has no loss scaler to skip such steps{kept}. Remedies: {run.recipe.nonfinite_remedies()}")
+    data = data_fault(run, epoch=epoch, position=batch_idx, batches=batches)
+    head = f"non-finite {e.what} at step {e.step} (epoch {epoch}, batch {batch_idx}) with {run.recipe.name}"
+    if data:
+        return f"{head}: the batch {data}{kept}"
+    return f"{head}, which has no loss scaler to skip such steps{kept}. Remedies: {run.recipe.nonfinite_remedies()}"
 
 
 def summarize(run: Run, state: TrainState, stopped: str | None, *, compile_time_s: float | None = None) -> RunSummary:

@@ -7,7 +7,8 @@ Rules, for ``--out``, ``--metrics-json`` and ``--resume``:
   folder given as the JSON path is refused now, not after the training it would lose
   (:func:`check_folder`, the one check ``mixprec train``, ``bench`` and ``doctor`` all use);
 - a run never writes over a checkpoint it did not resume from: ``--out DIR`` holding another run's
-  ``last.pt`` needs ``--resume DIR`` (continue it) or ``--overwrite`` (replace it);
+  ``last.pt`` needs ``--resume DIR`` (continue it) or ``--overwrite`` (replace it); a resumed run's ``--out`` is
+  the folder it resumes from unless typed (:func:`mixprec.train.resume.continue_in`);
 - no output may be another output or the checkpoint being resumed (``--metrics-json OUT/last.pt``);
 - one writer per folder: the writing process holds ``OUT/.mixprec.lock`` (:class:`OutputLock`) while it
   runs, so a second run on a live ``--out`` — even with ``--overwrite``, which is for a finished run's
@@ -58,6 +59,11 @@ def check_outputs(run: RunConfig, *, lock: bool = False, command: str = "mixprec
         if run.out is not None:
             checkpoint = os.path.realpath(os.path.join(run.out, LAST))
             if os.path.exists(checkpoint) and checkpoint != resumed and not run.overwrite:
+                if resumed is not None and os.path.dirname(resumed) == os.path.dirname(checkpoint):
+                    raise ConfigError(
+                        f"--resume {run.resume} continues in its folder {run.out}, which holds another checkpoint "
+                        f"({LAST}); pass --out DIR to continue elsewhere, or --overwrite to replace "
+                        f"{os.path.join(run.out, LAST)}")
                 raise ConfigError(
                     f"--out {run.out} already holds a checkpoint ({LAST}) of another run; continue it with --resume "
                     f"{run.out}, choose another --out, or pass --overwrite to replace it")

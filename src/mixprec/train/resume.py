@@ -13,6 +13,11 @@ resolves to the mechanism the checkpoint ran (:func:`mixprec.train.checkpoint.me
 the dtype facts, the matmul dtype): ``--device cuda`` after ``auto`` on a GPU machine is the same run;
 ``--amp-impl scratch`` after a native run is not. That check runs even when neither flag is typed, because
 ``auto`` can resolve differently on another machine.
+
+A resumed run continues where it is: in the folder of the checkpoint it resumes (``--resume DIR`` in DIR,
+``--resume FILE`` in FILE's folder), not in the ``--out`` the run was first given, so a run folder that was
+copied or moved continues in the copy and leaves the original as it is (:func:`continue_in`). A stored
+``--metrics-json`` inside the old ``--out`` moves with it; one outside stays. A flag typed now wins.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from . import distributed
 from .checkpoint import mechanism, read_run
 from .config import TrainConfig
 
-__all__ = ["RESUME_MAY_CHANGE", "resume_config", "check_resume", "stored_config"]
+__all__ = ["RESUME_MAY_CHANGE", "resume_config", "check_resume", "stored_config", "resume_folder", "continue_in"]
 
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "out", "checkpoint_every", "resume", "overwrite", "metrics_json",
                      "log_every", "eval_every", "progress", "data_dir", "data_path", "num_workers", "limit_test",
@@ -54,9 +59,30 @@ def resume_config(typed: dict[str, Any]) -> TrainConfig:
     """
     path = typed["resume"]
     stored, mech = _stored(path)
-    config = stored.with_flags(**{"overwrite": False, **typed})
+    config = stored.with_flags(**{"overwrite": False, **continue_in(stored, path, typed), **typed})
     _check(path, stored, mech, config)
     return config
+
+
+def resume_folder(path: str | os.PathLike) -> str:
+    """The folder a resume from ``path`` continues in: ``path`` itself if it is a folder, else the file's."""
+    path = os.fspath(path)
+    return path if os.path.isdir(path) else (os.path.dirname(path) or ".")
+
+
+def continue_in(stored: TrainConfig, path: str | os.PathLike, typed: dict[str, Any]) -> dict[str, Any]:
+    """The output flags that make a resume from ``path`` continue in place (see the module docstring): ``out``
+    (unless typed) and a stored ``metrics_json`` that lay inside the stored ``out`` (unless typed)."""
+    moved: dict[str, Any] = {}
+    out = typed["out"] if "out" in typed else resume_folder(path)
+    if "out" not in typed:
+        moved["out"] = out
+    old, metrics = stored.run.out, stored.run.metrics_json
+    if "metrics_json" not in typed and out is not None and old is not None and metrics is not None:
+        inside = os.path.relpath(os.path.abspath(metrics), os.path.abspath(old))
+        if inside != os.curdir and inside.split(os.sep)[0] != os.pardir:
+            moved["metrics_json"] = os.path.join(out, inside)
+    return moved
 
 
 def check_resume(config: TrainConfig) -> None:

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import one_line
 from ..memory import SavedTensorTracker
 from ..precision import Recipe, StepResult
 from . import distributed
 from .contract import Objective, as_batch
 from .data.protocol import DataSource
+from .oom import StepOutOfMemoryError, is_out_of_memory
 from .tasks import Task
 
 __all__ = ["StepContext", "train_step", "accumulate_step", "evaluate", "compile_warmup"]
@@ -74,24 +76,35 @@ def accumulate_step(
     into ``.grad``; under DDP/FSDP only the last one reduces gradients across ranks. Then the recipe
     unscales, checks, clips, steps and updates the scale once. ``tracker`` watches the first forward.
 
-    Returns the step's mean loss (detached, not read on the host) and the StepResult.
+    Returns the step's mean loss (detached, not read on the host) and the StepResult. Raises
+    :class:`~mixprec.train.oom.StepOutOfMemoryError` naming the phase (forward, backward, optimizer step) where
+    memory ran out.
     """
     model, recipe = ctx.model, ctx.recipe
     batches = [as_batch(b) for b in micro_batches]
     n_samples = sum(len(b) for b in batches)
     ctx.optimizer.zero_grad(set_to_none=True)
     step_loss = None
-    for i, batch in enumerate(batches):
-        batch = batch.to(ctx.device, non_blocking=True)
-        last = i == len(batches) - 1
-        with distributed.no_sync(model, enabled=not last):
-            with tracker if (tracker is not None and i == 0) else contextlib.nullcontext(), recipe.autocast():
-                loss = ctx.objective(model, batch)
-            if len(batches) > 1:
-                loss = loss * (len(batch) / n_samples)
-            recipe.backward(loss, step=step)  # under torchrun a bad loss on one rank stops all ranks
-        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
-    result = recipe.step(ctx.optimizer, ctx.clip_grad_norm)
+    phase = "forward"
+    try:
+        for i, batch in enumerate(batches):
+            phase = "forward"
+            batch = batch.to(ctx.device, non_blocking=True)
+            last = i == len(batches) - 1
+            with distributed.no_sync(model, enabled=not last):
+                with tracker if (tracker is not None and i == 0) else contextlib.nullcontext(), recipe.autocast():
+                    loss = ctx.objective(model, batch)
+                if len(batches) > 1:
+                    loss = loss * (len(batch) / n_samples)
+                phase = "backward"
+                recipe.backward(loss, step=step)  # under torchrun a bad loss on one rank stops all ranks
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        phase = "optimizer step"
+        result = recipe.step(ctx.optimizer, ctx.clip_grad_norm)
+    except (RuntimeError, MemoryError) as e:
+        if not is_out_of_memory(e) or isinstance(e, StepOutOfMemoryError):
+            raise
+        raise StepOutOfMemoryError(f"out of memory in the {phase}: {one_line(e)}", phase=phase) from e
     return step_loss, result
 
 

@@ -12,6 +12,9 @@ then logs the stop on every rank and ends in a barrier, so no rank exits before 
   that skips nearly every step trains nothing, whatever ``--max-consecutive-skips`` allows, so such a run
   is a failure with its reason, never a success with ``final_train_loss: null``.
 
+A stop for non-finite values says whether the batch already held them (:mod:`.baddata`): then the data is at
+fault, not the model, and the message names the batch and the tensor instead of the recipe's remedies.
+
 A non-finite loss without a loss scaler stops the run too, but inside the step (the recipe raises before
 backward), so the loop handles it where the step is taken.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import distributed
@@ -50,15 +54,19 @@ class StopRules:
         self.max_skips = run.config.run.max_consecutive_skips
         self.check_every = run.config.run.check_consistency
 
-    def after_step(self, state: TrainState, skipped_this_epoch: int) -> Stop | None:
-        """Why the run must stop now, or None."""
+    def after_step(self, state: TrainState, skipped_this_epoch: int,
+                   data: Callable[[], str | None] = lambda: None) -> Stop | None:
+        """Why the run must stop now, or None. ``data``: what the step's batch holds when it is at fault
+        (:func:`~mixprec.train.baddata.data_fault`), asked only when the run stops for skipped steps."""
         recipe = self.run.recipe
         if state.consecutive_skips >= self.max_skips:
-            return Stop(
-                f"stopped at step {state.global_step}: {state.consecutive_skips} optimizer steps in a row were "
-                f"skipped for inf/nan gradients (loss scale now {recipe.loss_scale():g}); the loss itself is "
-                "likely non-finite — lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer"
-            )
+            head = (f"stopped at step {state.global_step}: {state.consecutive_skips} optimizer steps in a row were "
+                    f"skipped for inf/nan gradients (loss scale now {recipe.loss_scale():g})")
+            bad = data()
+            if bad:
+                return Stop(f"{head}; the last one's batch {bad}")
+            return Stop(f"{head}; the loss itself is likely non-finite — lower --lr, add --clip-grad-norm, or run "
+                        "`mixprec doctor` to find the layer")
         if self.check_every and state.global_step % self.check_every == 0:
             try:
                 distributed.check_consistency(self.run.model, step=state.global_step, scale=recipe.loss_scale(),
@@ -71,17 +79,28 @@ class StopRules:
         return None
 
     @staticmethod
-    def after_epoch(record: EpochRecord) -> str | None:
-        """Why an epoch that ran must count as a failure, or None."""
+    def after_epoch(record: EpochRecord, data: Callable[[int], str | None] = lambda j: None,
+                    first_step: int = 0) -> str | None:
+        """Why an epoch that ran must count as a failure, or None. ``data(j)``: what the batch of the epoch's
+        ``j``-th step holds when it is at fault, asked for the first step whose loss is not finite;
+        ``first_step``: the global step of the epoch's first step."""
         steps, skipped = record.steps, record.skipped_steps
+        remedy = "lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer"
         if skipped >= MIN_SKIPPED and 2 * skipped > steps:
-            return (f"epoch {record.epoch}: {skipped} of {steps} optimizer steps were skipped for inf/nan "
-                    "gradients, so the model barely trained; the loss is likely non-finite — lower --lr, add "
-                    "--clip-grad-norm, or run `mixprec doctor` to find the layer")
+            head = (f"epoch {record.epoch}: {skipped} of {steps} optimizer steps were skipped for inf/nan gradients, "
+                    "so the model barely trained")
+            return f"{head}; {_first_bad(record, data, first_step) or 'the loss is likely non-finite — ' + remedy}"
         if not math.isfinite(record.train_loss):
-            return (f"epoch {record.epoch}: the mean training loss is {record.train_loss} — the run diverged; "
-                    "lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer")
+            head = f"epoch {record.epoch}: the mean training loss is {record.train_loss}"
+            return f"{head}; {_first_bad(record, data, first_step) or 'the run diverged; ' + remedy}"
         return None
+
+
+def _first_bad(record: EpochRecord, data: Callable[[int], str | None], first_step: int) -> str | None:
+    """The epoch's first step with a non-finite loss, when its batch is at fault: the clause that says so."""
+    j = next((j for j, v in enumerate(record.loss_curve or []) if not math.isfinite(v)), None)
+    bad = data(j) if j is not None else None
+    return f"step {first_step + j} was the first with a non-finite loss, and its batch {bad}" if bad else None
 
 
 MIN_SKIPPED = 3
