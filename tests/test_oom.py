@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 
+import mixprec.planning.fits as planning_fits
 import mixprec.train.oom as oom
 from conftest import ROOT
 from mixprec.planning.api import Planner
@@ -62,13 +63,13 @@ def test_the_effective_batch_under_torchrun_counts_every_rank():
 
 def test_a_planner_that_does_not_answer_in_time_is_not_waited_for(monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(oom, "_plan_largest", lambda run: release.wait(60) and 7)
+    monkeypatch.setattr(planning_fits, "_plan_largest", lambda run: release.wait(60) and 7)
     try:
-        assert oom.largest_batch(object(), budget_s=0.05) == "no answer within 0.05 s"
+        assert planning_fits.largest_batch(object(), budget_s=0.05) == "no answer within 0.05 s"
     finally:
         release.set()
-    monkeypatch.setattr(oom, "_plan_largest", lambda run: 1 / 0)
-    assert oom.largest_batch(object(), budget_s=5) == "ZeroDivisionError: division by zero"
+    monkeypatch.setattr(planning_fits, "_plan_largest", lambda run: 1 / 0)
+    assert planning_fits.largest_batch(object(), budget_s=5) == "ZeroDivisionError: division by zero"
 
 
 @pytest.mark.slow
@@ -76,7 +77,7 @@ def test_a_planner_that_does_not_answer_in_time_is_not_waited_for(monkeypatch):
                                          ("step", "optimizer step")])
 def test_out_of_memory_in_a_step_is_one_line_exit_3_and_the_checkpoint_intact(cli, tmp_path, monkeypatch, phase,
                                                                                 said):
-    monkeypatch.setattr(oom, "_target", _tight_target())
+    monkeypatch.setattr(planning_fits, "_target", _tight_target())
     monkeypatch.setenv("MIXPREC_TEST_OOM", f"{phase}:3")
     code, _, err = cli("train", *PLANTED, "--out", tmp_path / "run")
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
@@ -100,7 +101,7 @@ def test_out_of_memory_in_a_step_is_one_line_exit_3_and_the_checkpoint_intact(cl
 def _tight_target():
     """The run's target with a little less memory than the plan's peak at batch 64 (the planner then answers below
     64, as it would on a device that batch 64 does not fit)."""
-    real = oom._target
+    real = planning_fits._target
 
     def tight(device):
         t = real(device)

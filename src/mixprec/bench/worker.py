@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 from ..jsonio import to_jsonable, write_json
+from ..planning.fits import largest_batch
 from ..train.build import build_run
 from ..train.config import TrainConfig
 from ..train.loop import train
@@ -41,7 +42,7 @@ def train_and_measure(spec: RunSpec) -> RunResult:
         config = TrainConfig.from_dict(spec.config)
         run = build_run(config)
         found.update(impl=run.recipe.impl, describe=run.recipe.describe())
-        result = train(run, reporter=Reporter(progress="off"))
+        result = train(run, reporter=Reporter(progress="off"), largest_batch=largest_batch)
         history = to_jsonable(result.history)
         found.update(history=history, summary=to_jsonable(result.summary),
                      timing=timing_from_history(history, warmup_steps=spec.warmup_steps,

@@ -31,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def train_main(args: argparse.Namespace) -> int:
+    from ..planning.fits import largest_batch
     from . import distributed, oom
     from .build import build_run
     from .config import TrainConfig
@@ -44,7 +45,7 @@ def train_main(args: argparse.Namespace) -> int:
     try:
         run = build_run(config)
         with _watching(run):
-            result = train(run)
+            result = train(run, largest_batch=largest_batch)
             if run.world_size > 1:
                 _finish_together()
     except StepOutOfMemoryError as e:  # one line, its own exit code; the last checkpoint is intact

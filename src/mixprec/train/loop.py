@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -36,9 +36,11 @@ from .stops import StopRules
 __all__ = ["train", "TrainResult", "summarize"]
 
 
-def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainResult:
+def train(run: Run | TrainConfig, *, reporter: Reporter | None = None,
+          largest_batch: Callable[[Run], int | str] | None = None) -> TrainResult:
     """Train a built run (or build one from a config first); returns the per-epoch records and the summary,
-    also written to ``--metrics-json``."""
+    also written to ``--metrics-json``. ``largest_batch``: what an out-of-memory stop asks for the batch that
+    fits (:func:`mixprec.planning.fits.largest_batch`, passed by the entry points above the trainer)."""
     run = build_run(run) if isinstance(run, TrainConfig) else run
     config = run.config
     reporter = reporter or Reporter(progress=config.run.progress, rank=run.rank)
@@ -55,7 +57,7 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
         for epoch in range(state.epoch, config.optim.epochs):
             if state.global_step >= total:
                 break
-            meter, stopped = _train_epoch(run, state, epoch, total, checkpointer, reporter, bar)
+            meter, stopped = _train_epoch(run, state, epoch, total, checkpointer, reporter, bar, largest_batch)
             epoch_time = meter.elapsed()
             state.skipped_total += meter.skipped
             if meter.n_steps == 0:  # the epoch's first step stopped the run, or an old checkpoint taken at
@@ -82,7 +84,7 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None) -> TrainR
 
 
 def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpointer: Checkpointer,
-                 reporter: Reporter, bar) -> tuple[EpochMeter, str | None]:
+                 reporter: Reporter, bar, largest_batch=None) -> tuple[EpochMeter, str | None]:
     """The steps of one epoch; returns its meter and why the run must stop (or None)."""
     loader, accum, log_every = run.train_loader, run.config.optim.grad_accum, run.config.run.log_every
     eval_every = run.config.run.eval_every
@@ -104,7 +106,8 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
             e.step = state.global_step
             return meter, _stop_nonfinite(run, e, state, epoch, batch_idx, checkpointer, meter, micro_batches)
         except StepOutOfMemoryError as e:  # nothing is saved (a half-done step leaves the state suspect)
-            text = oom.message(run, e, step=state.global_step, epoch=epoch, batch=batch_idx, kept=checkpointer.intact())
+            text = oom.message(run, e, step=state.global_step, epoch=epoch, batch=batch_idx, kept=checkpointer.intact(),
+                               largest_batch=largest_batch)
             distributed.stop_alone(text)
             raise StepOutOfMemoryError(text, phase=e.phase) from None
         meter.step_done(loss, res, batch_idx + len(micro_batches), tracker)

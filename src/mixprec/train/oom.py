@@ -6,8 +6,9 @@ first). :func:`mixprec.train.step.accumulate_step` turns either into :class:`Ste
 phase it happened in (forward, backward, optimizer step); the loop stops the run with one line (:func:`message`):
 the step, the recipe, the batch size, and what fits —
 
-- the largest batch the planner predicts for this model, recipe and device (:mod:`mixprec.planning`: one step
-  traced under fake tensors, no memory of the device used), asked with a time limit (:data:`PLAN_BUDGET_S`);
+- the largest batch the planner predicts for this model, recipe and device (:mod:`mixprec.planning.fits`: one
+  step traced under fake tensors, with a time limit), where the entry point passes it down (``mixprec train`` and
+  bench do; the planner sits above the trainer, so the trainer does not ask it itself);
 - the ``--batch-size`` and ``--grad-accum`` that keep the effective batch (batch x accumulation) with it;
 - where the last checkpoint is: nothing is written after an out-of-memory error (an optimizer step that
   failed half-way leaves the state suspect), so the last one stays as it was.
@@ -21,9 +22,8 @@ peer's line when its collective breaks (gloo), or is ended by torchrun while it 
 
 from __future__ import annotations
 
-import dataclasses
-import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,15 +33,11 @@ from ..errors import one_line
 if TYPE_CHECKING:
     from .build import Run
 
-__all__ = ["StepOutOfMemoryError", "is_out_of_memory", "message", "largest_batch", "EXIT_CODE", "PLAN_BUDGET_S"]
+__all__ = ["StepOutOfMemoryError", "is_out_of_memory", "message", "EXIT_CODE"]
 
 EXIT_CODE = 3
 """``mixprec train``'s exit code for a run stopped by an out-of-memory error (0 done, 1 failed, 2 usage,
 130 interrupted)."""
-
-PLAN_BUDGET_S = 5.0
-"""How long the stop waits for the planner's largest batch; past it the line says what to try without one."""
-
 
 class StepOutOfMemoryError(torch.OutOfMemoryError):
     """A training step ran out of memory. ``phase``: ``forward``, ``backward`` or ``optimizer step``.
@@ -62,14 +58,17 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def message(run: Run, e: StepOutOfMemoryError, *, step: int, epoch: int, batch: int, kept: str,
-            budget_s: float = PLAN_BUDGET_S) -> str:
-    """The stop's one line. ``kept``: what the last checkpoint is (a clause)."""
+            largest_batch: Callable[[Run], int | str] | None = None) -> str:
+    """The stop's one line. ``kept``: what the last checkpoint is (a clause); ``largest_batch``: the planner's
+    answer for the run (:func:`mixprec.planning.fits.largest_batch`, which the entry points above the trainer
+    pass down), or None where it was not asked."""
     o, device = run.config.optim, run.device
     flags = f"--batch-size {o.batch_size}" + (f" --grad-accum {o.grad_accum}" if o.grad_accum > 1 else "")
     rank = f" on rank {run.rank} of {run.world_size}" if run.world_size > 1 else ""
     head = (f"step {step} (epoch {epoch}, batch {batch}) ran out of memory in its {e.phase} with {run.recipe.name} "
             f"at {flags} on {device} ({hardware.device_name(device)}){rank}")
-    return f"{head}: {_what_fits(run, largest_batch(run, budget_s))}; {kept}"
+    fits = largest_batch(run) if largest_batch is not None else "the planner was not asked"
+    return f"{head}: {_what_fits(run, fits)}; {kept}"
 
 
 def _what_fits(run: Run, fits: int | str) -> str:
@@ -98,51 +97,3 @@ def _keeping(effective: int, at_most: int) -> tuple[int, int]:
     """The largest batch size <= ``at_most`` that divides ``effective``, and the accumulation that restores it."""
     b = max(d for d in range(1, min(at_most, effective) + 1) if effective % d == 0)
     return b, effective // b
-
-
-def largest_batch(run: Run, budget_s: float = PLAN_BUDGET_S) -> int | str:
-    """The planner's largest batch for the run's model, recipe and device, or why there is none (the planner
-    failed, or gave no answer within ``budget_s``: it runs in a daemon thread that is left behind)."""
-    result: dict[str, Any] = {}
-
-    def plan() -> None:
-        try:
-            result["fits"] = _plan_largest(run)
-        except Exception as e:  # noqa: BLE001 -- no answer is an answer: the line says what to try
-            result["why"] = one_line(e, limit=120)
-
-    worker = threading.Thread(target=plan, name="mixprec-oom-plan", daemon=True)
-    worker.start()
-    worker.join(budget_s)
-    if "fits" in result:
-        return result["fits"]
-    return result.get("why", f"no answer within {budget_s:g} s")
-
-
-def _plan_largest(run: Run) -> int:
-    from ..planning.api import Planner, _max_batch
-
-    target = _target(run.device)
-    planner = Planner(config=run.config, target=target, data=run.data)
-    trace, _, _ = planner.trace(run.recipe.name)
-    return _max_batch(trace, target.memory_bytes)
-
-
-def _target(device: torch.device):
-    """The planner's target for the device this run trains on: its whole memory (the table's figures for a
-    GPU the planner knows, else neutral rates: only the memory is asked)."""
-    from ..planning.targets import Target, _mem_total, target_for_gpu
-
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        known = target_for_gpu(torch.cuda.get_device_name(device))
-        if known is not None:
-            return dataclasses.replace(known, memory_bytes=total)
-        rates = {k: 1.0 for k in ("fp32", "tf32", "bf16", "fp16")}
-        if hardware.has_fp8_matmul(device):
-            rates["fp8"] = 1.0
-        return Target(name=str(device), description=hardware.device_name(device), kind="cuda", memory_bytes=total,
-                      peak_flops=rates, bandwidth=1.0, source="this GPU's memory (rates not used)")
-    return Target(name="cpu", description=hardware.device_name(device), kind="cpu", memory_bytes=_mem_total(),
-                  peak_flops={"fp32": 1.0}, bandwidth=1.0, launch_s=0.0, source="MemTotal (rates not used)")
-
