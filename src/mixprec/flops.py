@@ -1,26 +1,13 @@
-"""Model FLOPs: one counter for bench's MFU and doctor's precision map, covering every layer mixprec meets.
+"""Model FLOPs: one counter for bench's MFU and doctor's precision map.
 
-``torch.utils.flop_counter`` has formulas for matmuls, convolutions and the CUDA attention kernels. Three
-kinds of work it does not count, which models in 2026 are made of:
+``torch.utils.flop_counter`` counts matmuls, convolutions and the CUDA attention kernels. :data:`CUSTOM_FORMULAS`
+adds CPU attention (``_scaled_dot_product_flash_attention_for_cpu``, with PyTorch's own ``sdpa_flop_count``)
+and fused recurrent layers (``mkldnn_rnn_layer`` on CPU, ``_cudnn_rnn`` on CUDA): ``2 * T * B * (numel(W_ih) +
+numel(W_hh))`` forward (the gate count is in the weights' first dimension), twice that backward. Elementwise
+work (gates, norms, the loss) is not counted, by convention.
 
-- **CPU attention**: ``F.scaled_dot_product_attention`` on the CPU runs
-  ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward); counted with PyTorch's own
-  ``sdpa_flop_count`` / ``sdpa_backward_flop_count``, as for the CUDA kernels.
-- **Fused recurrent layers**: ``nn.LSTM`` on the CPU runs one ``mkldnn_rnn_layer`` per layer and direction, and
-  LSTM/GRU/RNN on CUDA run ``_cudnn_rnn``; nothing of them is counted by PyTorch. A layer's gate GEMMs are
-  ``2 * T * B * (numel(W_ih) + numel(W_hh))`` FLOPs forward (T steps, B sequences; the gate count is in the
-  weights' first dimension: 4H for LSTM, 3H for GRU, H for a plain RNN); the backward computes the input and
-  hidden-state gradients and both weight gradients, twice the forward. The gates' elementwise math is not
-  counted, by the same convention as everywhere else (elementwise ops, norms and the loss are not what a
-  matmul peak measures). GRU and RNN on the CPU decompose into ``addmm``/``mm``, which PyTorch counts.
-
-The formulas go to ``FlopCounterMode`` through its ``custom_mapping`` (:func:`flop_counter`), so a user's own
-``FlopCounterMode`` elsewhere in the process counts what it always counted: nothing is registered globally.
-:func:`op_flops` applies the same table to one dispatched op (the doctor's precision map sees each call).
-
-What is still not counted is said, never silently zero: :func:`uncounted_modules` lists the leaf modules
-with parameters that did work but got no FLOPs (a layer type none of these formulas knows), except the
-kinds whose work is elementwise by nature (embeddings, norms).
+The formulas reach ``FlopCounterMode`` through its ``custom_mapping``: nothing is registered globally.
+What is still not counted is listed, never silently zero (:func:`uncounted_modules`).
 """
 
 from __future__ import annotations
@@ -53,7 +40,7 @@ def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwa
     return int(_fc.sdpa_backward_flop_count(grad_out, query, key, value))
 
 
-def _rnn_gemms(input_shape, weight_shapes, hidden_size: int | None = None) -> int:
+def _rnn_gemms(input_shape, weight_shapes) -> int:
     """``2 * T * B * sum(numel(W))`` over a layer's 2-D weights (biases are added, not multiplied)."""
     in_features = weight_shapes[0][1] if weight_shapes and len(weight_shapes[0]) == 2 else input_shape[-1]
     steps_times_batch = _prod(input_shape) // max(in_features, 1)
@@ -69,7 +56,6 @@ def _mkldnn_rnn_layer_backward(input, w_ih, w_hh, *args, out_shape=None, **kwarg
 
 
 def _cudnn_rnn_all_layers(input, weights) -> int:
-    """Every layer's input GEMM runs over T*B rows of its own input; T*B is the same for all layers."""
     mats = [w for w in weights if w is not None and len(w) == 2]
     if not mats:
         return 0
@@ -86,7 +72,6 @@ def _cudnn_rnn_backward(input, weight, *args, out_shape=None, **kwargs) -> int:
 
 
 def _optional(name: str) -> Any:
-    """An aten overload packet, or None where this build of torch lacks the op."""
     try:
         return getattr(aten, name)
     except (AttributeError, RuntimeError):
@@ -143,16 +128,14 @@ FLOP_FREE: tuple[type[nn.Module], ...] = (
 
 
 def uncounted_modules(model: nn.Module, counter: FlopCounterMode, ran: set[str] | None = None) -> list[str]:
-    """Leaf modules with parameters that ``counter`` gave no FLOPs, as ``"name (Type)"``, except
-    :data:`FLOP_FREE` kinds and (when ``ran`` is given) modules that did not run."""
+    """Leaf modules with parameters that ``counter`` gave no FLOPs (see :func:`unknown_layers`)."""
     counted = {k.split(".", 1)[1] for k, v in counter.get_flop_counts().items() if "." in k and sum(v.values())}
     return unknown_layers(model, counted, ran)
 
 
 def unknown_layers(model: nn.Module, counted: set[str], ran: set[str] | None = None) -> list[str]:
-    """Leaf modules with parameters whose qualified name is not in ``counted`` (the modules that got FLOPs),
-    as ``"name (Type)"``, except :data:`FLOP_FREE` kinds and (when ``ran`` is given) modules not in ``ran``.
-    :func:`uncounted_modules` and doctor's precision map (which sees each op's module) both use it."""
+    """Leaf modules with parameters not in ``counted``, as ``"name (Type)"``, except :data:`FLOP_FREE` kinds and
+    (when ``ran`` is given) modules that did not run."""
     out = []
     for name, mod in model.named_modules():
         if not name or any(True for _ in mod.children()) or isinstance(mod, FLOP_FREE):
@@ -175,7 +158,7 @@ class StepFlops:
     by_op: dict[str, int]
     """Forward + backward FLOPs per aten op (``mm``, ``addmm``, ``convolution``, ``mkldnn_rnn_layer``...)."""
     uncounted: tuple[str, ...] = ()
-    """Leaf modules with parameters whose FLOPs no formula knows (see :func:`uncounted_modules`)."""
+    """Leaf modules with parameters whose FLOPs no formula knows."""
 
     @property
     def total(self) -> int:
@@ -195,8 +178,8 @@ def _by_op(counter: FlopCounterMode) -> dict[str, int]:
 
 
 def count_flops(model: nn.Module, forward: Callable[[], torch.Tensor]) -> StepFlops:
-    """FLOPs of ``loss = forward()`` and ``loss.backward()``, counted apart; the model's ``.grad`` fields are
-    set to None afterwards (call it on a copy when BatchNorm statistics or RNG state matter)."""
+    """FLOPs of ``loss = forward()`` and ``loss.backward()``; leaves ``.grad`` None (it runs the model: use a copy
+    when BatchNorm statistics or RNG state matter)."""
     ran: set[str] = set()
     handles = [m.register_forward_pre_hook(lambda mod, _a, _n=n: ran.add(_n)) for n, m in model.named_modules() if n]
     try:

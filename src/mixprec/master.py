@@ -1,17 +1,9 @@
 """FP32 master weights for fp16/bf16 parameters.
 
-Why master weights matter
--------------------------
-A bf16 number carries 8 significant bits, so just below 1.0 the spacing of representable values
-(one ulp) is 2**-8 ~ 0.0039. An SGD update ``Δ = -lr * g`` with ``|Δ| < ulp(w) / 2`` is rounded away
-entirely: ``bf16(w + Δ) == w``. With lr = 1e-3 and g ~ 1 that is every single step; the weight never
-moves, however long you train ("lost updates"; fp16 has the same problem with 11 bits). Adam's
-normalised steps of size ~lr hit it just as hard.
-
-The fix is to let the optimizer update an fp32 copy (24 significant bits, where Δ survives and
-small steps accumulate) and give the model ``round(master)`` after every step: the low-precision
-weights then track the fp32 trajectory to within half an ulp instead of freezing. The optimizer is
-built over :attr:`MasterWeights.master_params`, so its state (momentum, Adam moments) is fp32 too::
+bf16 has 8 significant bits: just below 1.0 one ulp is 2**-8, and an update with ``|Δ| < ulp(w) / 2`` is
+rounded away (``bf16(w + Δ) == w``; "lost updates"). The optimizer therefore updates an fp32 copy (where
+small steps accumulate) and the model gets ``round(master)`` after every step, tracking the fp32 trajectory
+to within half an ulp. Build the optimizer over :attr:`MasterWeights.master_params` (its state is fp32 too)::
 
     mw = MasterWeights(model)                       # model params are bf16 or fp16
     opt = torch.optim.AdamW(mw.master_params, lr=1e-3)
@@ -20,18 +12,9 @@ built over :attr:`MasterWeights.master_params`, so its state (momentum, Adam mom
     scaler.step(opt); scaler.update()               # (fp16: unscale + inf check happen in fp32)
     mw.write_back()                                 # model params = round(master)
 
-Rounding the write-back
------------------------
-``rounding="nearest"`` is the plain cast (round to nearest even). ``rounding="stochastic"`` rounds
-each weight up or down with probabilities that make ``E[write_back] = master`` (see
-:mod:`mixprec.formats`), drawing from ``generator``. With ``resync=True`` the master is re-read from
-the low-precision params before every step (:meth:`sync_from_model`, called by
-:meth:`copy_grads_to_master`), so no fp32 weight state carries across steps: this is "bf16-true"
-training, where stochastic rounding alone keeps small updates alive in expectation (with round to
-nearest and ``resync=True`` the updates are lost exactly as without master weights).
-
-Parameters that are already fp32 (or wider) are shared, not copied: their master *is* the model
-parameter, their gradient stays where autograd put it, and write-back skips them.
+``rounding="stochastic"`` makes ``E[write_back] = master`` (:mod:`mixprec.formats`). ``resync=True`` re-reads
+the masters from the model before every step, so no fp32 state persists ("bf16-true"; only stochastic rounding
+then keeps small updates alive). fp32 (or wider) parameters are shared, not copied, and write-back skips them.
 """
 
 from __future__ import annotations
@@ -50,15 +33,10 @@ _WIDE = (torch.float32, torch.float64)
 
 
 class MasterWeights:
-    """FP32 master copies of a model's low-precision parameters.
+    """FP32 master copies of a module's (or a list's) low-precision parameters.
 
-    Args:
-        params_or_module: a module (its ``parameters()``) or an iterable of parameters.
-        rounding: how :meth:`write_back` rounds to the model dtype: ``"nearest"`` or ``"stochastic"``.
-        generator: random source for stochastic rounding, on the parameters' device; ``None`` uses
-            the device's global default generator (``torch.manual_seed``). Saved in
-            :meth:`state_dict` when given.
-        resync: re-read the masters from the model before each step (no persistent fp32 state).
+    ``generator`` (on the parameters' device; ``None``: the global one) drives stochastic rounding and is
+    saved in :meth:`state_dict` when given.
     """
 
     def __init__(
@@ -93,7 +71,6 @@ class MasterWeights:
         self.master_params: list[torch.Tensor] = [p if p.dtype in _WIDE else _fp32_copy(p) for p in params]
 
     def _pairs(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        """(model param, master) for the params that have a separate fp32 copy."""
         return ((p, m) for p, m in zip(self.model_params, self.master_params) if m is not p)
 
     @torch.no_grad()
@@ -104,10 +81,8 @@ class MasterWeights:
 
     @torch.no_grad()
     def copy_grads_to_master(self) -> None:
-        """Give each master the fp32 value of its model parameter's ``.grad`` (still loss-scaled if
-        the loss was), overwriting any master grad, and set the model's ``.grad`` to None to free
-        it. A model param without a grad leaves its master's grad None. With ``resync=True``,
-        first calls :meth:`sync_from_model`."""
+        """Move each model ``.grad`` to its master in fp32 (still loss-scaled if the loss was); the model's
+        ``.grad`` becomes None (as does a master's whose param has none). ``resync=True``: sync first."""
         if self.resync:
             self.sync_from_model()
         for p, m in self._pairs():
@@ -131,14 +106,12 @@ class MasterWeights:
                 p.copy_(quantize(m, p.dtype, "stochastic", generator=self.generator))
 
     def nbytes(self) -> int:
-        """Bytes held by the fp32 master copies (0 for shared fp32 params). Their gradients are
-        gradient memory and are not counted here."""
+        """Bytes of the fp32 master copies (shared fp32 params and gradients not counted)."""
         return sum(m.numel() * m.element_size() for _, m in self._pairs())
 
     def state_dict(self) -> dict[str, Any]:
-        """Keys: ``master_params`` (list aligned with the params: the fp32 master, or None where it is
-        the shared model param; tensors are references, as in ``nn.Module.state_dict``),
-        ``rounding``, ``resync``, ``generator_state`` (ByteTensor, or None without a generator)."""
+        """``master_params`` (aligned with the params; None where shared; references, as in
+        ``nn.Module.state_dict``), ``rounding``, ``resync``, ``generator_state`` (None without a generator)."""
         return {
             "master_params": [None if m is p else m.detach() for p, m in zip(self.model_params, self.master_params)],
             "rounding": self.rounding,
@@ -147,9 +120,8 @@ class MasterWeights:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Copy saved masters into the existing ones in place (the optimizer keeps its references)
-        and restore the generator state when both sides have a generator. The model params are
-        not touched: load them from the model's own state dict."""
+        """Copy saved masters in place (the optimizer keeps its references) and the generator state when
+        both sides have one. The model params are not touched."""
         if not isinstance(state_dict, Mapping) or "master_params" not in state_dict:
             raise ValueError(
                 "MasterWeights.load_state_dict(...): expected the dict returned by MasterWeights.state_dict() "

@@ -1,31 +1,16 @@
-"""Exact memory accounting by category, and measured peaks where the platform gives them.
+"""Exact memory accounting by category (:data:`CATEGORIES`; bench and ``mixprec plan`` share the names).
 
-Mixed precision saves memory in specific places, so a single "peak memory" number hides what happened.
-This module counts bytes exactly, per category:
+Bytes of distinct storages, counted on a sampled step: parameters, gradients (fp32 master grads included),
+optimizer state, master weights (shared fp32 params not counted twice), and what autograd saves for backward
+during one forward (``saved_tensors_hooks``, deduplicated by storage, parameters excluded), split into:
 
-- **parameters** — the model's parameters (fp32 or the recipe's low dtype);
-- **gradients** — their ``.grad`` tensors (and the fp32 master grads, when master weights exist);
-- **optimizer state** — every tensor in ``optimizer.state`` (momentum, Adam moments, step counters);
-- **master weights** — fp32 copies kept by :class:`mixprec.master.MasterWeights` (shared fp32 params are
-  not counted twice);
-- **saved activations** — every tensor autograd saves for backward during one forward, captured with
-  ``torch.autograd.graph.saved_tensors_hooks`` and deduplicated by storage, so a tensor saved by three
-  ops counts once and views count their base storage once. Storages that belong to parameters are
-  excluded (they are already counted). Two kinds of saved tensor are not activations and get their own
-  category, because they do not grow with the batch:
-- **autocast weight copies** — the low-precision copies of fp32 parameters that autocast (PyTorch's or
-  mixprec's) makes and autograd keeps until backward: a saved tensor whose autograd history is a cast
-  (``ToCopyBackward0``, through views such as the transpose a linear layer saves) of a parameter;
-- **FP8 buffers** — what an FP8 linear layer (:mod:`mixprec.fp8`) saves besides its quantized input: the
-  quantized weight (FP8, or its bf16 image when emulated) and the two scales. The layer marks them
-  (``FP8_ROLE_ATTR``); its quantized input is an activation.
+- **activations**;
+- **autocast weight copies**: low-precision copies of fp32 parameters, i.e. a saved tensor whose autograd
+  history is a cast (``ToCopyBackward0``, through views) of a parameter; they do not grow with the batch;
+- **FP8 buffers**: what an FP8 linear layer saves besides its quantized input (the quantized weight and the
+  scales), marked with ``FP8_ROLE_ATTR``.
 
-:data:`CATEGORIES` names every category once; bench's exact accounting and ``mixprec plan`` both use
-:class:`SavedTensorTracker` and these names, so a number has one meaning in both.
-
-Counting is exact (bytes of distinct storages), cheap (no copies), and done on a sampled step, never on
-every step. On CUDA, ``torch.cuda.max_memory_allocated`` is reported beside it as the allocator's view
-(it also includes temporaries that are never saved, workspace, and fragmentation effects).
+On CUDA ``torch.cuda.max_memory_allocated`` is reported beside it (it includes temporaries and workspace).
 """
 
 from __future__ import annotations
@@ -62,16 +47,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """``(device, address)`` of ``t``'s storage: views share it. Fake tensors (``FakeTensorMode``, which
-    ``mixprec plan`` traces with) have no data address; their storage object's identity stands in."""
+    """``(device, address)`` of ``t``'s storage (views share it); a fake tensor's storage identity stands in."""
     t = local_tensor(t)
     s = t.untyped_storage()
     if _is_fake(t):
         return ("fake", s._cdata)
     return (str(t.device), s.data_ptr())
-
-
-_storage_key = storage_key
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -81,11 +62,7 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 def saved_category(t: torch.Tensor, param_keys: set[tuple[str, int]]) -> str:
-    """Which of :data:`SAVED_CATEGORIES` a tensor saved for backward belongs to (see the module docstring).
-
-    ``param_keys`` holds the parameters' :func:`storage_key`: a saved tensor made from one by a cast
-    (through views) is an autocast weight copy.
-    """
+    """Which of :data:`SAVED_CATEGORIES` a saved tensor belongs to; ``param_keys``: the params' storage_key."""
     role = getattr(t, FP8_ROLE_ATTR, None)
     if role is not None:
         return "activations" if role == "activation" else "fp8_buffers"
@@ -109,7 +86,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], *, exclude: set[tuple[str, in
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
             continue
-        key = _storage_key(t)
+        key = storage_key(t)
         if key in seen or key[1] == 0:
             continue
         seen.add(key)
@@ -137,11 +114,11 @@ class MemoryReport:
 
     @property
     def total(self) -> int:
-        """Sum of the exact categories: what training must hold at its peak (end of forward)."""
+        """Sum of the exact categories: what training holds at its peak (end of forward)."""
         return sum(getattr(self, c) for c in CATEGORIES)
 
     def add_saved(self, tracker: SavedTensorTracker) -> MemoryReport:
-        """Fill the saved-tensor categories from ``tracker`` (after the forward it watched); returns self."""
+        """Fill the saved-tensor categories from ``tracker``; returns self."""
         for c in SAVED_CATEGORIES:
             setattr(self, c, tracker.by_category.get(c, 0))
         return self
@@ -162,7 +139,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tenso
 def static_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, master=None) -> MemoryReport:
     """Parameters, gradients, optimizer state and master copies, in exact bytes (no activations)."""
     params = list(model.parameters())
-    param_keys = {_storage_key(p) for p in params}
+    param_keys = {storage_key(p) for p in params}
     rep = MemoryReport()
     rep.parameters = storage_bytes(params)
     grads = [p.grad for p in params if p.grad is not None]
@@ -188,7 +165,7 @@ class SavedTensorTracker:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._exclude = {_storage_key(t) for t in exclude}
+        self._exclude = {storage_key(t) for t in exclude}
         self._seen: dict[tuple[str, int], int] = {}
         self._category: dict[tuple[str, int], str] = {}
         self.on_save = None
@@ -197,7 +174,7 @@ class SavedTensorTracker:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
-            key = _storage_key(t)
+            key = storage_key(t)
             if key[1] != 0 and key not in self._exclude and key not in self._seen:
                 self._seen[key] = t.untyped_storage().nbytes()
                 category = self._category[key] = saved_category(t, self._exclude)
@@ -211,12 +188,12 @@ class SavedTensorTracker:
 
     @property
     def nbytes(self) -> int:
-        """Everything saved for backward: activations, autocast weight copies and FP8 buffers together."""
+        """Everything saved for backward (all SAVED_CATEGORIES)."""
         return sum(self._seen.values())
 
     @property
     def by_category(self) -> dict[str, int]:
-        """Bytes saved per :data:`SAVED_CATEGORIES` entry (every one present, 0 when nothing was saved)."""
+        """Bytes per :data:`SAVED_CATEGORIES` entry (every one present)."""
         out = dict.fromkeys(SAVED_CATEGORIES, 0)
         for key, n in self._seen.items():
             out[self._category[key]] += n

@@ -1,96 +1,33 @@
-"""Dynamic loss scaling for fp16 training, from scratch.
+"""Dynamic loss scaling for fp16 training: :class:`DynamicLossScaler`, a drop-in for ``torch.amp.GradScaler``.
 
-Why scale
----------
-fp16 has 10 mantissa bits but only 5 exponent bits: its smallest subnormal is 2**-24 ~ 6e-8 and
-its largest value 65504. Gradients of a well-trained network are often far below 2**-24 and would
-flush to zero in fp16. The chain rule is linear, so multiplying the loss by ``S`` multiplies every
-gradient by ``S``, lifting them into fp16's range; dividing the gradients by ``S`` again (in the
-optimizer's precision) before the step gives the true update. Powers of two make both
-multiplications exact.
+fp16's smallest subnormal is 2**-24, so small gradients flush to zero. The loss is multiplied by a
+power-of-two scale ``S`` (the chain rule is linear: every gradient is multiplied by ``S``) and the
+gradients are divided by ``S`` again before the step; powers of two make both exact. Every gradient is
+checked for inf/NaN after backward: an overflowing step is skipped (parameters untouched) and
+``S *= backoff_factor``; after ``growth_interval`` clean steps ``S *= growth_factor`` (unless that
+overflows float32).
 
-Why dynamic (growth and backoff)
---------------------------------
-The best ``S`` is the largest one for which no gradient overflows, and it drifts during training.
-So: after each backward, check every gradient for inf/NaN. If there is one, the step is *skipped*
-(the parameters are not touched) and ``S *= backoff_factor``; after ``growth_interval``
-consecutive clean steps, ``S *= growth_factor`` (unless that would overflow float32). With
-``hysteresis=1`` and no bounds this is exactly ``torch.amp.GradScaler``'s rule, and this class
-then uses the same kernels (``torch._amp_foreach_non_finite_check_and_unscale_``,
-``torch._amp_update_scale_``), so the two give bit-identical scales and parameters.
+GradScaler-exact: with ``hysteresis=1`` and no ``min_scale``/``max_scale`` the update uses GradScaler's
+kernels (``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._amp_update_scale_``), so scales
+and parameters are bit-identical. An optimizer with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD/
+Adagrad) gets GradScaler's contract: :meth:`~DynamicLossScaler.step` only checks, then the optimizer
+divides by ``optimizer.grad_scale`` inside its kernel (bit-identical to GradScaler even for scales that
+are not powers of two). Unlike GradScaler, a skipped step never calls ``optimizer.step()``: fused SGD with
+momentum would store uninitialised buffers on a skipped first step.
 
-Hysteresis (DeepSpeed's ``delayed_shift``)
-------------------------------------------
-A single spike should not halve the scale. With ``hysteresis=h`` the scaler keeps a budget of
-``h - 1`` overflows that are *tolerated*: the step is still skipped (an inf gradient is never
-applied) but the scale is kept and the budget shrinks by one. When the budget is spent, each
-further overflow backs off. Following DeepSpeed's ``DynamicLossScaler.update_scale``, the budget
-is not refilled by the backoff; it is refilled to ``h - 1`` when the scale grows (the default,
-DeepSpeed's ``consecutive_hysteresis=False``, so overflows need not be consecutive to use it up)
-or after every clean step with ``consecutive_hysteresis=True`` (then exactly ``h - 1``
-*consecutive* overflows are tolerated). Any overflow, tolerated or not, restarts the count of
-clean steps towards growth. Growth itself follows GradScaler's counter (``growth_interval`` clean
-steps), not DeepSpeed's, which grows one step later after an overflow.
+Hysteresis (DeepSpeed's ``delayed_shift``): ``hysteresis - 1`` overflows are tolerated (the step is
+skipped, the scale kept) before backing off. The budget is refilled when the scale grows, or after every
+clean step with ``consecutive_hysteresis=True``; any overflow restarts the count towards growth.
+``min_scale``/``max_scale`` clamp backoff/growth.
 
-Bounds
-------
-``min_scale`` / ``max_scale`` clamp the result of backoff / growth (Megatron's
-``DynamicGradScaler`` does the same for ``min_scale``). The initial scale must lie within them.
+Host syncs: ``scale``, ``unscale_`` and ``update`` only launch device work; ``step`` syncs once (it reads
+``found_inf``); ``get_scale`` and ``state_dict`` sync. When ``torch.distributed`` is initialised,
+``found_inf`` is all-reduced with MAX, so every rank skips the same steps and keeps the same scale.
 
-Host-device syncs
------------------
-The scale, the growth counter and the hysteresis budget are 0-dim tensors on the device of the
-first scaled loss; ``found_inf`` is a 0-dim float32 tensor. :meth:`scale`, :meth:`unscale_` and
-:meth:`update` only launch device work. :meth:`step` syncs exactly once, reading ``found_inf`` to
-decide whether to call ``optimizer.step()``. :meth:`get_scale` and :meth:`state_dict` sync too
-(they return Python numbers); keep them out of the hot path.
-
-Distributed
------------
-When ``torch.distributed`` is initialized, :meth:`unscale_` (or :meth:`step`'s check, for a fused
-optimizer) all-reduces ``found_inf`` with MAX over the default process group after the local check
-(one collective per step per optimizer), so every rank skips the same steps and keeps the same
-scale. The tensor lives on the scale's device, so use a backend that supports it (gloo for CPU,
-nccl for CUDA).
-
-GradScaler's API, and where it differs
---------------------------------------
-Besides ``scale``/``unscale_``/``step``/``update``/``state_dict``/``load_state_dict`` this class has
-GradScaler's ``get_scale`` (a Python float; the initial scale before the first ``scale()``, 1.0 when
-disabled), ``get_/set_growth_factor``, ``get_/set_backoff_factor``, ``get_/set_growth_interval``
-(setters take effect at the next ``update()``), ``is_enabled``, ``update(new_scale=...)`` (a number,
-or a one-element tensor on the scale's device type without grad; the growth count is kept) and
-pickling between iterations. ``scale`` accepts nested lists/tuples and, lazily, other iterables.
-Differences: ``step`` returns whether the step was applied (GradScaler returns whatever
-``optimizer.step`` returned); every setting is validated (below), which GradScaler does not do;
-a shape-(1,) ``new_scale`` is accepted (GradScaler cannot copy it into its 0-dim scale).
-
-Optimizers that unscale inside (fused)
---------------------------------------
-An optimizer that declares ``_step_supports_amp_scaling`` (``torch.optim.Adam/AdamW/SGD/Adagrad``
-with ``fused=True``) gets GradScaler's contract: :meth:`step` only *checks* the gradients (the same
-fused kernel with a multiplier of 1), then hands the optimizer ``optimizer.grad_scale`` (the scale,
-times any ``grad_scale`` the caller preset; ``None`` after a separate ``unscale_``) and
-``optimizer.found_inf``, and its kernel divides while it updates. That is what GradScaler does, so
-the results are bit-identical to GradScaler's with the same optimizer even for scales that are not
-powers of two (dividing inside is not always bitwise the same as multiplying by the reciprocal
-first); the gradients are read once for the check either way. Unlike GradScaler, a skipped step
-does not call ``optimizer.step()`` at all (GradScaler calls it with ``found_inf=1`` and trusts the
-kernel to do nothing): ``step`` reads ``found_inf`` anyway to return the skip, and not calling
-guarantees that parameters and optimizer state are untouched. It matters: on a skipped *first*
-step, fused SGD with momentum stores ``torch.empty_like`` (uninitialized) momentum buffers that its
-next step then uses. The legacy contract (``optimizer.step(grad_scaler=...)``, deprecated by
-PyTorch) is refused with a message.
-
-Validation
-----------
-:func:`validate_scaler_settings` is the one check of every setting, used by the constructor, the
-setters, ``update(new_scale=...)``, ``load_state_dict`` and :meth:`ScalerConfig.validate` (the run
-config's); its type tests are :mod:`mixprec.validate`'s. Scales must be finite, > 0 and
-representable in float32 (the scale is a float32 tensor: 1e39 would become inf); factors finite (NaN
-compares false with everything, so a ``growth_factor <= 1`` check alone lets NaN through); counts real
-ints (``2.5``, ``"10"``, ``2000.0`` and ``True`` are refused, not truncated). Errors are :class:`ScalerConfigError`
-(a :class:`~mixprec.errors.UsageError`) naming the CLI flag, argument or state-dict key.
+Differences from GradScaler's API: ``step`` returns whether the step was applied; every setting is
+checked by :func:`validate_scaler_settings` (constructor, setters, ``update(new_scale=...)``,
+``load_state_dict``, :meth:`ScalerConfig.validate`), raising :class:`~mixprec.errors.ScalerConfigError`
+that names the flag, argument or state-dict key; a shape-(1,) ``new_scale`` is accepted.
 """
 
 from __future__ import annotations
@@ -119,8 +56,7 @@ __all__ = ["DynamicLossScaler", "OptState", "ScalerConfig", "validate_scaler_set
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScalerConfig:
-    """Dynamic loss scaler settings (used only by recipes with loss scaling); the one home of their defaults:
-    :class:`DynamicLossScaler`, the recipes' scalers and :func:`mixprec.doctor.diagnose` take theirs from here."""
+    """Dynamic loss scaler settings; the one home of their defaults (GradScaler's)."""
 
     init_scale: float = 2.0**16
     """Scale of the first step."""
@@ -134,7 +70,7 @@ class ScalerConfig:
     """Overflows tolerated before backing off (scratch scaler only; 1 = GradScaler semantics)."""
 
     def validate(self) -> None:
-        """Raise ScalerConfigError (exit 2) naming the flag: the scaler's own validation, one for all callers."""
+        """Raise ScalerConfigError (exit 2) naming the flag."""
         validate_scaler_settings(init_scale=self.init_scale, growth_factor=self.growth_factor,
                                  backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
                                  hysteresis=self.hysteresis)
@@ -238,18 +174,12 @@ def validate_scaler_settings(
     names: str | Mapping[str, str] = "flags",
     what: str = "",
 ) -> None:
-    """Check loss-scaler settings; raise :class:`~mixprec.errors.ScalerConfigError` on the first bad one.
+    """Check the settings passed, each alone and then together; raise ScalerConfigError on the first bad one.
 
-    Only the settings passed are checked (``min_scale``/``max_scale``: ``None`` = unbounded), each
-    alone and then together (``min_scale <= init_scale <= max_scale``, ``hysteresis_left <=
-    hysteresis - 1``). For a state dict pass ``init_scale=sd["scale"]``,
-    ``growth_tracker=sd["_growth_tracker"]``, ``hysteresis_left=sd["_hysteresis_left"]`` and the
-    other keys under their own names, with ``names="state"``.
-
-    ``names`` says how the message names a setting: ``"flags"`` (``--init-scale``, the CLI's),
-    ``"args"`` (``init_scale``), ``"state"`` (``state_dict['scale']``) or a dict of overrides of the
-    argument names; ``what`` prefixes the message (``"DynamicLossScaler: ..."``). E.g.
-    ``--init-scale must be a finite number > 0, got inf``.
+    Scales must be finite, > 0 and fit in float32; counts must be real ints (``2.5``, ``"10"``, ``True``
+    are refused, not truncated). ``names`` says how the message names a setting: ``"flags"``
+    (``--init-scale``), ``"args"`` (``init_scale``), ``"state"`` (``state_dict['scale']``) or a dict of
+    overrides; ``what`` prefixes the message.
     """
     values = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
               "growth_interval": growth_interval, "hysteresis": hysteresis, "min_scale": min_scale,
@@ -285,7 +215,7 @@ _REQUIRED_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
 
 
 class DynamicLossScaler:
-    """Dynamic loss scaler with GradScaler semantics plus hysteresis and bounds.
+    """Dynamic loss scaler with GradScaler semantics plus hysteresis and bounds (see the module docs).
 
     Usage (the same calls as ``torch.amp.GradScaler``)::
 
@@ -297,21 +227,8 @@ class DynamicLossScaler:
 
     Each optimizer moves through ``READY -unscale_-> UNSCALED -step-> STEPPED -update-> READY``
     (``step`` unscales itself from READY); any other order raises a ``RuntimeError`` that names the
-    fix. ``step`` before the first ``scale`` raises too: there would be no scale to unscale by.
-
-    Args (the five that :class:`ScalerConfig` holds default to its values, which are GradScaler's):
-        init_scale: the first scale (a power of two keeps scaling exact).
-        growth_factor: multiplies the scale after ``growth_interval`` consecutive clean steps; > 1.
-        backoff_factor: multiplies the scale after an overflow the hysteresis does not absorb; < 1.
-        growth_interval: clean steps needed before growing.
-        hysteresis: 1 + the number of overflows tolerated without backing off (see module docs).
-        min_scale, max_scale: optional bounds on the scale after backoff / growth.
-        enabled: ``False`` makes every method a cheap no-op (``step`` just calls ``optimizer.step()``).
-        consecutive_hysteresis: refill the hysteresis budget after every clean step instead of
-            only when the scale grows.
-
-    Raises:
-        ScalerConfigError: a setting out of range or of the wrong type (checked even when disabled).
+    fix. ``enabled=False`` makes every method a no-op (``step`` just calls ``optimizer.step()``); the
+    settings are validated even then.
     """
 
     def __init__(
@@ -356,8 +273,7 @@ class DynamicLossScaler:
         return self._enabled
 
     def get_scale(self) -> float:
-        """The current scale as a Python float: the initial scale before the first ``scale()``,
-        1.0 when disabled (as GradScaler). Syncs with the device."""
+        """The current scale (the initial one before the first ``scale()``, 1.0 when disabled). Syncs."""
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
@@ -366,7 +282,7 @@ class DynamicLossScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Used from the next ``update()`` on. Raises ScalerConfigError unless a finite number > 1."""
+        """Used from the next ``update()`` on."""
         validate_scaler_settings(growth_factor=new_factor, names="args", what="set_growth_factor")
         self._growth_factor = float(new_factor)
 
@@ -374,7 +290,7 @@ class DynamicLossScaler:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Used from the next ``update()`` on. Raises ScalerConfigError unless in (0, 1)."""
+        """Used from the next ``update()`` on."""
         validate_scaler_settings(backoff_factor=new_factor, names="args", what="set_backoff_factor")
         self._backoff_factor = float(new_factor)
 
@@ -382,14 +298,13 @@ class DynamicLossScaler:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Used from the next ``update()`` on (the clean steps counted so far still count).
-        Raises ScalerConfigError unless an int >= 1."""
+        """Used from the next ``update()`` on (the clean steps counted so far still count)."""
         validate_scaler_settings(growth_interval=new_interval, names="args", what="set_growth_interval")
         self._growth_interval = int(new_interval)
 
     @property
     def skipped_steps(self) -> int:
-        """How many ``step()`` calls skipped ``optimizer.step()`` because of inf/NaN gradients."""
+        """How many ``step()`` calls skipped ``optimizer.step()`` for inf/NaN gradients."""
         return self._skipped_steps if self._enabled else 0
 
     @property
@@ -400,8 +315,7 @@ class DynamicLossScaler:
     # ------------------------------------------------------------------ the iteration
 
     def scale(self, loss: torch.Tensor | Iterable[torch.Tensor]) -> Any:
-        """Return ``loss * scale``: for a tensor; elementwise, keeping the structure, for nested
-        lists/tuples of tensors; lazily (a ``map``) for any other iterable, as GradScaler does."""
+        """``loss * scale``; elementwise for nested lists/tuples, lazily (a ``map``) for other iterables."""
         if not self._enabled:
             return loss
         if isinstance(loss, torch.Tensor):
@@ -419,12 +333,8 @@ class DynamicLossScaler:
         )
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale in place and check them for inf/NaN.
-
-        Optional: call it before clipping or inspecting gradients; otherwise ``step`` calls it.
-        Gradients are unscaled in their own dtype (fp16, bf16, fp32...), grouped by device and
-        dtype into one fused kernel each. No host sync; one all-reduce when distributed.
-        """
+        """Divide the optimizer's gradients by the scale in place (in their own dtype) and check them for
+        inf/NaN. Optional (before clipping); otherwise ``step`` calls it. No host sync."""
         if not self._enabled:
             return
         self._require_scale("unscale_(optimizer)")
@@ -446,12 +356,8 @@ class DynamicLossScaler:
         state.stage = OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
-        """Unscale (unless ``unscale_`` was called) and call ``optimizer.step(*args, **kwargs)``
-        unless a gradient is inf/NaN. Returns True if the step was applied.
-
-        An optimizer with ``_step_supports_amp_scaling`` (fused) unscales inside its own step;
-        see the module docs. This is the one host-device sync per iteration: it reads ``found_inf``.
-        """
+        """Unscale (unless ``unscale_`` was called) and call ``optimizer.step(*args, **kwargs)`` unless a
+        gradient is inf/NaN; return whether the step was applied. The one host sync per iteration."""
         if not self._enabled:
             optimizer.step(*args, **kwargs)
             return True
@@ -478,13 +384,10 @@ class DynamicLossScaler:
         return applied
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Update the scale from this iteration's inf checks (all optimizers), then reset every
-        optimizer to READY. No host sync.
+        """Update the scale from this iteration's inf checks, then reset every optimizer to READY. No sync.
 
-        ``new_scale`` sets the scale instead (GradScaler's manual override): a number (validated,
-        within ``[min_scale, max_scale]``) or a one-element tensor on the scale's device type
-        without grad (its value is not checked: that would sync). The tensor is copied, so later
-        changes to it do not reach the scaler. The growth count and hysteresis budget are kept.
+        ``new_scale`` sets the scale instead: a number (validated) or a one-element tensor on the scale's
+        device type without grad (copied; not checked, that would sync). Growth count and budget are kept.
         """
         if not self._enabled:
             return
@@ -498,13 +401,11 @@ class DynamicLossScaler:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state as plain Python values (syncs); ``{}`` when disabled.
+        """The state as Python values (syncs; ``{}`` when disabled); call it after ``update()``.
 
-        Keys: ``scale`` (float), ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker`` (clean steps since the last overflow or growth) -- the same five keys
-        as ``torch.amp.GradScaler`` -- plus ``hysteresis``, ``consecutive_hysteresis``,
-        ``_hysteresis_left`` (overflows still tolerated), ``min_scale``, ``max_scale`` (float or
-        None) and ``skipped_steps``. Call it after ``update()``.
+        GradScaler's five keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker``) plus ``hysteresis``, ``consecutive_hysteresis``, ``_hysteresis_left``
+        (overflows still tolerated), ``min_scale``, ``max_scale`` and ``skipped_steps``.
         """
         if not self._enabled:
             return {}
@@ -525,12 +426,8 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` (no-op when disabled).
-
-        A ``torch.amp.GradScaler`` state dict (its five keys) is accepted too; the keys it lacks
-        keep this scaler's configuration, a full hysteresis budget and a zero skip count. Every
-        value is validated first (ScalerConfigError naming the key); a bad state changes nothing.
-        """
+        """Restore a :meth:`state_dict` or a GradScaler's (the keys it lacks keep this scaler's settings,
+        a full hysteresis budget and no skips). Validated first: a bad state changes nothing."""
         if not self._enabled:
             return
         if not isinstance(state_dict, Mapping):
@@ -569,8 +466,7 @@ class DynamicLossScaler:
             self._hysteresis_left.fill_(self._init_hysteresis_left)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle / deepcopy between iterations, as GradScaler: the scale and counters travel as
-        Python numbers and are re-created on the device of the next scaled loss."""
+        """Pickle/deepcopy between iterations; the tensors are re-created on the next scaled loss's device."""
         state = self.__dict__.copy()
         if self._scale is not None:
             if self._per_optimizer:
@@ -615,8 +511,7 @@ class DynamicLossScaler:
 
     def _step_unscaling_inside(self, optimizer: torch.optim.Optimizer, state: _PerOptimizer,
                                args: tuple, kwargs: dict) -> bool:
-        """GradScaler's contract for ``_step_supports_amp_scaling`` optimizers, minus the call on
-        a skipped step (see the module docs)."""
+        """GradScaler's contract for ``_step_supports_amp_scaling`` optimizers, minus the call on a skipped step."""
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             raise RuntimeError(
                 f"step({type(optimizer).__name__}): its step() takes a grad_scaler argument, GradScaler's "
@@ -678,8 +573,7 @@ class DynamicLossScaler:
             self._update_general(found_inf > 0)
 
     def _settings_from(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        """A state dict's values under validate_scaler_settings' names; this scaler's for the keys
-        a GradScaler state lacks."""
+        """A state dict's values under validate_scaler_settings' names (this scaler's where GradScaler's lack them)."""
         get = state_dict.get
         new = {
             "init_scale": state_dict["scale"],
@@ -698,8 +592,7 @@ class DynamicLossScaler:
         return new
 
     def _unscale_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor) -> torch.Tensor:
-        """Fused unscale + inf/NaN check per (device, dtype) group; returns found_inf on the
-        scale's device."""
+        """Fused unscale + inf/NaN check per (device, dtype) group; found_inf on the scale's device."""
         groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
