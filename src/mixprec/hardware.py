@@ -1,9 +1,8 @@
-"""What the machine can do fast: used to explain recipes and to warn before slow or emulated runs.
+"""What the machine can do fast: explains recipes and warns before slow or emulated runs.
 
-CPUs: bf16 matmuls are fast with AVX512-BF16 or AMX-BF16; fp16 matmuls are only fast with AVX512-FP16 or
-AMX-FP16 — without them PyTorch's CPU fp16 GEMM is a scalar fallback, far slower than fp32
-(benchmarks/README.md has the figures). GPUs: bf16 needs compute capability 8.0+ (Ampere), TF32 tensor cores 8.0+, FP8
-matmuls 8.9+ (Ada/Hopper; rowwise-scaled FP8 9.0+), MXFP8/MXFP4/NVFP4 block-scaled matmuls 10.x (Blackwell).
+CPUs: bf16 matmuls are fast with AVX512-BF16 or AMX-BF16, fp16 ones only with AVX512-FP16 or AMX-FP16 (else a
+scalar fallback). GPUs: bf16 and TF32 need compute capability 8.0+, FP8 matmuls 8.9+ (rowwise-scaled 9.0+),
+MXFP8/MXFP4/NVFP4 block-scaled matmuls 10.x.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ __all__ = [
 
 
 RELEVANT_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "amx_tile")
-"""The CPU flags that decide which low-precision matmuls are fast."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,10 +79,8 @@ def has_fast_bf16(device: torch.device) -> bool:
 
 
 def has_bf16_kernels(device: torch.device) -> bool:
-    """Whether PyTorch has real bf16 GEMM kernels on ``device``: CUDA GPUs, and CPUs whose oneDNN does bf16
-    (AVX-512 or newer). On an AVX2-only CPU its bf16 matmul is a scalar fallback, many times slower than
-    fp32 (benchmarks/README.md), so ``--amp-impl auto`` emulates bf16 there (:func:`mixprec.mechanisms.
-    auto_mechanism`). Fast bf16 (:func:`has_fast_bf16`) needs more: AVX512-BF16 or AMX."""
+    """Whether PyTorch has real bf16 GEMM kernels on ``device``: CUDA, and CPUs whose oneDNN does bf16 (AVX-512);
+    elsewhere ``--amp-impl auto`` emulates bf16. Fast bf16 (:func:`has_fast_bf16`) needs AVX512-BF16 or AMX."""
     if device.type != "cpu":
         return True
     pinned = os.environ.get(BF16_KERNELS_ENV, "").strip()
@@ -99,9 +95,7 @@ def has_bf16_kernels(device: torch.device) -> bool:
 
 
 BF16_KERNELS_ENV = "MIXPREC_CPU_BF16_KERNELS"
-"""``1`` or ``0`` pins what :func:`has_bf16_kernels` answers for the CPU (so ``--amp-impl auto`` picks what it
-would on the other kind of CPU: native bf16, or emulated); the test suite pins ``1`` for itself and the
-processes it starts, so its runs mean the same on every machine."""
+"""``1`` or ``0`` pins what :func:`has_bf16_kernels` answers for the CPU (the test suite pins ``1``)."""
 
 
 def has_fast_fp16(device: torch.device) -> bool:
@@ -112,19 +106,14 @@ def has_fast_fp16(device: torch.device) -> bool:
 
 
 def has_fast_fp16_training(device: torch.device) -> bool:
-    """Whether whole fp16 training steps run fast in real fp16 on ``device`` (what ``--amp-impl auto`` and the
-    scratch engine's fp16 emulation decide on): CUDA GPUs, and not a CPU — even one with AVX512-FP16/AMX-FP16,
-    whose fp16 *matmuls* are fast (:func:`has_fast_fp16`): PyTorch's CPU fp16 convolution backward takes a slow
-    path and its other fp16 ops lose to fp32 arithmetic on fp16-rounded values (benchmarks/README.md:
-    ``conv_fp16.py``, ``scratch_vs_native.py``)."""
+    """Whether whole fp16 training steps run fast in real fp16 on ``device``: CUDA, never a CPU (even with fast
+    fp16 matmuls, its fp16 convolution backward and other ops are slow paths; benchmarks/README.md)."""
     return device.type != "cpu"
 
 
 def autocast_runs_lstm(dtype: torch.dtype) -> bool:
-    """Whether ``torch.autocast("cpu", dtype)`` can train an ``nn.LSTM`` on this CPU. It lowers the LSTM
-    through oneDNN's ``mkldnn_rnn_layer``, which has no bf16 kernel without AVX-512 (an AVX2-only CPU) and no
-    fp16 one on most CPUs: there the forward raises "could not create a primitive descriptor". Found by trying
-    one step of a 1-unit LSTM (once per dtype and oneDNN setting), not by reading flags."""
+    """Whether ``torch.autocast("cpu", dtype)`` can train an ``nn.LSTM`` here (oneDNN's ``mkldnn_rnn_layer`` lacks
+    some dtypes on some CPUs). Found by trying one step of a 1-unit LSTM, once per dtype and oneDNN setting."""
     return _autocast_runs_lstm(dtype, torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
 
 
@@ -154,9 +143,7 @@ def has_tf32(device: torch.device) -> bool:
 
 
 def has_fp8_matmul(device: torch.device) -> bool:
-    """True where ``torch._scaled_mm`` runs real FP8 GEMMs: NVIDIA compute capability 8.9+ (Ada, Hopper).
-
-    ROCm builds answer False: their FP8 GEMMs take the ``*_fnuz`` dtypes, which mixprec.fp8 does not use."""
+    """True where ``torch._scaled_mm`` runs real FP8 GEMMs: NVIDIA 8.9+ (not ROCm: its ``*_fnuz`` dtypes)."""
     if device.type != "cuda" or torch.version.hip is not None or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
@@ -180,17 +167,15 @@ def missing_device(device: torch.device | str) -> str | None:
 
 
 def has_mx_matmul(device: torch.device) -> bool:
-    """True where the GPU has MXFP8/MXFP4/NVFP4 tensor cores (block-scaled GEMMs): NVIDIA compute capability
-    10.x (B200, GB200; what torchao's MX kernels target). H100/H200 (9.0) have FP8 but no MX/NVFP4 units."""
+    """True where the GPU has MXFP8/MXFP4/NVFP4 tensor cores: NVIDIA compute capability 10.x."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     return (10, 0) <= torch.cuda.get_device_capability(device) < (11, 0)
 
 
 def has_lowp_units(recipe: str, device: torch.device) -> bool:
-    """Whether ``device`` has units for the formats of low-precision linear recipe ``recipe``
-    (:mod:`mixprec.gemm_recipes`): per-tensor FP8 on 8.9+, rowwise FP8 on 9.0+ (``torch._scaled_mm`` with
-    rowwise scales), MX and NVFP4 on 10.x."""
+    """Whether ``device`` has units for low-precision linear recipe ``recipe``'s formats (tensorwise FP8 8.9+,
+    rowwise 9.0+, MX and NVFP4 10.x)."""
     if recipe == "tensorwise":
         return has_fp8_matmul(device)
     if recipe == "rowwise":
@@ -257,12 +242,8 @@ def measure_matmul_peak(
     dtype: torch.dtype, device: torch.device | str = "cpu", *, budget_s: float = 1.0, tf32: bool = False,
     sizes: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
-    """Best measured rate (FLOP/s) of square ``n x n @ n x n`` matmuls in ``dtype`` on ``device``.
-
-    Sizes grow (CPU 512..2048, CUDA 2048..8192) while the predicted time of one matmul fits the budget;
-    each size gets one warm-up and then as many repeats as the budget allows (at least one); the best
-    time wins. ``tf32`` allows TF32 tensor cores for fp32 (restored afterwards).
-    """
+    """Best measured rate (FLOP/s) of square matmuls in ``dtype``: sizes grow while one fits the budget, each
+    warmed up then repeated (best time wins). ``tf32`` allows TF32 for fp32 (restored afterwards)."""
     device = torch.device(device)
     sizes = sizes or ((2048, 4096, 8192) if device.type == "cuda" else (512, 1024, 2048))
     prev = torch.get_float32_matmul_precision()

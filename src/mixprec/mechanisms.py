@@ -1,22 +1,16 @@
-"""The mechanisms behind a recipe's autocast and loss-scaler hooks: one small strategy class each.
+"""The mechanisms behind a recipe's autocast and loss scaler: one small strategy class each.
 
-A :class:`~mixprec.precision.Recipe` owns one :class:`Mechanism` for its life. The mechanism answers what
-depends on *whose code runs* the recipe: which autocast context, which loss scaler, how a loss-scaled step
-is skipped, and what it cannot do (options it cannot honour,
-``torch.compile``). What a recipe means -- dtypes, master weights, TF32, FSDP -- stays the recipe's.
+A :class:`~mixprec.precision.Recipe` owns one :class:`Mechanism`, which decides what depends on whose code runs
+the recipe (autocast context, loss scaler, skipping a loss-scaled step, options it cannot honour,
+``torch.compile``); what the recipe means stays the recipe's.
 
-- :class:`NativeMechanism` (``native``): PyTorch's ``torch.autocast`` + ``torch.amp.GradScaler``
-  (``ShardedGradScaler`` across processes). Fast kernels, compiles; fp16 runs PyTorch's real fp16 kernels.
-- :class:`ScratchMechanism` (``scratch``): mixprec's :mod:`mixprec.autocast` +
-  :class:`~mixprec.scaler.DynamicLossScaler`. Per-module fp32 overrides (``--keep-fp32``), scaler
-  hysteresis, and *emulation* (low-precision values, fp32 arithmetic) of fp16 on CPUs and of bf16 on CPUs
-  without bf16 kernels.
+- :class:`NativeMechanism` (``native``): ``torch.autocast`` + ``torch.amp.GradScaler`` (``ShardedGradScaler``
+  across processes).
+- :class:`ScratchMechanism` (``scratch``): :mod:`mixprec.autocast` + :class:`~mixprec.scaler.DynamicLossScaler`;
+  per-module fp32 overrides, hysteresis, and emulation (low-precision values, fp32 arithmetic) of dtypes the
+  device runs slowly.
 
-Master weights are always mixprec's (:mod:`mixprec.master`, PyTorch has no native equivalent). The FP8/FP4
-linear layers are a second, independent strategy (:mod:`mixprec.fp8_impls`, ``--fp8-impl scratch|torchao``):
-whose layers run the low-precision GEMMs does not change whose autocast runs the ops around them. A new
-mechanism is one subclass overriding the hooks it changes, registered in :data:`MECHANISMS`: ``--amp-impl``
-and its check take their names from there.
+A new mechanism is one subclass overriding the hooks it changes, registered in :data:`MECHANISMS`.
 """
 
 from __future__ import annotations
@@ -38,23 +32,15 @@ __all__ = ["Mechanism", "NativeMechanism", "ScratchMechanism", "MECHANISMS", "AM
 
 
 class Mechanism:
-    """How one recipe's forward casts and loss scaling run on one device.
+    """How one recipe's forward casts and loss scaling run on one device; the base's hooks do nothing.
 
-    Args:
-        spec: what the recipe means.
-        scaler: the loss scaler's settings (used when ``spec.loss_scaling``).
-        keep_fp32: module names or types the user asked to keep in fp32.
-        device: where the run trains.
-        world_size: processes in the run (their scalers must agree on every skip).
-        slow_dtypes: the low dtypes whose real steps are slow on the device (a mechanism may emulate them).
+    ``slow_dtypes``: the low dtypes whose real steps are slow on the device (a mechanism may emulate them).
     """
 
     name: ClassVar[str]
-    """What ``--amp-impl`` calls it (and reports print in ``name [impl]``)."""
+    """Its ``--amp-impl`` name."""
     autocast_words: ClassVar[str]
-    """The autocast it runs, as :meth:`Recipe.describe` names it."""
     scaler_words: ClassVar[str]
-    """The loss scaler it runs, as :meth:`Recipe.describe` names it."""
 
     def __init__(self, spec: RecipeSpec, *, scaler: ScalerConfig, keep_fp32: tuple[str, ...],
                  device: torch.device, world_size: int = 1, slow_dtypes: frozenset[torch.dtype] = frozenset()
@@ -89,7 +75,7 @@ class Mechanism:
         """Raise RecipeError where ``torch.compile`` cannot help this mechanism."""
 
     def notes(self) -> list[str]:
-        """Clauses for :meth:`Recipe.describe` on what this mechanism does differently with the checked model."""
+        """Clauses for :meth:`Recipe.describe` on what it does differently with the checked model."""
         return []
 
 
@@ -109,8 +95,7 @@ class NativeMechanism(Mechanism):
             raise RecipeError("--hysteresis is a feature of mixprec's scaler; add --amp-impl scratch")
 
     def make_scaler(self) -> torch.amp.GradScaler:
-        """Every rank must skip the same steps: several processes get PyTorch's ``ShardedGradScaler``
-        (GradScaler plus an all-reduce of ``found_inf``; it also accepts DTensor gradients)."""
+        """Several processes get ``ShardedGradScaler`` (all-reduces ``found_inf``, so every rank skips alike)."""
         c = self.scaler_config
         kw = dict(init_scale=c.init_scale, growth_factor=c.growth_factor, backoff_factor=c.backoff_factor,
                   growth_interval=c.growth_interval)
@@ -126,13 +111,12 @@ class NativeMechanism(Mechanism):
 
     @property
     def fp32_lstms(self) -> tuple[str, ...]:
-        """The model's ``nn.LSTM`` layers this CPU's torch.autocast cannot run in the compute dtype, which run
-        in fp32 instead (see :meth:`autocast`); found by :meth:`check_module`."""
+        """The ``nn.LSTM`` layers this CPU's torch.autocast cannot run in the compute dtype (they run in fp32)."""
         return tuple(name for name, _ in self._fp32_lstms)
 
     def check_module(self, model: nn.Module) -> None:
-        """torch.autocast hands an fp32 LSTM's fp32 input to oneDNN, lowered to the compute dtype, and raises
-        where oneDNN has no such kernel; an LSTM with low-precision parameters takes PyTorch's own kernel."""
+        """Find fp32 LSTMs: torch.autocast hands them to oneDNN in the compute dtype, which raises where oneDNN
+        has no such kernel."""
         low = self.spec.compute_dtype
         if not (self.spec.autocast and self.device.type == "cpu" and low != torch.float32):
             return
@@ -150,8 +134,7 @@ class NativeMechanism(Mechanism):
                 f"has no {low} LSTM on this CPU (it would raise); --amp-impl scratch runs them in {low}"]
 
     def autocast(self, model: nn.Module | None) -> contextlib.AbstractContextManager:
-        """torch.autocast; with the LSTMs :meth:`check_module` found run in fp32 by forward hooks that exist
-        only inside the context (oneDNN's fp32 kernel, fp32 output: as torch.autocast leaves ``nn.GRU``)."""
+        """torch.autocast; the LSTMs :meth:`check_module` found run in fp32 by hooks that live inside the context."""
         ac = torch.autocast(self.device.type, dtype=self.spec.compute_dtype)
         if not self._fp32_lstms or model is None:
             return ac
@@ -174,9 +157,7 @@ class NativeMechanism(Mechanism):
 
 
 class ScratchMechanism(Mechanism):
-    """mixprec's autocast + :class:`~mixprec.scaler.DynamicLossScaler`; emulates the compute dtype where its real
-    steps are slow (fp16 on every CPU: :func:`mixprec.hardware.has_fast_fp16_training`; bf16 on a CPU without
-    bf16 kernels: :func:`mixprec.hardware.has_bf16_kernels`)."""
+    """mixprec's autocast + DynamicLossScaler; emulates the compute dtype where it is slow (:func:`slow_dtypes`)."""
 
     name = "scratch"
     autocast_words = "mixprec autocast"
@@ -187,7 +168,6 @@ class ScratchMechanism(Mechanism):
         self.emulate = _emulable(spec, slow_dtypes)
 
     def make_scaler(self) -> DynamicLossScaler:
-        """mixprec's scaler all-reduces ``found_inf`` itself when a process group exists."""
         c = self.scaler_config
         return DynamicLossScaler(init_scale=c.init_scale, growth_factor=c.growth_factor,
                                  backoff_factor=c.backoff_factor, growth_interval=c.growth_interval,
@@ -213,8 +193,7 @@ class ScratchMechanism(Mechanism):
         return not scaler.step(optimizer)
 
     def check_compile(self) -> None:
-        """Under ``torch.compile`` the scratch autocast's TorchFunctionMode breaks the graph at every op
-        (nothing fuses) and emulated rounding differs."""
+        """The scratch autocast's TorchFunctionMode breaks a compiled graph at every op."""
         if not self.spec.autocast:
             return
         low = dtype_name(self.spec.compute_dtype)
@@ -227,18 +206,13 @@ class ScratchMechanism(Mechanism):
 
 
 MECHANISMS: dict[str, type[Mechanism]] = {m.name: m for m in (NativeMechanism, ScratchMechanism)}
-"""Every mechanism by its ``--amp-impl`` name."""
 
 AMP_IMPLS: tuple[str, ...] = ("auto", *MECHANISMS)
-"""What ``--amp-impl`` accepts: ``auto`` and every mechanism's name."""
 
 
 def slow_dtypes(device: torch.device) -> frozenset[torch.dtype]:
-    """The low dtypes whose real training steps are slow on ``device``, which the scratch engine emulates
-    (their values, fp32 arithmetic): fp16 on every CPU (:func:`mixprec.hardware.has_fast_fp16_training`:
-    without AVX512-FP16 PyTorch's CPU fp16 GEMM is a scalar fallback; with it the fp16 convolution backward
-    still is a slow path), bf16 on a CPU without bf16 kernels (:func:`mixprec.hardware.has_bf16_kernels`: an
-    AVX2-only CPU, whose bf16 GEMM is a scalar fallback too)."""
+    """The low dtypes whose real training steps are slow on ``device`` (the scratch engine emulates them): fp16
+    on every CPU, bf16 on a CPU without bf16 kernels (see :mod:`mixprec.hardware`)."""
     slow = set()
     if not hardware.has_fast_fp16_training(device):
         slow.add(torch.float16)
@@ -248,13 +222,9 @@ def slow_dtypes(device: torch.device) -> frozenset[torch.dtype]:
 
 
 def auto_mechanism(spec: RecipeSpec, device: torch.device) -> str:
-    """What ``--amp-impl auto`` picks: native, except a compute dtype the device runs slowly
-    (:func:`slow_dtypes`), which gets the scratch autocast's emulation. FP8/FP4 recipes keep native: their
-    low-precision layers, not the autocast, decide their GEMMs."""
+    """``--amp-impl auto``: native, except a compute dtype the device runs slowly (not FP8/FP4), which gets scratch."""
     return ScratchMechanism.name if _emulable(spec, slow_dtypes(device)) else NativeMechanism.name
 
 
 def _emulable(spec: RecipeSpec, slow: frozenset[torch.dtype]) -> bool:
-    """Whether the scratch engine emulates ``spec``'s compute dtype: an autocast recipe computing in a slow
-    dtype, FP8/FP4 ones aside."""
     return spec.autocast and spec.fp8 is None and spec.compute_dtype in slow

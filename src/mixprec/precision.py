@@ -1,8 +1,6 @@
 """Precision recipes: a recipe name becomes a :class:`Recipe`, the training loop's only view of precision.
 
-A recipe is the answer to "in which dtype does each tensor live and each op run, and how are gradients
-kept from underflowing?" Every recipe exposes the same hooks, so the training loop has no precision
-branches (the nanoGPT habit: a disabled scaler is a no-op, not an ``if``)::
+Every recipe exposes the same hooks, so the loop has no precision branches (a disabled scaler is a no-op)::
 
     model = recipe.convert_module(model)             # cast params where the recipe keeps them low
     opt = recipe.build_optimizer(model, make_opt)     # fp32 master copies where the recipe has them
@@ -11,16 +9,10 @@ branches (the nanoGPT habit: a disabled scaler is a no-op, not an ``if``)::
     recipe.backward(loss)                             # loss x scale, backward
     result = recipe.step(opt, clip_norm)              # unscale, check, clip true grads, step/skip, update
 
-Where each part lives: what a name means (the table of :class:`RecipeSpec`, refusing impossible
-combinations) in :mod:`mixprec.recipes`; the mechanism behind the autocast and scaler hooks (``native``:
-``torch.autocast`` + ``torch.amp.GradScaler``; ``scratch``: mixprec's engine) in :mod:`mixprec.mechanisms`,
-one strategy object per recipe; the recipe's words (:meth:`Recipe.describe`, the hardware notes, remedies)
-in :mod:`mixprec.recipe_text`. This module joins them: :class:`RecipeConfig` (what a run asks for),
-:func:`build_recipe` (device and mechanism resolved, contradictions refused) and :class:`Recipe` (dtypes,
-master weights, TF32, FSDP policy, the step). ``auto`` picks native, except fp16 on a CPU, where it picks scratch
-with emulation (fp16 values, fp32 arithmetic) because PyTorch's CPU fp16 kernels are slower (the GEMM a scalar
-fallback without AVX512-FP16, the convolution backward a slow path with it), and bf16 on a CPU without bf16
-kernels (AVX2 only), whose bf16 GEMM is a scalar fallback too.
+What a name means is in :mod:`mixprec.recipes`, the autocast and scaler behind the hooks in
+:mod:`mixprec.mechanisms`, the words in :mod:`mixprec.recipe_text`. This module joins them:
+:class:`RecipeConfig` (what a run asks for), :func:`build_recipe` (device and mechanism resolved,
+contradictions refused) and :class:`Recipe`.
 """
 
 from __future__ import annotations
@@ -62,14 +54,12 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecipeConfig:
-    """What a run asks of its precision: the recipe, its mechanism and its options (the config's recipe section)."""
+    """What a run asks of its precision: the recipe, its mechanism and its options."""
 
     precision: str = "fp32"
-    """Recipe name or alias (fp32, tf32, amp/fp16-mixed, bf16-mixed, fp16-master, bf16-master, bf16-true, fp8-mixed,
-    fp8-rowwise, mxfp8, mxfp4, nvfp4)."""
+    """Recipe name or alias (:data:`RECIPES`, :data:`ALIASES`)."""
     amp_impl: str = "auto"
-    """Mechanism behind the recipe (:data:`mixprec.mechanisms.MECHANISMS`): native (torch.autocast + GradScaler),
-    scratch (mixprec engine), or auto."""
+    """Mechanism behind the recipe: native, scratch or auto (:mod:`mixprec.mechanisms`)."""
     scaler: ScalerConfig = dataclasses.field(default_factory=ScalerConfig)
     """The dynamic loss scaler (recipes with loss scaling)."""
     stochastic_rounding: bool = False
@@ -77,10 +67,9 @@ class RecipeConfig:
     keep_fp32: tuple[str, ...] = ()
     """Module names or types kept in fp32 (scratch autocast)."""
     fp8_impl: str = "auto"
-    """Whose layers run the FP8/FP4 recipes' GEMMs (:data:`mixprec.fp8_impls.FP8_IMPLS`): scratch (mixprec's),
-    torchao, or auto (torchao where the GPU has units for the format and torchao is installed, else scratch)."""
+    """Whose layers run the FP8/FP4 recipes' GEMMs: scratch, torchao, or auto (torchao where it has units)."""
     wgrad_hp: bool = False
-    """fp8-rowwise, mxfp8, mxfp4, nvfp4: the weight-gradient GEMM in bf16 (fp8-rowwise: torchao's rowwise_with_gw_hp)."""
+    """fp8-rowwise, mxfp8, mxfp4, nvfp4: the weight-gradient GEMM in bf16."""
     mx_scale_rule: str | None = None
     """mxfp8, mxfp4: the e8m0 scale rule, rceil (None: the recipe's, rceil) or floor (the OCP spec's)."""
     fp4_hadamard: bool = False
@@ -89,7 +78,7 @@ class RecipeConfig:
     """nvfp4: round the output gradient to FP4 stochastically in the backward GEMMs (as TransformerEngine)."""
 
     def validate(self) -> None:
-        """Raise a UsageError subclass naming the flag: unknown recipe or mechanism, bad scaler settings."""
+        """Raise a UsageError subclass naming the flag."""
         resolve_recipe(self.precision)
         impls = ("auto", *MECHANISMS)  # read now: a mechanism registered after import counts too
         if self.amp_impl not in impls:
@@ -106,9 +95,8 @@ class RecipeConfig:
                     stochastic_rounding=self.fp4_stochastic_rounding)
 
     def for_recipe(self, name: str) -> tuple[RecipeConfig, list[str]]:
-        """This config applied to recipe ``name`` (bench runs one config per recipe), and notes on what
-        does not apply: ``--stochastic-rounding`` needs low-precision params, so an fp32-param recipe in
-        the same comparison runs without it instead of failing the whole matrix."""
+        """This config applied to recipe ``name`` (bench's matrix), with the options that do not apply to it
+        turned off, and a note for each."""
         spec = resolve_recipe(name)
         notes = []
         changes: dict[str, Any] = {"precision": spec.name}
@@ -128,14 +116,11 @@ class RecipeConfig:
 
 _DEFAULTS = RecipeConfig()
 _DEFAULT_SCALER = _DEFAULTS.scaler
-"""The scaler settings nobody asked to change (a scaler flag on a recipe without a scaler is refused)."""
 _LINEAR_FLAGS = (("--fp8-impl", "fp8_impl"), ("--wgrad-hp", "wgrad_hp"), ("--mx-scale-rule", "mx_scale_rule"),
                  ("--fp4-hadamard", "fp4_hadamard"), ("--fp4-stochastic-rounding", "fp4_stochastic_rounding"))
-"""The flags of the low-precision linear recipes, and their RecipeConfig fields."""
 
 
 def _linear_option_applies(spec: RecipeSpec, field: str, config: RecipeConfig) -> bool:
-    """Whether option ``field`` (set in ``config``) means something for ``spec`` (bench drops it where not)."""
     if spec.fp8 is None:
         return False
     if field == "fp8_impl":
@@ -157,37 +142,29 @@ def _linear_option_applies(spec: RecipeSpec, field: str, config: RecipeConfig) -
 
 @dataclasses.dataclass(frozen=True)
 class HardwareFacts:
-    """What this device does with a recipe's dtypes: one source for :meth:`Recipe.describe` and bench's
-    preflight."""
+    """What this device does with a recipe's dtypes (for :meth:`Recipe.describe` and bench's preflight)."""
 
     matmul_dtype: str
     """``fp32``, ``tf32``, ``bf16`` or ``fp16``: what the matmuls actually run in (the MFU peak's dtype)."""
     fast: bool
-    """Whether this device has native fast kernels for that dtype."""
     note: str
-    """One clause saying so, and why."""
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step did."""
 
     skipped: bool
-    """True when the step was skipped because gradients were inf/nan (loss-scaled recipes only)."""
+    """The gradients were inf/nan (loss-scaled recipes only)."""
     grad_norm: torch.Tensor | None
-    """Total L2 norm of the true (unscaled) gradients before clipping, as a 0-dim tensor (not synced);
-    None unless clipping was asked for."""
+    """L2 norm of the unscaled gradients before clipping (0-dim, not synced); None without clipping."""
 
 
 class Recipe:
     """A resolved recipe on a device with a mechanism; the training loop's only view of precision.
 
-    Build with :func:`build_recipe`. Hooks, in the order the loop calls them: :meth:`run_context` (once,
-    around the whole run), :meth:`convert_module`, :meth:`build_optimizer`, then per step
-    :meth:`autocast`, :meth:`backward`, :meth:`step`. :meth:`state_dict` / :meth:`load_state_dict`
-    cover the scaler and master weights for checkpoints. :meth:`fsdp_policy` is what the recipe means for
-    FSDP2; :meth:`hardware_facts` what the device does with its dtypes. The autocast context, the loss
-    scaler and the skip decision are the :attr:`mechanism`'s (:mod:`mixprec.mechanisms`).
+    Build with :func:`build_recipe`. Hooks, in the order the loop calls them: :meth:`run_context` (once),
+    :meth:`convert_module`, :meth:`build_optimizer`, then per step :meth:`autocast`, :meth:`backward`,
+    :meth:`step`.
     """
 
     def __init__(self, spec: RecipeSpec, config: RecipeConfig, *, device: torch.device, mechanism: Mechanism,
@@ -197,15 +174,13 @@ class Recipe:
         self.device = device
         self.mechanism = mechanism
         self.fp8 = fp8
-        """Whose layers run the recipe's low-precision GEMMs (:mod:`mixprec.fp8_impls`); None without any."""
         self.world_size = world_size
         self._seed = seed
         self._model: nn.Module | None = None
         self.fp8_conversion = None  # mixprec.fp8.Fp8Conversion once convert_module has run (fp8 recipes)
         self.master = None  # mixprec.master.MasterWeights when spec.master_weights (or bf16-true + SR)
         self.scaler = mechanism.make_scaler()
-        """torch.amp.GradScaler, ShardedGradScaler or DynamicLossScaler (disabled without loss scaling); read
-        its state through :class:`mixprec.scaler_view.ScalerView`."""
+        """Disabled without loss scaling; read its state through :class:`mixprec.scaler_view.ScalerView`."""
 
     # -- what it is ----------------------------------------------------------------------------------
     @property
@@ -214,13 +189,11 @@ class Recipe:
 
     @property
     def impl(self) -> str:
-        """The mechanism's name (``native``, ``scratch``), for reports."""
         return self.mechanism.name
 
     @property
     def emulate(self) -> bool:
-        """Whether the low dtype runs emulated (its values, fp32 arithmetic: the scratch autocast where real steps
-        in it are slow, :func:`mixprec.mechanisms.slow_dtypes`)."""
+        """Whether the low dtype runs emulated (its values, fp32 arithmetic)."""
         return self.mechanism.emulate
 
     @property
@@ -237,14 +210,9 @@ class Recipe:
         return None if self.spec.compute_dtype == torch.float32 else self.spec.compute_dtype
 
     def fsdp_policy(self, *, for_norm: bool = False):
-        """The FSDP2 ``MixedPrecisionPolicy`` this recipe means.
-
-        Autocast recipes with fp32 params all-gather the params in the compute dtype, reduce-scatter
-        gradients in fp32 and leave output dtypes to autocast. Emulated fp16 needs fp32 tensors holding fp16
-        values, so it gathers fp32 and lets the autocast round. Normalization layers (``for_norm``) stay fp32,
-        as autocast keeps norms fp32. The sharded fp32 params are FSDP's master copy, so recipes with master
-        weights of their own (or stochastic rounding) are refused with the recipe that means the same there.
-        """
+        """The FSDP2 ``MixedPrecisionPolicy`` this recipe means: params all-gathered in the compute dtype (fp32
+        when emulated, and for norms), gradients reduced in fp32. FSDP's sharded fp32 params are the master copy,
+        so recipes with master weights of their own (or stochastic rounding) are refused."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         s = self.spec
@@ -260,7 +228,7 @@ class Recipe:
         return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=torch.float32, output_dtype=None)
 
     def check_compile(self) -> None:
-        """Refuse ``--compile`` where the mechanism cannot benefit from it (RecipeError naming the fix)."""
+        """Refuse ``--compile`` where the mechanism cannot benefit from it."""
         self.mechanism.check_compile()
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -281,8 +249,7 @@ class Recipe:
             torch.backends.cudnn.allow_tf32 = prev_cudnn
 
     def convert_module(self, model: nn.Module) -> nn.Module:
-        """Move the model to the device, cast its floating params/buffers to the recipe's param dtype and,
-        for FP8 recipes, swap its eligible linear layers (the mechanism's conversion)."""
+        """Move the model to the device, cast it to the param dtype and, for FP8 recipes, swap its linear layers."""
         model = model.to(self.device)
         if self.spec.param_dtype != torch.float32:
             model = model.to(self.spec.param_dtype)
@@ -295,7 +262,7 @@ class Recipe:
     def build_optimizer(
         self, model: nn.Module, make_optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
     ) -> torch.optim.Optimizer:
-        """Create the optimizer over the tensors it should step: fp32 master copies or the params."""
+        """The optimizer over fp32 master copies or the params."""
         needs_master = self.spec.master_weights or (
             self.stochastic_rounding and self.spec.param_dtype != torch.float32
         )
@@ -316,7 +283,6 @@ class Recipe:
         return make_optimizer([p for p in model.parameters()])
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Context for the forward pass (and loss): the mechanism's autocast, or nothing."""
         if not self.spec.autocast:
             return contextlib.nullcontext()
         return self.mechanism.autocast(self._model)
@@ -324,12 +290,8 @@ class Recipe:
     def backward(self, loss: torch.Tensor, *, step: int | None = None) -> None:
         """Backward of the (scaled) loss.
 
-        Recipes without loss scaling cannot skip a bad step, so a non-finite loss raises NonFiniteError
-        *before* backward, leaving model and optimizer in their last good state. This reads the loss on
-        the host: one device sync per step (loss-scaled recipes have theirs in :meth:`step` instead).
-        Under several processes every rank must stop at the same step (a rank that raised while the others
-        entered backward would leave their collectives waiting), so a non-finite flag is all-reduced first
-        and every rank's loss is poisoned when any rank's is bad.
+        Without loss scaling a non-finite loss raises NonFiniteError before backward (on every rank when any
+        rank's is bad), leaving model and optimizer in their last good state; that reads the loss: one sync.
         """
         if not self.spec.loss_scaling:
             if self.world_size > 1:
@@ -344,12 +306,8 @@ class Recipe:
         self.scaler.scale(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, clip_norm: float | None = None) -> StepResult:
-        """Unscale, check for inf/nan, clip the *true* gradients, step or skip, update the scale.
-
-        With master weights the low-precision model grads are first copied into the fp32 masters, so
-        unscaling and clipping happen in fp32. Host syncs: one for loss-scaled recipes (the skip decision);
-        one more when clipping without a loss scaler (a non-finite norm must stop the run before the step).
-        """
+        """Unscale, check for inf/nan, clip the true gradients, step or skip, update the scale (in fp32 with master
+        weights). Host syncs: one with loss scaling (the skip); one when clipping without it (the norm)."""
         if self.master is not None:
             self.master.copy_grads_to_master()  # re-reads the masters first when master.resync
         self.scaler.unscale_(optimizer)  # no-op when loss scaling is off
@@ -374,8 +332,7 @@ class Recipe:
         return StepResult(skipped=skipped, grad_norm=grad_norm)
 
     def loss_scale(self) -> float:
-        """Current loss scale (the initial one before the first step; 1.0 without loss scaling).
-        Reads the device: call at log points, not per step."""
+        """Current loss scale (1.0 without loss scaling). Syncs: call at log points, not per step."""
         return float(self.scaler.get_scale()) if self.spec.loss_scaling else 1.0
 
     # -- checkpoints ---------------------------------------------------------------------------------
@@ -399,8 +356,8 @@ class Recipe:
                 mine[name].set_state(gen_state)
 
     def _rounding_generators(self) -> dict[str, torch.Generator]:
-        """The stochastic-rounding generators of the converted layers (``--fp4-stochastic-rounding``), by module
-        name, made now if no step has run yet: a resumed run draws the numbers the uninterrupted one would."""
+        """The converted layers' stochastic-rounding generators by module name (made now if need be), so a
+        resumed run draws the numbers the uninterrupted one would."""
         if self._model is None:
             return {}
         return {name: m.rounding_generator() for name, m in self._model.named_modules()
@@ -408,7 +365,6 @@ class Recipe:
 
     # -- reporting -----------------------------------------------------------------------------------
     def hardware_facts(self) -> HardwareFacts:
-        """What this device does with the recipe's dtypes (see :class:`HardwareFacts`)."""
         matmul_dtype, fast, case = _matmul_facts(self.spec, self.device, self.emulate, self.fp8)
         return HardwareFacts(matmul_dtype, fast, recipe_text.hardware_note(case, self.device, fp8=self.fp8))
 
@@ -421,12 +377,11 @@ class Recipe:
                 "fp8_impl": None if self.fp8 is None else self.fp8.name}
 
     def nonfinite_remedies(self) -> str:
-        """What to try when this recipe's run went non-finite (never suggests the recipe itself)."""
         return recipe_text.nonfinite_remedies(self.spec)
 
     @property
     def label(self) -> str:
-        """``name [impl]`` for autocast recipes (where the mechanism matters), else the name."""
+        """``name [impl]`` for autocast recipes, else the name."""
         return f"{self.name} [{self.impl}]" if self.spec.autocast else self.name
 
     def describe(self) -> str:
@@ -447,8 +402,7 @@ def _agree_on_finite(loss: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul_facts(spec: RecipeSpec, dev: torch.device, emulate: bool, fp8: Fp8Impl | None) -> tuple[str, bool, str]:
-    """``(matmul dtype, fast, case)``: what the matmuls run in, whether the device has fast kernels for it,
-    and which case of :data:`mixprec.recipe_text.HARDWARE_NOTES` says so."""
+    """``(matmul dtype, fast, case of recipe_text.HARDWARE_NOTES)``."""
     if fp8 is not None:
         if fp8.real():
             return "bf16", True, "fp8-real"
@@ -483,23 +437,11 @@ def build_recipe(
 ) -> Recipe:
     """Resolve a recipe for a device and mechanism; contradictions raise RecipeError (exit 2).
 
-    Args:
-        recipe: a :class:`RecipeConfig`, or a recipe name or alias (``amp``, ``bf16``...) with the
-            config's other fields as keyword ``options`` (``amp_impl``, ``scaler``, ``stochastic_rounding``,
-            ``keep_fp32``).
-        device: where the run trains; ``auto`` (or None) picks as ``--device auto`` does (cuda where available,
-            :func:`mixprec.hardware.resolve_device`). It must be one this machine has (``cuda`` without CUDA, or
-            ``cuda:3`` on a two-GPU machine, raises RecipeError, as ``--device`` does), unless ``for_target``.
-        seed: seeds stochastic rounding.
-        world_size: processes in the run (the loss scaler then agrees on skips across them).
-        for_target: ``device`` is a target being planned for, not where this process will train: its presence
-            and its capabilities are not checked (nor queried). Such a recipe must never run; only its
-            device-free answers (``spec``, ``facts()``, ``label``, ``low_dtype``, ``impl``, ``fsdp_policy()``)
-            are meaningful; the hardware ones (``hardware_facts()``, ``describe()``) need the device itself.
-
-    ``amp_impl``: a name in :data:`mixprec.mechanisms.MECHANISMS` (``native``: torch.autocast + GradScaler;
-    ``scratch``: mixprec's engine), or ``auto`` (:func:`mixprec.mechanisms.auto_mechanism`: native, except
-    fp16 on a CPU and bf16 on a CPU without bf16 kernels, which get scratch emulation).
+    ``recipe``: a :class:`RecipeConfig`, or a name or alias with the config's other fields as keyword
+    ``options``. ``device``: ``auto`` (or None) as ``--device auto``; it must exist here unless ``for_target``,
+    a device being planned for: then nothing is asked of it, and the recipe must never run (only its
+    device-free answers -- ``spec``, ``facts()``, ``label``, ``low_dtype``, ``impl``, ``fsdp_policy()`` -- mean
+    anything).
     """
     if isinstance(recipe, str):
         check_keywords("build_recipe", options, {f.name for f in dataclasses.fields(RecipeConfig)} - {"precision"}
@@ -533,9 +475,8 @@ def build_recipe(
 
 def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, device: torch.device, amp_impl: str, seed: int, *,
               for_target: bool = False) -> Fp8Impl | None:
-    """The low-precision linear implementation of an FP8/FP4 recipe (None for the others, which refuse its flags).
-    A recipe built ``for_target`` (a plan; never run) does not query the device: ``auto`` takes scratch's layers,
-    whose GEMM path the planner decides for the target itself."""
+    """The low-precision linear implementation of an FP8/FP4 recipe (None for the others, which refuse its flags);
+    ``for_target``: ``auto`` takes scratch's layers without asking the device."""
     if spec.fp8 is None:
         typed = [flag for flag, field in _LINEAR_FLAGS if getattr(config, field) != getattr(_DEFAULTS, field)]
         if typed:
@@ -554,8 +495,7 @@ def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, device: torch.device, amp_
 
 def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, device: torch.device, *,
                            query_device: bool = True) -> None:
-    """What this recipe cannot do with these options on this device, whatever the mechanism (the device's
-    own capabilities only with ``query_device``: a planned target is not here to ask)."""
+    """What this recipe cannot do with these options on this device, whatever the mechanism."""
     if query_device and device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
         including_emulation=False
     ):

@@ -1,10 +1,5 @@
-"""What a recipe says about itself, in words: its one-line description, what the device does with its
-dtypes, and what to try when its run went non-finite.
-
-The facts come from elsewhere -- the spec (:mod:`mixprec.recipes`), the mechanism
-(:mod:`mixprec.mechanisms`), the device (:meth:`mixprec.precision.Recipe.hardware_facts` decides which
-case applies) -- so the wording can change here without touching a decision.
-"""
+"""What a recipe says about itself in words: its one-line description, what the device does with its dtypes,
+and what to try when its run went non-finite. Wording only; the decisions are made elsewhere."""
 
 from __future__ import annotations
 
@@ -52,8 +47,7 @@ HARDWARE_NOTES: dict[str, str] = {
     "fp16-slow": ("WARNING: " + _NO_FAST_FP16 + "; native fp16 matmuls are a scalar fallback, many times slower "
                   "than fp32 — use --amp-impl scratch or auto (emulated fp16) or bf16-mixed"),
 }
-"""One clause per case of :meth:`mixprec.precision.Recipe.hardware_facts`; ``{where}`` is the device's name
-(with a CPU's relevant flags), ``{device}`` its type."""
+"""One clause per case of :meth:`mixprec.precision.Recipe.hardware_facts`."""
 
 
 _LOWP_WORDS = {"tensorwise": ("FP8 GEMMs", "they need CUDA compute capability 8.9+"),
@@ -64,8 +58,7 @@ _LOWP_WORDS = {"tensorwise": ("FP8 GEMMs", "they need CUDA compute capability 8.
 
 
 def hardware_note(case: str, device: torch.device, fp8=None) -> str:
-    """The clause for ``case`` (a key of :data:`HARDWARE_NOTES`) on ``device``; ``fp8``: the recipe's
-    :class:`~mixprec.fp8_impls.Fp8Impl`, for the FP8/FP4 cases."""
+    """The clause for ``case`` on ``device``; ``fp8``: the recipe's ``Fp8Impl``, for the FP8/FP4 cases."""
     words, needs = _LOWP_WORDS[fp8.recipe.name] if fp8 is not None else ("", "")
     return HARDWARE_NOTES[case].format(where=hardware.describe_device(device), device=device.type, fp8_words=words,
                                        fp8_needs=needs, fp8_impl=fp8.words if fp8 is not None else "")
@@ -73,10 +66,7 @@ def hardware_note(case: str, device: torch.device, fp8=None) -> str:
 
 def describe(spec: RecipeSpec, mechanism: Mechanism, *, scaler: ScalerConfig, stochastic_rounding: bool,
              device_note: str, fp8_conversion=None, fp8=None) -> str:
-    """One line: what the recipe does on this device and why (see :meth:`mixprec.precision.Recipe.describe`).
-
-    ``fp8_conversion``: the :class:`~mixprec.fp8.Fp8Conversion` once the model is converted (fp8 recipes).
-    """
+    """One line: what the recipe does on this device and why (:meth:`mixprec.precision.Recipe.describe`)."""
     s = spec
     if not s.autocast:
         mech = "no autocast"

@@ -15,13 +15,9 @@
 | mxfp4         | MXFP4 GEMMs+bf16 | fp32   | no           | params are the master   |
 | nvfp4         | NVFP4 GEMMs+bf16 | fp32   | no           | params are the master   |
 
-The low-precision recipes name a :class:`~mixprec.gemm_recipes.LinearRecipe` (``fp8``): which operand of
-which GEMM is quantised in which format (:mod:`mixprec.gemm_recipes` has the table).
-
-A :class:`RecipeSpec` checks itself when it is built, so a combination no mechanism can train (fp16
-params with loss scaling but no fp32 master: GradScaler refuses to unscale fp16 gradients) is refused when
-the table is defined, not at the first step of one mechanism. :class:`mixprec.precision.Recipe` turns a spec
-into hooks for a device and a mechanism.
+The low-precision recipes name a linear recipe (``fp8``; :mod:`mixprec.gemm_recipes` has that table). A
+:class:`RecipeSpec` refuses, when built, a combination no mechanism can train; :class:`mixprec.precision.Recipe`
+turns a spec into hooks for a device and a mechanism.
 """
 
 from __future__ import annotations
@@ -46,14 +42,10 @@ def dtype_name(dt: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecipeSpec:
-    """What a recipe name means, independent of device and mechanism.
-
-    Raises:
-        RecipeError: a combination that cannot train (see :meth:`__post_init__`).
-    """
+    """What a recipe name means, independent of device and mechanism; RecipeError if it cannot train."""
 
     name: str
-    """Canonical name (what users type, after alias resolution)."""
+    """Canonical name (after alias resolution)."""
     compute_dtype: torch.dtype
     """Dtype of the low-precision ops (matmuls, convs); fp32 for full-precision recipes."""
     param_dtype: torch.dtype
@@ -67,14 +59,11 @@ class RecipeSpec:
     tf32: bool = False
     """Allow TF32 tensor-core matmuls for fp32 tensors (GPUs of compute capability 8.0+)."""
     fp8: str | None = None
-    """The low-precision linear recipe eligible linear layers' three GEMMs run (a key of
-    :data:`mixprec.gemm_recipes.LINEAR_RECIPES`: ``tensorwise``, ``rowwise``, ``mxfp8``, ``mxfp4``, ``nvfp4``);
-    None: no low-precision GEMMs."""
+    """The linear recipe of eligible linear layers' GEMMs (a key of ``LINEAR_RECIPES``); None: none."""
     summary: str
     """One line saying what the recipe does and why."""
 
     def __post_init__(self) -> None:
-        """Refuse what no mechanism can train, naming the spec and the fix."""
         for field in ("compute_dtype", "param_dtype"):
             if getattr(self, field) not in _DTYPES:
                 self._refuse(f"{field}={getattr(self, field)} is not one of fp32, fp16, bf16")
@@ -87,7 +76,6 @@ class RecipeSpec:
 
 
 def _contradiction(s: RecipeSpec) -> str | None:
-    """What makes spec ``s`` impossible, or None."""
     low_params = s.param_dtype != _F32
     compute, params = dtype_name(s.compute_dtype), dtype_name(s.param_dtype)
     if s.loss_scaling and s.compute_dtype != _F16:
