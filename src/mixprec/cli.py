@@ -1,8 +1,5 @@
 """Command line: ``mixprec train | bench | doctor | plan``. Dispatch only; each command defines its own flags.
-
-User mistakes (bad names, missing data, contradictory flags, foreign checkpoints) exit with code 2 and a
-one-line message naming the fix; they never print a traceback.
-"""
+A UsageError is one line and exit 2, an OutputError exit 1."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""User-facing errors.
-
-Every mistake a user can make on the command line (a bad recipe name, a missing data file, a checkpoint
-that is not ours, contradictory flags) raises a subclass of :class:`UsageError`. The CLI turns these
-into ``mixprec: error: <message>`` and exit code 2, never a traceback. Messages repeat what was asked
-and name the fix.
-"""
+"""User-facing errors: every user mistake raises a :class:`UsageError`, which the CLI prints as one line naming
+the fix, exit 2."""
 
 from __future__ import annotations
 
@@ -22,13 +17,12 @@ class UsageError(ValueError):
 
 
 class UnknownKeywordError(UsageError, TypeError):
-    """A public function called with a keyword it does not take (a ``TypeError`` too, as Python's own)."""
+    """A public function called with a keyword it does not take (a ``TypeError`` too)."""
 
 
 def check_keywords(call: str, given: Iterable[str], valid: Iterable[str], hints: dict[str, str] | None = None,
                    error: type[UsageError] = UnknownKeywordError) -> None:
-    """Refuse the first of ``given`` not in ``valid``, in one line: the closest valid name (or ``hints``' answer
-    for a known mistake) and every valid one."""
+    """Refuse the first of ``given`` not in ``valid``, naming the closest valid one (or ``hints``') and all."""
     valid = sorted(set(valid))
     for k in given:
         if k in valid:
@@ -39,8 +33,7 @@ def check_keywords(call: str, given: Iterable[str], valid: Iterable[str], hints:
 
 
 def keywords_checked(fn: Callable) -> Callable:
-    """Decorate a public function without ``**kwargs``: a keyword it does not take is :func:`check_keywords`' one
-    line instead of Python's ``TypeError``."""
+    """Decorate a public function without ``**kwargs`` so an unknown keyword is :func:`check_keywords`' line."""
     valid = set(inspect.signature(fn).parameters)
 
     @functools.wraps(fn)
@@ -64,18 +57,11 @@ class CheckpointError(UsageError):
 
 
 class ScalerConfigError(UsageError):
-    """A loss-scaler setting or saved scaler state that is out of range or of the wrong type
-    (raised by :func:`mixprec.scaler.validate_scaler_settings`; the message names the flag, argument
-    or state-dict key)."""
+    """A loss-scaler setting or saved state out of range or of the wrong type."""
 
 
 class NonFiniteError(RuntimeError):
-    """Training produced a non-finite loss or gradient and the recipe has no loss scaler to skip it.
-
-    Attributes:
-        step: the global step (0-based) whose loss or gradient was non-finite.
-        what: ``"loss"`` or ``"gradient"``.
-    """
+    """A non-finite loss or gradient (``what``) at global ``step`` (0-based) that no loss scaler can skip."""
 
     def __init__(self, message: str, *, step: int | None = None, what: str = "loss") -> None:
         super().__init__(message)
@@ -84,11 +70,10 @@ class NonFiniteError(RuntimeError):
 
 
 class OutputError(RuntimeError):
-    """Writing a run's output (checkpoint, metrics) failed during the run — disk full, folder gone. The CLI
-    prints the one-line message and exits 1; what was written before is intact."""
+    """Writing a run's output failed during the run; the CLI prints one line and exits 1."""
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
-    """``Type: first line of the message`` (cut at ``limit`` characters), for quoting a cause in one line."""
+    """``Type: first line of the message``, cut at ``limit`` characters."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:limit]}" if text else type(e).__name__

@@ -1,10 +1,5 @@
-"""One way to write JSON files: strict (NaN and inf become null) and atomic (temp file + rename); text and
-bytes (doctor's plots) go through the same atomic write.
-
-train's ``--metrics-json``, bench's ``results.json`` and doctor's ``doctor.json`` all go through
-:func:`write_json`, so a reader never sees half a file and every file is valid JSON for every parser
-(``json.dumps(float('nan'))`` writes ``NaN``, which JavaScript and ``jq`` refuse).
-"""
+"""The one way to write output files: atomic (temp file + rename) and, for JSON, strict (NaN and inf become
+null, so every parser reads it)."""
 
 from __future__ import annotations
 
@@ -46,13 +41,12 @@ def to_jsonable(o: Any) -> Any:
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` atomically; a failed write raises :class:`~mixprec.errors.OutputError` naming the
-    path (disk full, read-only, folder gone) and leaves any previous file there intact."""
+    """Write ``text`` atomically; a failed write raises OutputError naming the path, leaving any old file intact."""
     write_bytes(path, text.encode("utf-8"))
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` (a PNG, a text's bytes) atomically, as :func:`write_text` does."""
+    """Write ``data`` atomically, as :func:`write_text` does."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     tmp = None
@@ -72,17 +66,15 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
                 os.unlink(tmp)
 
 
-
 def write_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> None:
-    """Render a matplotlib figure to PNG in memory, then write it with :func:`write_bytes`: a full disk is an
-    OutputError naming ``path``, never half a PNG."""
+    """Render a matplotlib figure to PNG in memory, then write it with :func:`write_bytes`."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", **savefig)
     write_bytes(path, buf.getvalue())
 
 
 def file_mode_mask() -> int:
-    """This process's umask (read without changing it for longer than one call)."""
+    """This process's umask."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
