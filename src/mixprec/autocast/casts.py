@@ -1,12 +1,6 @@
-"""Applying a per-tensor cast to a call's arguments.
-
-The mode casts only what it must and allocates only when something changed: the argument tuple
-and the keyword dict are copied on the first tensor that a cast replaces, never otherwise.
-
-Order: last argument first. torch's C++ autocast kernels cast their arguments in a parameter-pack
-expansion, which GCC evaluates right to left; matching that order makes the cast ops (and so the
-autograd graph's node order and the backward op sequence) identical to torch's.
-"""
+"""Applying a per-tensor cast to a call's arguments, last argument first: torch's C++ autocast kernels cast in
+a parameter-pack expansion GCC evaluates right to left, and matching it keeps the autograd graph's node order
+(and the backward op sequence) identical to torch's. The arguments are copied only when a cast replaced one."""
 
 from __future__ import annotations
 
@@ -48,10 +42,7 @@ def map_args(args: tuple, fn: Cast) -> tuple:
 
 
 def map_tensors(args: tuple, kwargs: dict, fn: Cast) -> tuple[tuple, dict]:
-    """Apply ``fn`` to every tensor in args/kwargs: keywords (last first), then positionals.
-
-    The inputs are never modified; a new dict is made only when a keyword argument changed.
-    """
+    """Apply ``fn`` to every tensor in args/kwargs: keywords (last first), then positionals."""
     if kwargs:
         new_kwargs = None
         for k in reversed(kwargs):

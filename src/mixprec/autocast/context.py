@@ -1,10 +1,8 @@
 """The ``autocast`` context manager (and decorator): pushes a frame, enters the mode, installs hooks.
 
-``__enter__`` pushes the frame for its configuration, puts the one :class:`~.mode.PolicyMode` on the
-torch-function stack if this is the thread's outermost context, and installs ``keep_fp32`` hooks.
-``__exit__`` restores everything -- frames, hooks, the weight-cast cache (emptied when the outermost
-context exits), the mode stack -- exceptions included. One object may be entered recursively (a
-decorated recursive function): each entry keeps its own record.
+``__exit__`` restores everything -- frames, hooks, the weight-cast cache (emptied when the outermost context
+exits), the mode stack -- exceptions included. One object may be entered recursively: each entry keeps its
+own record.
 """
 
 from __future__ import annotations
@@ -65,7 +63,6 @@ def _infer_device_type(model: nn.Module | None) -> str:
 
 def _resolve_policy(dtype: torch.dtype, device_type: str | torch.device | None,
                     policy: CastPolicy | None, model: nn.Module | None) -> CastPolicy:
-    """The policy to apply; misuse (a wrong dtype, disagreeing device types) raises here."""
     if dtype not in LOW_DTYPES:
         raise ValueError(
             f"autocast(dtype={dtype}): the low dtype must be torch.bfloat16 or "
@@ -90,23 +87,17 @@ def _resolve_policy(dtype: torch.dtype, device_type: str | torch.device | None,
 
 
 class autocast:  # noqa: N801 -- named like torch.autocast, which it replaces
-    """Run the ops inside in mixed precision per a :class:`CastPolicy` (see :mod:`mixprec.autocast`).
+    """Run the ops inside in mixed precision per a :class:`CastPolicy` (see :mod:`mixprec.autocast`); a context
+    manager or a decorator.
 
     Args:
-        dtype: the low dtype, torch.bfloat16 (default) or torch.float16.
-        device_type: tensors on this device type are cast; default: ``policy.device_type``, else
-            the device of ``model``'s first parameter, else "cuda" if available, else "cpu".
-        policy: the cast policy; default ``default_policy(device_type, dtype)``, i.e. what
-            ``torch.autocast`` does on that device.
-        emulate: round low-list ops' operands and results to ``dtype`` but compute and store in
-            fp32 (low-precision numerics at fp32 speed; for fp16 on CPUs).
-        keep_fp32: modules whose ops run in fp32: qualified names in ``model`` ("head"),
-            module classes (``nn.LayerNorm``) or class names ("LayerNorm").
-        model: the module that ``keep_fp32`` names refer to.
+        device_type: default ``policy.device_type``, else that of ``model``'s first parameter, else "cuda" if
+            available, else "cpu".
+        policy: default ``default_policy(device_type, dtype)``: what ``torch.autocast`` does there.
+        emulate: round low-list ops' operands and results to ``dtype``, compute and store in fp32.
+        keep_fp32: modules whose ops run in fp32: qualified names in ``model``, module classes or class names.
         enabled: False makes the context a no-op (an inner disabled context turns casting off).
         cache_enabled: reuse the low-precision copy of each parameter within the context.
-
-    Usable as ``with autocast(...):`` or as a decorator ``@autocast(...)``.
     """
 
     def __init__(

@@ -1,29 +1,15 @@
 """C++ composites transcribed to Python, so that their inner ops meet the policy one by one.
 
-``torch.autocast`` works at the dispatcher, so it sees the ops *inside* an ATen composite: on CPU
-``aten::lstm_cell`` is not on any list, but the two ``aten::linear`` calls it makes are, and the
-cell returns fp32 computed from low-precision gates. A function-level autocast sees one
-``lstm_cell`` call. For the composites a policy lists as ``composite`` the mode instead runs a
-Python transcription of the C++ code path (same ATen ops, same order, in-place ops included) with
-itself re-entered, so the inner ops are cast exactly as torch casts them -- values, dtypes and
-gradients identical.
+``torch.autocast`` works at the dispatcher and sees the ops inside an ATen composite (on CPU ``lstm_cell`` is on
+no list, but its two ``linear`` calls are); a function-level autocast sees one call. For the composites a policy
+lists as ``composite`` the mode runs a transcription of the C++ path (same ATen ops, same order, in-place ops
+included), so values, dtypes and gradients match torch's. From torch 2.13's ``RNN.cpp``, ``Linear.cpp`` and
+``LossNLL.cpp``:
 
-Transcribed (from ``aten/src/ATen/native/RNN.cpp``, ``Linear.cpp`` and ``LossNLL.cpp`` of torch 2.13):
-
-* ``lstm_cell``, ``gru_cell``, ``rnn_tanh_cell``, ``rnn_relu_cell``: the non-fused cell bodies
-  (``LSTMCell``, ``GRUCell``, ``SimpleCell``), i.e. the CPU path. ``nn.LSTMCell``/``GRUCell``/
-  ``RNNCell`` call these.
-* ``tensordot``: ``at::tensordot`` checks that both inputs share a dtype, sums size-1 contracted
-  dims away, then contracts through one ``mm`` -- the op CPU autocast lowers. Casting the inputs
-  up front instead would hide the dtype error torch raises for mixed inputs and would run those
-  sums in the low dtype.
-* ``cross_entropy_loss`` (the CUDA lists; CPU autocast casts it to fp32 as a whole):
-  ``log_softmax(x, class_dim, dtype=x.dtype)`` -- an explicit dtype, which autocast keeps, so it
-  runs in the logits' dtype -- then ``nll_loss``/``nll_loss2d`` (fp32 lists) through
-  ``nll_loss_nd``; the label-smoothing and class-probability branches likewise.
-
-The mode uses a transcription only when a tensor argument is eligible (on the autocast's device);
-otherwise the C++ op runs as is.
+* ``lstm_cell``, ``gru_cell``, ``rnn_tanh_cell``, ``rnn_relu_cell``: the non-fused (CPU) cell bodies.
+* ``tensordot``: dtype check, size-1 contracted dims summed away, one ``mm`` (which CPU autocast lowers).
+* ``cross_entropy_loss`` (CUDA lists): ``log_softmax(x, dim, dtype=x.dtype)`` (runs in the logits' dtype), then
+  ``nll_loss``/``nll_loss2d`` (fp32 lists) through ``nll_loss_nd``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Run chosen modules' forwards in fp32 under whichever autocast is on (torch's or mixprec's).
-
-While :class:`Fp32Forward` is installed on modules, each of their forwards runs with both autocasts off
-and its floating inputs (tensors anywhere in the arguments, ``PackedSequence`` included) cast to fp32;
-the autocast comes back on when the forward returns or raises (:mod:`.hooks`). The module's own
-parameters are the caller's business: the doctor's fp32 replay converts them, the native mechanism uses
-it only on modules whose parameters already are fp32.
-"""
+"""Run chosen modules' forwards in fp32 under whichever autocast is on (torch's or mixprec's): both autocasts
+off and floating inputs cast to fp32 inside the forward, back on when it returns or raises. The modules'
+parameters are the caller's business."""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """Frames, the per-thread state, and the weight-cast cache.
 
 A *frame* is what the mode does while it is on top of the thread's frame stack: the policy's
-``{op name: CastKind}`` table, the low dtype, emulation on or off, and the per-tensor casts built
-from them. Nested ``autocast`` contexts push frames and the mode obeys the top one, so an inner
-``autocast(enabled=False)`` or another dtype wins, as with ``torch.autocast``; a ``keep_fp32``
-module pushes its context's :meth:`Frame.forced_fp32` frame while it runs.
+``{op name: CastKind}`` table, the low dtype, emulation, and the per-tensor casts built from them (closures:
+the hot path). Nested contexts push frames and the mode obeys the top one, as with ``torch.autocast``; a
+``keep_fp32`` module pushes :meth:`Frame.forced_fp32` while it runs.
 
-A frame's settings never change, so it is built once per configuration and thread
-(:func:`frame_for`) and its casts are closures over those settings: they run for every tensor of
-every cast op, and a closure reads its settings from cells instead of attributes.
-
-Weight-cast cache: the low-precision copy of an fp32 leaf that requires grad (a parameter) is made
-once and reused until the outermost context exits, like ``torch.autocast``'s cache. It is keyed by
-``(low dtype, emulate, grad mode)``: a cast made under ``no_grad`` has no autograd history and must
-not be reused with grad enabled, and nested contexts of different dtypes do not share casts. The
-cached entry holds the parameter itself, which keeps its ``id`` unique while cached. Emulating
-frames cache the rounded fp32 copy instead, and for a low-precision parameter (``*-master``
-recipes) its fp32 carrier.
+Weight-cast cache: the low-precision copy of a parameter (a leaf that requires grad) is made once and reused
+until the outermost context exits, as in ``torch.autocast``. It is keyed by ``(low dtype, emulate, grad mode)``:
+a cast made under ``no_grad`` has no autograd history and is never reused with grad enabled.
 """
 
 from __future__ import annotations
@@ -109,7 +100,7 @@ Cast = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _weight_cache(dtype: torch.dtype, emulate: bool) -> tuple[dict, dict]:
-    """This thread's cast caches for the frame's dtype and mode: (with grad, without grad)."""
+    """(with grad, without grad) cast caches for the frame's dtype and mode."""
     cache = STATE.cache
     return (cache.setdefault((dtype, emulate, True), {}),
             cache.setdefault((dtype, emulate, False), {}))
@@ -145,7 +136,6 @@ def _to_low(low: torch.dtype, dev: str, cache_enabled: bool) -> Cast:
     is_grad_enabled = torch.is_grad_enabled
 
     def to_low(t: torch.Tensor) -> torch.Tensor:
-        """``t`` in the low dtype, via the weight cache."""
         dt = t.dtype
         if dt is F32:  # the common case first: fp32 is always eligible
             if not (t.is_cpu if on_cpu else t.device.type == dev):
@@ -178,7 +168,7 @@ def _emulated_to_low(low: torch.dtype, dev: str, cache_enabled: bool) -> Cast:
     tag = rounded.TAG
 
     def to_low(t: torch.Tensor) -> torch.Tensor:
-        """``t`` rounded to the low dtype and kept fp32 (a real low tensor widened), cached."""
+        """``t`` rounded to the low dtype and kept fp32 (a real low tensor widened)."""
         dt = t.dtype
         if dt is not F32 and dt not in eligible_dtypes:
             return t
@@ -206,12 +196,8 @@ def _emulated_to_low(low: torch.dtype, dev: str, cache_enabled: bool) -> Cast:
 class Frame:
     """What the mode does while this frame is on top of the thread's frame stack.
 
-    ``by_func`` memoizes the cast kind of each torch function seen (looked up for every call in
-    the context): a :class:`CastKind`, None (leave alone), :data:`RESOLVE`, :data:`WIDEN` or
-    :data:`EXACT`.
-
-    A *widening* frame (emulating, or running a keep_fp32 module in fp32) computes in fp32 ops
-    that mix fp32 with real fp16/bf16 tensors, e.g. low-precision parameters (:mod:`.widen`).
+    ``by_func`` memoizes :meth:`kind_of` per torch function. A *widening* frame (emulating, or a keep_fp32
+    module) computes in fp32 the ops that mix fp32 with real fp16/bf16 tensors (:mod:`.widen`).
     """
 
     __slots__ = ("enabled", "kinds", "dtype", "device_type", "emulate", "cache_enabled", "policy",

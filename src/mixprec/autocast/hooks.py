@@ -1,16 +1,9 @@
 """A forward pre-hook and an always-called forward hook, installed on modules and removed together.
 
-Several parts of mixprec bracket a module's forward: ``autocast(keep_fp32=...)`` pushes an fp32
-frame before the module runs and pops it after; the doctor's module tracker keeps a stack of module
-names; its replay runs chosen modules with autocast off. Each pairs a pre hook that pushes some state
-with a post hook that pops it, and the post hook is registered with ``always_call=True`` so that it
-runs even when the module's forward raises -- otherwise an exception would leave the state pushed.
-
-Hooks go on given modules (:meth:`ForwardHooks.install`) or on every module's forward
-(:meth:`ForwardHooks.install_global`, via ``torch.nn.modules.module``'s global hooks, for modules
-chosen by type when no model is at hand). Either way ``pre(module, args, kwargs)`` returns None
-(inputs unchanged) or ``(args, kwargs)``; a global pre hook cannot replace keyword arguments, so there
-it is called with ``kwargs={}`` and only its new ``args`` are used.
+The post hook is registered with ``always_call=True``, so state a pre hook pushed is popped even when the
+forward raises. ``pre(module, args, kwargs)`` returns None (inputs unchanged) or ``(args, kwargs)``; a global
+pre hook (:meth:`ForwardHooks.install_global`) cannot replace keyword arguments: it gets ``kwargs={}`` and only
+its new ``args`` are used.
 """
 
 from __future__ import annotations
@@ -35,14 +28,13 @@ class ForwardHooks:
         self._handles: list[Any] = []
 
     def install(self, modules: Iterable[nn.Module]) -> ForwardHooks:
-        """Hook each of ``modules`` (``pre`` sees and may replace its keyword arguments)."""
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self.pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self.post, always_call=True))
         return self
 
     def install_global(self) -> ForwardHooks:
-        """Hook every module's forward in this process (``pre`` gets ``kwargs={}``)."""
+        """Hook every module's forward in this process."""
         pre = self.pre
 
         def pre_args_only(module: nn.Module, args: tuple):
@@ -55,7 +47,7 @@ class ForwardHooks:
         return self
 
     def remove(self) -> None:
-        """Remove every hook this object installed (idempotent)."""
+        """Idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

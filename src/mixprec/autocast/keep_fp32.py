@@ -1,13 +1,9 @@
 """``autocast(keep_fp32=...)``: chosen modules run every listed op in fp32.
 
-While a kept module runs, its pre hook pushes the owning context's ``forced_fp32`` frame (every
-op the policy lists runs in fp32) and casts the module's floating inputs up; the post hook pops the
-frame and is always called, so an exception inside the module pops it too (:mod:`.hooks`).
-
-Modules are chosen by qualified name in ``model`` ("head", "blocks.0.ln1"), by class, or by class
-name ("LayerNorm": a class used in ``model``, else one in ``torch.nn``). With a model, classes are
-resolved to its instances and hooked one by one, which is cheaper than a global hook that runs on
-every module call of the process.
+While a kept module runs, its pre hook pushes the context's ``forced_fp32`` frame and casts the module's floating
+inputs up; the always-called post hook pops it (:mod:`.hooks`). Modules are chosen by qualified name in
+``model``, by class, or by class name (a class used in ``model``, else one in ``torch.nn``); with a model,
+classes resolve to its instances, hooked one by one rather than by a global hook.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ def install_keep_fp32(owner: Frame, modules: tuple[nn.Module, ...], types_: tupl
 
 
 def _module_type_named(name: str, model: nn.Module | None) -> type | None:
-    """The nn.Module subclass called ``name``: a class used in ``model``, else one in torch.nn."""
     if model is not None:
         for mod in model.modules():
             if type(mod).__name__ == name:
@@ -77,7 +72,6 @@ def _module_type_named(name: str, model: nn.Module | None) -> type | None:
 
 
 def _resolve_name(entry: str, model: nn.Module | None) -> nn.Module | type:
-    """A string entry: a submodule of ``model`` by qualified name, else a module class by name."""
     if model is not None:
         try:
             return model.get_submodule(entry)

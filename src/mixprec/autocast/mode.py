@@ -1,16 +1,9 @@
 """The TorchFunctionMode that applies the top frame's policy to every torch-API call.
 
-A :class:`torch.overrides.TorchFunctionMode` sees every call of the torch API (``torch.*``,
-``torch.nn.functional.*``, ``Tensor`` methods) with its arguments. Its ``__torch_function__`` maps
-the function to an ATen op name (:mod:`.ops`), looks the name up in the top frame's table
-(memoized per function in ``Frame.by_func``), casts the arguments (:mod:`.casts`) and calls. Casting
-before the call (rather than at the dispatcher level, below autograd) is what makes the casts
-differentiable and lets autograd save the low-precision copies for backward.
-
-One mode instance is on the torch-function stack while any autocast is active in the thread.
-Every torch call inside the context makes this Python round trip (a few microseconds; more when a
-large matmul has just evicted the interpreter from cache), so ``__torch_function__`` is written for
-speed: the common cases come first, build no dicts, and call no helpers.
+``__torch_function__`` maps the function to an ATen op name (:mod:`.ops`), looks it up in the top frame's table,
+casts the arguments (:mod:`.casts`) and calls. Casting above autograd makes the casts differentiable and lets
+autograd save the low-precision copies for backward. Every torch call in the context makes this Python round
+trip, so it is written for speed: the common cases first, no dicts built, no helpers called.
 """
 
 from __future__ import annotations

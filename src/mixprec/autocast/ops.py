@@ -1,14 +1,9 @@
 """Python call -> ATen op name: the key under which a :class:`~mixprec.policy.CastPolicy` lists an op.
 
-``torch.autocast`` decides per ATen op; the mode sees Python-level calls. Most share the ATen name
-(``F.linear`` -> ``linear``, ``Tensor.bmm`` -> ``bmm``). The rest are renamed here, either by a fixed
-name (``F.cross_entropy`` -> ``cross_entropy_loss``, ``x @ y`` -> ``matmul``) or by a function of the
-call's arguments when the Python function reaches different ATen ops depending on them
-(``F.pad(mode="reflect")`` on a 4-D input -> ``reflection_pad2d``; ``torch._convolution`` with 12
-arguments -> its ``deprecated`` overload, the only one CPU autocast lowers).
-
-An overload-specific policy entry is written ``name.overload`` (``_convolution.deprecated``), as
-``torch._C._dispatch_get_registrations_for_dispatch_key`` lists it.
+Most calls share the ATen name (``F.linear`` -> ``linear``). The rest are renamed here, by a fixed name
+(``F.cross_entropy`` -> ``cross_entropy_loss``) or by a function of the call's arguments (``F.pad(mode="reflect")``
+on a 4-D input -> ``reflection_pad2d``). An overload-specific entry is written ``name.overload``
+(``_convolution.deprecated``).
 """
 
 from __future__ import annotations

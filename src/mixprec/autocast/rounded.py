@@ -1,31 +1,19 @@
 """Emulation's rounding, and not rounding a value twice.
 
-Rounding (``emulate=True``): ``x.to(low).to(float32)`` rounds an fp32 value to the nearest value of
-the low format with round-to-nearest-even, bit-exactly as a real cast would, and widens it back;
-fp16's overflow to inf above 65504 and its subnormals come with it. It costs two cast kernels
-forward and, because the casts are autograd ops, two more on the gradient in backward (which is how
-the gradient gets fp16's rounding and range too).
+``x.to(low).to(float32)`` rounds to the low format bit-exactly as a real cast (RNE; fp16's overflow and
+subnormals included); the casts are autograd ops, so the gradient is rounded too.
 
-A low op's operand is often a value that is already in the low format: attention's q/k/v are views
-of the rounded in-projection, the out-projection's input is a permuted copy of attention's rounded
-result. Rounding those again changes no value, so :func:`round_result` *marks* the rounded results
-of low ops (a tensor attribute: the low dtype and the tensor's version counter), :func:`call_exact`
-carries the mark through ops that select or move values without arithmetic (views, reshapes,
-permutations, basic indexing, contiguous copies), and the emulating ``to_low`` passes a marked
-operand through whose version counter has not moved since (an in-place op bumps it, so ``h += 1``
-un-marks ``h``). On the transformer this saves 32 of 190 casts per training step.
+A low op's operand often already holds low-format values (views of a rounded projection). :func:`round_result`
+marks the rounded results of low ops (the low dtype and the tensor's version counter), :func:`call_exact`
+carries the mark through :data:`EXACT_OPS` (views, reshapes, basic indexing, copies: no arithmetic), and the
+emulating ``to_low`` passes a marked operand through unless its version moved (``h += 1`` un-marks ``h``).
+``relu`` is left out so that doctor's precision map, which follows low-format values through views and
+copies only, still sees the next linear as low.
 
-``relu`` also maps low-format values onto low-format values (the MLP's hidden layers would save 8 of
-46 casts), but it is left out: ``mixprec doctor``'s precision map recognises an emulated matmul by
-following low-format values through views and copies only, and would report the next linear as fp32.
-
-Gradients: skipping an operand's rounding moves its gradient's rounding from "per use, then sum the
-uses" to "sum the uses, then round once" at the op that made the value. The two agree when the value
-has one use, or uses that read disjoint parts of it (q, k and v slicing one projection), as in every
-built-in model (tests check whole training steps bit for bit). A value that also has another,
-overlapping use (a residual on a view that feeds a linear) gets a gradient rounded once instead of
-twice -- within emulation's documented difference from native fp16 (ops off the low
-list run in fp32, so emulation is slightly more accurate than the real thing).
+Gradients: skipping an operand's rounding moves its gradient's rounding from "round per use, then sum" to
+"sum, then round once". The two agree when the value's uses read disjoint parts of it (q, k, v slicing one
+projection), as in every built-in model (tests check whole steps bit for bit); otherwise the gradient is
+rounded once instead of twice, within emulation's documented difference from native fp16.
 """
 
 from __future__ import annotations
@@ -42,8 +30,7 @@ TAG = "_mixprec_rounded"
 #: Whether emulating frames built from now on pass marked operands through (tests turn it off to
 #: compare both ways).
 SKIP_ROUNDED_OPERANDS = True
-#: Functions (by ``__name__``) whose output holds low-format values when their input does, and
-#: that do no arithmetic (see the module docstring on relu).
+#: Functions (by ``__name__``) whose output holds low-format values when their input does (no arithmetic).
 EXACT_OPS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten",
     "transpose", "permute", "t", "unsqueeze", "squeeze", "contiguous", "clone", "detach",
@@ -60,8 +47,7 @@ def round_to(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
     """Round to the nearest value of the ``low`` format (RNE), returned as float32."""
     if t.dtype is low:
         return t.float()
-    # .bfloat16()/.half()/.float() run the same aten::_to_copy as .to(dtype) but skip the
-    # overload resolution of Tensor.to in the Python binding (about 3 us less per cast)
+    # .bfloat16()/.half() run the same aten::_to_copy as .to(dtype), without Tensor.to's overload resolution
     return (t.bfloat16() if low is torch.bfloat16 else t.half()).float()
 
 

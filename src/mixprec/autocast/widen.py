@@ -1,23 +1,11 @@
 """Emulation's fp32 carriers meeting real low-precision tensors: widen the low ones, exactly.
 
-Under ``emulate=True`` activations are float32 tensors holding low-format values, but a model may
-also hold *real* fp16/bf16 tensors: its parameters and buffers under the ``*-master`` recipes, which
-store them in the low dtype. Many kernels refuse to mix the two -- CPU ``layer_norm``/``batch_norm``/
-``group_norm`` raise "mixed dtype (CPU): expect parameter to have scalar type of Float" for an fp32
-input with fp16 weights -- and those that accept it (type promotion) compute in fp32 anyway.
-
-So in an emulating frame, an op that is on no list (and so is not cast) and whose floating tensors
-mix fp32 with fp16/bf16 gets the fp16/bf16 ones widened to fp32 first. Widening is exact (every
-fp16/bf16 value is an fp32 value), so the op computes in fp32 on the same values, which is what
-emulation promises for ops off the low list; the widening is an autograd op, so the gradient that
-reaches an fp16 parameter is rounded to fp16 on the way, as it would be in real fp16. An op whose
-tensors are all fp16 (say ``self.cls.expand(...)``) is left alone, and so is every attribute access
-(``p.dtype`` still says fp16).
-
-An op may write into a widened tensor: an in-place method (``buf.add_(x)``; the copy's version
-counter moves) or a norm that updates running statistics inside its kernel (``batch_norm``,
-``instance_norm``; no version bump). The written values are copied back into the original, rounded
-to its dtype, and an in-place method returns the original, as it would have.
+Under ``emulate=True`` a model may also hold real fp16/bf16 tensors (``*-master`` parameters and buffers), which
+many kernels refuse to mix with fp32 (CPU norms raise "mixed dtype"). In an emulating frame, an op on no list
+whose floating tensors mix fp32 with fp16/bf16 gets the low ones widened to fp32 first: exact, so the op computes
+in fp32 on the same values, and an autograd op, so the gradient reaching an fp16 parameter is rounded to fp16 as
+in real fp16. Ops whose tensors are all low, and attribute accesses, are left alone. Values written into a widened
+tensor (an in-place method; a norm's running statistics) are copied back into the original, rounded to its dtype.
 """
 
 from __future__ import annotations
@@ -91,7 +79,7 @@ def call_widened(func: Callable, args: tuple, kwargs: dict,
 
 
 def _write_back(original: torch.Tensor, wide: torch.Tensor) -> None:
-    """Copy ``wide`` into ``original`` (rounding to its dtype); differentiably if it requires grad."""
+    """Copy ``wide`` into ``original`` (rounding); differentiably if it requires grad."""
     if original.requires_grad:
         original.copy_(wide)  # a leaf raises here, as the in-place op on it would have
     else:
