@@ -1,16 +1,9 @@
 """The matrix per recipe: one :class:`~mixprec.bench.results.SummaryRow` from its repeats.
 
-Per recipe, over its successful repeats: the median (and min..max) of the steady epoch time, step time
-and samples/s (:func:`mixprec.bench.measure.timing_from_history`); the exact memory accounting of the
-sampled step, by category, and the measured step peak; MFU = model FLOPs per step / median step time /
-measured peak matmul rate of the dtype the recipe's matmuls run in; final train loss, the task's main
-metric (the key its summaries name: test accuracy, F1, R², a language model's test loss) and test accuracy,
-skipped steps and final loss scale (medians); and, against fp32: speedup (fp32 epoch time / recipe epoch
-time), memory saving (1 - recipe total / fp32 total), the main metric's delta (accuracy also in percentage
-points), and the convergence-parity verdict (:mod:`mixprec.bench.parity`).
-
-Any result is accepted, a dict as read from a file included (:meth:`RunResult.from_dict
-<mixprec.bench.results.RunResult.from_dict>`); a number a run did not produce is None in its row.
+Over a recipe's successful repeats: medians (and min..max) of the timings, the exact memory accounting,
+MFU = model FLOPs per step / median step time / measured peak of the dtype its matmuls run in, the task's
+metrics; against fp32: speedup (epoch time ratio), memory saving (1 - total ratio), metric deltas and the
+convergence-parity verdict (:mod:`mixprec.bench.parity`). A number a run did not produce is None.
 """
 
 from __future__ import annotations
@@ -27,7 +20,6 @@ __all__ = ["aggregate", "as_results"]
 
 
 def as_results(results: Iterable[RunResult | dict[str, Any]]) -> list[RunResult]:
-    """Results as :class:`RunResult` (dicts read with the tolerant ``from_dict``)."""
     return [r if isinstance(r, RunResult) else RunResult.from_dict(r) for r in results]
 
 
@@ -46,8 +38,7 @@ def aggregate(
     impl: dict[str, str] | None = None,
     predictions: dict[str, Prediction] | None = None,
 ) -> list[SummaryRow]:
-    """One row per recipe (in ``recipes`` order), compared with fp32 when it ran, and with the plan's
-    ``predictions`` where given (measured / predicted)."""
+    """One row per recipe, in ``recipes`` order, compared with fp32 and the plan's ``predictions`` where given."""
     results = as_results(results)
     peaks = peaks if isinstance(peaks, dict) else {}
     rows = []
@@ -113,8 +104,7 @@ def _row(name: str, mine: list[RunResult], *, flops_per_step, peak, matmul_dtype
 
 
 def _metric(summaries: list[dict[str, Any]]) -> str | None:
-    """The summaries' main-metric key (results of older versions name none: accuracy, or a language model's
-    test loss)."""
+    """The summaries' main-metric key (a summary that names none: accuracy, or a language model's test loss)."""
     named = next((s["metric"] for s in summaries if isinstance(s.get("metric"), str)), None)
     if named or not summaries:
         return named

@@ -1,9 +1,6 @@
-"""``mixprec.bench.compare``: the benchmark from a notebook or script, no command line.
-
-It builds the same :class:`~mixprec.bench.config.BenchConfig` ``mixprec bench`` builds and runs the same
-session — every (recipe, repeat) in a fresh worker process — so the model, data and loss must be
-importable there: pass ``module:callable`` strings, built-in names, or callables defined at the top level
-of a module or ``.py`` file (their import path is worked out).
+"""``mixprec.bench.compare``: the benchmark from a notebook or script. It runs the same session as ``mixprec
+bench`` (every run in a fresh worker process), so the model, data and loss must be importable there:
+``module:callable`` strings, built-in names, or callables defined at the top level of a module or ``.py`` file.
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ _DEFAULT = BenchConfig()
 TRAIN_SETTINGS = tuple(k for k in TrainConfig().flags()
                        if k not in ("precision", "model", "dataset", "loss", "out", "checkpoint_every", "resume",
                                     "overwrite", "metrics_json"))
-"""The ``mixprec train`` settings :func:`compare` takes as keyword arguments (``epochs=3``,
-``batch_size=256``, ``max_steps=50``...): all but the recipe (``precisions`` names those), the model,
-data and loss (arguments of their own) and the outputs (bench writes its own)."""
+"""The ``mixprec train`` settings :func:`compare` takes as keyword arguments: all but the recipe, the model,
+data and loss (arguments of their own) and the outputs."""
 
 
 @dataclasses.dataclass
@@ -43,12 +39,10 @@ class Comparison:
 
     @property
     def rows(self) -> list[SummaryRow]:
-        """One summary row per recipe (the table's numbers)."""
         return as_rows(self.doc["summary"])
 
     @property
     def runs(self) -> list[RunResult]:
-        """Every run, in run order."""
         return [RunResult.from_dict(r) for r in self.doc["runs"]]
 
     def table(self) -> str:
@@ -74,11 +68,8 @@ def compare(model: Callable | str = "mlp", data: Callable | str = "fashion-mnist
             predict: bool = _DEFAULT.predict, **train_settings: Any) -> Comparison:
     """Train ``model`` on ``data`` under each recipe ``repeats`` times and compare them (see ``mixprec bench``).
 
-    ``train_settings`` are :data:`TRAIN_SETTINGS` by their Python names (``epochs=3``, ``batch_size=256``,
-    ``max_steps=50``...); any other keyword is an ``UnknownKeywordError`` (a ``TypeError``) naming it and the closest valid
-    one, before anything runs. Returns a
-    :class:`Comparison`; its ``table()`` is the printed table. ``predict=False`` skips the plan's prediction
-    (``--no-plan``).
+    ``train_settings``: :data:`TRAIN_SETTINGS` by their Python names (``epochs=3``); any other keyword is an
+    ``UnknownKeywordError`` before anything runs.
     """
     check_keywords("compare", train_settings, set(TRAIN_SETTINGS) | _OWN, hints={"precision": "precisions"})
     flags = {**RUN_TRAIN_DEFAULTS, **train_settings, "model": reference_of(model, "--model"),

@@ -1,10 +1,6 @@
-"""``mixprec bench``: its flags, turned into a :class:`~mixprec.bench.config.BenchConfig`, and the session
-(:mod:`mixprec.bench.session`) run under the signal handlers that stop a running worker cleanly.
-
-Every flag's default is a marker, so the command knows which flags were typed: the defaults themselves
-are the config dataclasses' (one place), and ``--resume DIR`` can refuse, naming it, a typed flag that
-would change the resumed bench.
-"""
+"""``mixprec bench``: its flags, turned into a :class:`~mixprec.bench.config.BenchConfig`, and the session run
+under signal handlers that stop a running worker cleanly. Every flag defaults to :data:`UNSET`, so the command
+knows which flags were typed (``--resume`` refuses the ones that would change the resumed bench)."""
 
 from __future__ import annotations
 
@@ -26,7 +22,6 @@ _DEFAULT = BenchConfig()
 
 
 class _Unset:
-    """The default of every bench flag: "not typed"."""
 
     def __repr__(self) -> str:
         return "<not given>"
@@ -36,7 +31,7 @@ UNSET = _Unset()
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    """Add ``bench`` to the CLI's subparsers (called by :func:`mixprec.cli.build_parser`)."""
+    """Add ``bench`` to the CLI's subparsers."""
     p = sub.add_parser(
         "bench", help="run several precision recipes side by side and compare them",
         description="Train the same model under several precision recipes, each (recipe, repeat) in a fresh "
@@ -74,8 +69,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags typed on the command line, by their Python names (``--progress`` aside: bench never shows
-    a progress bar, each run's output goes to its log file)."""
+    """The flags typed, by their Python names (``--progress`` aside: bench shows no progress bar)."""
     return {k: v for k, v in vars(args).items() if v is not UNSET and k not in ("func", "command", "progress")}
 
 

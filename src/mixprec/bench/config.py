@@ -1,11 +1,6 @@
-"""What one bench is asked to do: :class:`BenchConfig`, built by ``mixprec bench`` (from its flags) and by
-:func:`mixprec.bench.compare` (from keyword arguments) alike, and stored in ``results.json``.
-
-It holds the per-run :class:`~mixprec.train.config.TrainConfig` (every ``mixprec train`` setting; its
-recipe section is the base each recipe's own config is made from) and bench's own settings. Recipe names
-are stored canonical (``amp`` becomes ``fp16-mixed``), so a stored bench compares equal to the same bench
-asked for by an alias.
-"""
+"""What one bench is asked to do: :class:`BenchConfig`, built from ``mixprec bench``'s flags and from
+:func:`mixprec.bench.compare`'s keywords alike, and stored in ``results.json``. Recipe names are stored canonical,
+so a stored bench compares equal to the same bench asked for by an alias."""
 
 from __future__ import annotations
 
@@ -23,19 +18,16 @@ __all__ = ["BenchConfig", "parse_precisions", "BENCH_FLAGS", "RESUME_MAY_CHANGE"
            "RUN_TRAIN_DEFAULTS", "SWITCHES", "bench_flag"]
 
 MAX_REPEATS = 1000
-"""Each repeat trains every recipe once, in its own process: more is a typo, not a plan."""
 
 RUN_TRAIN_DEFAULTS = {"log_every": 0, "progress": "off"}
-"""Train settings bench runs with unless told otherwise: no ``.item()`` or log line in the timed steps, and
-no progress bar (each run's output goes to its log file)."""
+"""Train settings bench runs with: no ``.item()`` or log line in the timed steps, no progress bar."""
 
 _RUN_OUTPUTS = ("out", "checkpoint_every", "resume", "overwrite", "metrics_json")
-"""Train settings bench owns: every run writes its results into the bench folder, nothing else."""
+"""Train settings bench owns: every run writes into the bench folder."""
 
 
 def parse_precisions(precisions: str | Sequence[str]) -> tuple[str, ...]:
-    """Canonical recipe names, in order, without repeats, from ``"fp32,amp"`` or ``["fp32", "amp"]``;
-    raises :class:`~mixprec.errors.RecipeError` for an unknown name, ConfigError when none is named."""
+    """Canonical recipe names, in order, without repeats, from ``"fp32,amp"`` or ``["fp32", "amp"]``."""
     parts = precisions.split(",") if isinstance(precisions, str) else list(precisions)
     names = tuple(dict.fromkeys(resolve_recipe(str(p)).name for p in parts if str(p).strip()))
     if not names:
@@ -53,11 +45,9 @@ class BenchConfig:
     """One bench: the runs' training settings and how the comparison is run and kept."""
 
     train: TrainConfig = dataclasses.field(default_factory=_default_train)
-    """Every run's training settings (model, data, optimizer, schedule, seed, device, the base recipe
-    settings); run r of a recipe uses this recipe's config with seed ``train.run.seed + r``."""
+    """Every run's training settings; run r of a recipe uses seed ``train.run.seed + r``."""
     precisions: tuple[str, ...] = ("fp32", "fp16-mixed", "bf16-mixed")
-    """The recipes to compare, canonical names in table order (aliases are resolved on construction);
-    include fp32 for the speedup, memory-saving, accuracy-delta and parity columns."""
+    """The recipes to compare, canonical names in table order; fp32 is the reference of the comparisons."""
     repeats: int = 2
     """Runs per recipe, with seeds seed, seed+1, ... (parity needs >= 2)."""
     out: str | None = None
@@ -71,19 +61,16 @@ class BenchConfig:
     plots: bool = True
     """Draw time.png, memory.png and loss.png."""
     predict: bool = True
-    """Plan every recipe first (``mixprec plan`` for this device, :mod:`mixprec.bench.predict`) and show the
-    predicted step peak and step time beside the measured ones (flag ``--no-plan`` turns it off)."""
+    """Show the plan's predicted step peak and step time beside the measured ones (:mod:`mixprec.bench.predict`)."""
     resume: str | None = None
-    """A bench folder to continue: its missing and failed runs are run, its finished ones kept
-    (:mod:`mixprec.bench.resume`); ``out`` is then that folder."""
+    """A bench folder to continue: its missing and failed runs are run (:mod:`mixprec.bench.resume`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.precisions, (str, list, tuple)):
             object.__setattr__(self, "precisions", parse_precisions(self.precisions))
 
     def validate(self) -> None:
-        """Raise a UsageError naming the flag for settings bench cannot run; per-recipe train settings are
-        checked by the plan (:func:`mixprec.bench.plan.plan`)."""
+        """Raise a UsageError naming the flag (per-recipe train settings: :func:`mixprec.bench.plan.plan`)."""
         if not isinstance(self.train, TrainConfig):
             raise ConfigError(f"BenchConfig.train must be a TrainConfig, got {type(self.train).__name__}")
         if not (isinstance(self.precisions, tuple) and self.precisions):
@@ -116,7 +103,6 @@ class BenchConfig:
 
     @property
     def seeds(self) -> list[int]:
-        """The seed of each repeat."""
         return [self.train.run.seed + r for r in range(self.repeats)]
 
     # -- stored form (results.json) -----------------------------------------------------------------------
@@ -140,8 +126,7 @@ class BenchConfig:
 
     # -- the command that asks for it ---------------------------------------------------------------------
     def command(self) -> str:
-        """The ``mixprec bench`` command line that starts this bench afresh (settings that differ from the
-        defaults only; ``resume`` left out)."""
+        """The ``mixprec bench`` command line that starts this bench afresh (non-default settings only)."""
         default = BenchConfig()
         base = default.train.flags()
         changed = [(k, v) for k, v in self.train.flags().items() if k != "precision" and v != base[k]]
@@ -160,20 +145,16 @@ class BenchConfig:
 
 
 SWITCHES = {"plots": "--no-plots", "predict": "--no-plan"}
-"""Settings that are on by default, by the flag that turns them off."""
 
 
 def bench_flag(name: str) -> str:
-    """The flag of a bench or train setting, as the command line spells it (``plots`` is ``--no-plots``)."""
+    """The flag of a bench or train setting (``plots`` is ``--no-plots``)."""
     return SWITCHES.get(name) or flag_name(name)
 
 
 BENCH_FLAGS = ("precisions", "repeats", "out", "warmup_steps", "timeout", "peak_seconds", "plots", "predict",
                "resume")
-"""bench's own settings (the rest of a bench's flags are ``mixprec train``'s)."""
 
 RESUME_MAY_CHANGE = ("timeout", "plots", "predict", "data_dir", "data_path")
-"""Settings ``--resume`` may change: how long a run may take, whether plots are drawn and the plan's
-prediction made, where the (same) data lies. Everything else — recipes, repeats, warm-up, the peak budget, every training setting — is the
-resumed bench's, or its new rows would not measure what its kept rows measured."""
+"""Settings ``--resume`` may change; any other would make new rows measure something else than the kept ones."""
 

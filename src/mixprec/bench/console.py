@@ -1,8 +1,5 @@
-"""What a bench prints while it works: what it will run and on what, one line per finished run.
-
-Any field of a run may be missing or non-finite (a dash then): the lines are printed from
-:class:`~mixprec.bench.results.RunResult`, which reads any result.
-"""
+"""What a bench prints while it works: what it will run and on what, one line per finished run (any field may be
+missing: a dash)."""
 
 from __future__ import annotations
 
@@ -59,7 +56,6 @@ def progress_line(i: int, n: int, r: RunResult | dict[str, Any]) -> None:
 
 
 def _quality(s: dict[str, Any]) -> str:
-    """The run's main metric (as its summary names it) in words."""
     metric = s.get("metric")
     if s.get("bits_per_char") is not None:
         return f"test loss {fmt(s.get('test_loss'), '.4f')}, {fmt(s.get('bits_per_char'), '.3f')} bits/char"

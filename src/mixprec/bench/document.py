@@ -1,13 +1,9 @@
 """The results document: ``results.json`` (schema ``mixprec.bench/3``) and ``results.md``, and the plots.
 
-``results.json`` holds the bench's :class:`~mixprec.bench.config.BenchConfig` (``bench``) and every
-recipe's :class:`~mixprec.train.config.TrainConfig` (``configs``) as their ``to_dict()``, the command line
-that asks for the same bench afresh, this invocation's number and the list of all invocations (each with
-its time, environment, peaks and the runs it ran), the progress, the preflight, the FLOPs, the plan's
-prediction of every recipe (``prediction``, :mod:`mixprec.bench.predict`; None with ``--no-plan``), the
-summary rows and every run. Both files are written atomically (:mod:`mixprec.jsonio`): a reader never sees half a
-file. The plots come after them, so a plot that fails or hangs loses nothing; a failure is
-``plots_error`` in the document and one line in the output.
+``results.json`` holds the configs as their ``to_dict()``, the command that asks for the same bench afresh,
+every invocation (time, environment, peaks, runs), the progress, preflight, FLOPs, the plan's prediction, the
+summary rows and every run. Both files are written atomically; the plots come after them, so a failed plot
+loses nothing (``plots_error``).
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def _now() -> str:
 
 
 def build_document(p: Plan, machine: Machine, results: list[RunResult], state: str) -> dict[str, Any]:
-    """``results.json``'s content for the runs finished so far (``state``: running, complete, interrupted...),
-    as plain JSON data (records as their ``to_dict()``)."""
+    """``results.json``'s content for the runs finished so far, as plain JSON data."""
     accum, flops, created = p.accum, machine.flops, _now()
     results = ordered(p, results)
     rows = aggregate(p.recipes, results, flops_per_step=flops.total * accum, peaks=machine.peaks,
@@ -75,13 +70,12 @@ def build_document(p: Plan, machine: Machine, results: list[RunResult], state: s
 
 
 def write_documents(out_dir: str, doc: dict[str, Any]) -> None:
-    """Write results.json and results.md atomically; raises :class:`~mixprec.errors.OutputError`."""
     write_json(os.path.join(out_dir, "results.json"), doc)
     write_text(os.path.join(out_dir, "results.md"), markdown_report(doc))
 
 
 def draw_plots(p: Plan, machine: Machine, doc: dict[str, Any]) -> None:
-    """Draw the plots into ``doc["plots"]``; a failure is one line and ``doc["plots_error"]``, not a crash."""
+    """Draw the plots into ``doc["plots"]``; a failure is one line and ``doc["plots_error"]``."""
     title = (f"{p.base.model.name} on {p.base.data.name}, batch {p.base.optim.batch_size} — "
              f"{machine.env['device_name']}, {doc['created'][:10]}")
     try:

@@ -1,8 +1,5 @@
-"""What a bench measures about the machine before its runs: the model's FLOPs per step (on the plan's
-fp32 reference run, :mod:`mixprec.bench.flops`), the peak matmul rate of every dtype the recipes' matmuls
-run in (:func:`mixprec.hardware.measure_matmul_peak`) and the software and hardware it ran on.
-Every invocation measures them afresh, a resumed one included.
-"""
+"""What a bench measures about the machine before its runs, afresh at every invocation: the model's FLOPs per
+step, the peak matmul rate of every dtype the recipes' matmuls run in, and the software and hardware."""
 
 from __future__ import annotations
 
@@ -29,17 +26,15 @@ class Machine:
     flops: StepFlops
     """Model FLOPs of one micro-batch, forward and backward."""
     peaks: dict[str, dict[str, Any]]
-    """Matmul dtype (fp32, tf32, bf16, fp16) -> its measured peak (``flops_per_s``, ``n``, ...)."""
+    """Matmul dtype -> its measured peak (:func:`mixprec.hardware.measure_matmul_peak`)."""
     env: dict[str, Any]
-    """Versions, device, CPU flags, threads (:func:`mixprec.hardware.environment`)."""
+    """:func:`mixprec.hardware.environment` and versions."""
     prediction: dict[str, Any] | None = None
-    """The plan's prediction of every recipe (:func:`mixprec.bench.predict.predict`), made after the peaks are
-    measured; None with ``--no-plan``."""
+    """The plan's prediction of every recipe (:mod:`mixprec.bench.predict`); None with ``--no-plan``."""
 
 
 def measure_machine(p: Plan) -> Machine:
-    """Count the model's FLOPs per step and measure the peak matmul rate of every dtype in play; drops the
-    plan's reference run afterwards."""
+    """Count FLOPs and measure the peaks; drops the plan's reference run afterwards."""
     ref = p.reference
     ref.train_loader.set_epoch(0)
     batch = as_batch(next(iter(ref.train_loader))).to(ref.device)  # one micro-batch; a step runs `accum`

@@ -1,55 +1,23 @@
-"""Measurements: step/epoch timing from the trainer's history, an honest step memory peak, matmul peaks.
+"""Measurements: step/epoch timing from the trainer's history, and an honest step memory peak.
 
-**Timing.** The trainer records the wall time of every step (``history[e]["step_times_s"]``) with no
-``.item()`` or logging inside when ``log_every=0``; bench always runs it that way. The first
-``warmup_steps`` steps of *every* epoch are dropped: the first builds the epoch's permutation and, on the
-first epoch, creates kernels and caches; the second is the one the trainer samples memory on (saved-tensor
-hooks make it slower). The steady epoch time is the mean timed step times the epoch's step count, i.e. the
-epoch with its warm-up steps replaced by typical ones; the trainer's raw epoch time is kept beside it.
-On CUDA the step clock is read without a per-step synchronize, but every recipe syncs the host once per
-step (the skip decision, or the finite-loss check), so step times cannot drift ahead of the GPU by more
-than one step, and the epoch clock itself is synchronised by the trainer.
+**Timing.** The trainer records every step's wall time, with no ``.item()`` or logging inside (bench runs with
+``log_every=0``). The first ``warmup_steps`` steps of every epoch are dropped (kernel creation, the epoch's
+permutation, the sampled memory step). The steady epoch time is the mean timed step times the epoch's step
+count; the raw epoch time is kept beside it. On CUDA every recipe syncs the host once per step, so step times
+cannot drift ahead of the GPU by more than one step.
 
-**Memory.** The exact accounting (:mod:`mixprec.memory`) comes from the trainer's sampled step. Beside it,
-*measured* peaks of one training step, taken after the timed run is over so they cannot disturb timing:
+**Memory**, measured after the timed run (beside the exact accounting of :mod:`mixprec.memory`):
 
-- CPU, the physical check: the process resident set is misleading as it is: glibc keeps freed buffers in its
-  heap, so the next step reuses them without the RSS moving and a naive "RSS during the step minus RSS before" reads
-  far too low. So the probe (1) switches glibc to ``mmap`` for every allocation of 64 KiB or
-  more (``mallopt(M_MMAP_THRESHOLD, 65536)``, what ``MALLOC_MMAP_THRESHOLD_=65536`` does at start-up),
-  so freed tensors go back to the kernel at once; (2) frees the gradients and calls ``malloc_trim(0)``,
-  then *plugs the heap*: the threshold only applies to memory glibc must get from the kernel, and a large
-  request is served from a free chunk of the heap first -- and the run before the probe (under glibc's own,
-  dynamic threshold, which rises to 32 MiB) leaves such chunks. ``malloc_trim`` releases their pages, so a
-  step's tensor placed there faults them in again, but its free keeps them: the step's RSS then only grows,
-  and ``VmHWM`` reads the memory the step *touched*, not its peak (on a small step, far above it). So
-  every free heap chunk of 64 KiB or more is allocated (not touched) before the baseline and freed after
-  the step;
-  (3) reads ``VmRSS`` as the baseline and writes ``5`` to ``/proc/self/clear_refs``, which resets the
-  high-water mark ``VmHWM`` to the current RSS; (4) runs one training step; (5) reads ``VmHWM``.
-  ``VmHWM - baseline`` is what one step adds at its peak: saved activations, gradients, and the
-  temporaries the exact accounting does not count (activation gradients during backward, kernel
-  workspace), so it reads somewhat *above* activations + gradients, never far below them
-  (``tests/test_bench.py`` checks the bounds). Linux only; elsewhere it is reported as unavailable.
-  Its granularity: tensors under 64 KiB still live in the heap, where they may reuse pages that are already
-  resident (the probe reads less than they hold) and free chunks smaller than 64 KiB can merge into larger
-  ones during the step; every mmap'd tensor costs whole 4 KiB pages; and kernels' workspace is counted only
-  where it is touched. These matter on a step whose peak is a few megabytes, not on a large one.
-- CPU, the figure compared with the plan: **the allocator's peak**, the CPU analogue of CUDA's
-  ``max_memory_allocated``. One more step runs under ``torch.profiler`` with ``profile_memory=True``; its
-  memory events are every allocation and free of PyTorch's CPU allocator (c10) in order, so their running sum
-  is the bytes allocated above the step's start, exactly, and its maximum is the step's peak
-  (``step_peak_bytes``). It sees every tensor, however small (VmHWM cannot: a step of a few hundred KiB of
-  sub-64-KiB tensors reads 0.11-0.22 MiB there against an allocator peak of 0.28 on the tests' small CNN), and
-  it is blind to what a library allocates outside c10 (oneDNN's scratchpads) and to the allocator's own
-  overhead -- which the ``VmHWM`` rise keeps beside it (``rss_step_peak_bytes``), the physical check. Where the
-  profiler cannot give memory events, ``step_peak_bytes`` is the ``VmHWM`` rise, and the method says so.
-- CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the step, minus what was
-  allocated before it (``step_peak_bytes``, compared with the plan as the CPU's allocator peak is).
-
-**Peak matmul rate.** MFU needs the machine's peak for the dtype the matmuls run in, measured here and
-now rather than read from a datasheet: square matmuls of growing size, best time of a few repeats, within
-a time budget per dtype (so a dtype without fast kernels on this machine costs the budget, not minutes).
+- CPU, ``step_peak_bytes``: the c10 allocator's peak over one step (``torch.profiler`` memory events: every
+  allocation and free in order, their running sum's maximum), the CPU analogue of ``max_memory_allocated``;
+  blind to memory allocated outside c10 (oneDNN scratchpads).
+- CPU, ``rss_step_peak_bytes``, the physical check (Linux/glibc): the rise of ``VmHWM`` (reset through
+  ``/proc/self/clear_refs``) over one step above ``VmRSS``. glibc keeps freed buffers in its heap, so first
+  every allocation of 64 KiB or more is sent to ``mmap`` (``mallopt(M_MMAP_THRESHOLD)``), ``malloc_trim(0)``
+  runs, and every free heap chunk of 64 KiB or more is occupied (:func:`_plug_heap`) so that a step's large
+  tensors are mmapped and counted, not placed in trimmed chunks. It reads somewhat above activations +
+  gradients (temporaries, workspace), never far below; smaller tensors may reuse resident heap pages.
+- CUDA: ``max_memory_allocated`` / ``max_memory_reserved`` over the step, minus what was allocated before.
 """
 
 from __future__ import annotations
@@ -128,9 +96,9 @@ def _libc():
 
 
 def _plug_heap(libc, threshold: int = MMAP_THRESHOLD_BYTES, limit: int = 4096) -> list[int]:
-    """Occupy every free chunk of at least ``threshold`` bytes in this thread's malloc heap (see the module
-    docstring); returns the pointers, to ``free`` after the probe. A chunk glibc serves by ``mmap`` (flag 2 in
-    its size word) means no free heap chunk of that size is left: it is freed at once and the size halves."""
+    """Occupy every free chunk of at least ``threshold`` bytes in this thread's malloc heap; returns the pointers,
+    to ``free`` after the probe. A chunk served by ``mmap`` (flag 2 in its size word) means none of that size is
+    left: it is freed at once and the size halves."""
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
@@ -158,12 +126,8 @@ def _reset_hwm() -> bool:
 
 
 def probe_step_memory(run, *batch: Any, repeats: int = 2) -> MemoryProbe:
-    """Measured peak of one training step above the resident state (see the module docstring).
-
-    Runs ``repeats`` real optimizer steps on ``run`` (it changes the weights: call it after the run's
-    results are recorded). Returns the largest measured step peak and, for comparison, the exact
-    activations + gradients of the same step.
-    """
+    """Measured peak of one training step above the resident state, with the exact activations + gradients of the
+    same step. Runs ``repeats`` real optimizer steps (it changes the weights: call it after the run is recorded)."""
     device = run.device
     cuda = device.type == "cuda"
     libc = None
@@ -215,15 +179,14 @@ ALLOCATOR_METHOD = "c10 allocator peak (torch.profiler memory events)"
 
 
 def _allocated_peak(run, batch: tuple) -> int | None:
-    """The CPU allocator's peak above the step's start over one more step (see the module docstring)."""
     run.optimizer.zero_grad(set_to_none=True)
     gc.collect()
     return allocator_peak(lambda: train_step(run.ctx, *batch))
 
 
 def allocator_peak(fn) -> int | None:
-    """The most bytes PyTorch's CPU allocator had handed out above what it had when ``fn()`` started, while it
-    ran (torch.profiler's memory events); None when the profiler gives no memory events."""
+    """The most bytes PyTorch's CPU allocator had handed out above its start while ``fn()`` ran; None when the
+    profiler gives no memory events."""
     from torch.profiler import ProfilerActivity, profile
 
     try:
@@ -242,6 +205,3 @@ def allocator_peak(fn) -> int | None:
         live += n
         peak = max(peak, live)
     return peak
-
-
-# ------------------------------------------------------------------------------------- matmul peak

@@ -1,24 +1,12 @@
 """Convergence parity: does a recipe's loss curve stay inside the band fp32 itself spans across seeds?
 
-Low precision is "good enough" when it changes the training curve less than changing the seed does. The
-fp32 runs with seeds ``s_1..s_R`` (R >= 2) span, at every step ``t``, a band ``[min_r f_r(t), max_r
-f_r(t)]`` of their smoothed losses. A recipe runs with the *same* seeds (same initial weights, same data
-order), and its curve is the mean over its repeats. If the recipe behaves like fp32, its repeat with
-seed ``s_r`` tracks ``f_r``, so its mean tracks the mean of the ``f_r`` and lies inside the band; a recipe
-that shifts the curve by more than the seed-to-seed spread leaves it. (Comparing a *single* curve with a
-two-seed band would not work: an independent third fp32 seed lies between two others only a third of
-the time.)
-
-Details:
-
-- Curves are smoothed by a trailing moving average of ``window`` steps (default: a twentieth of the
-  curve) because per-step minibatch losses are noisy.
-- The band is widened by ``rtol`` times the fp32 mean on each side (default 1%), so seeds that agree
-  almost exactly (a band of width ~0) do not flag tiny rounding differences.
-- The verdict is ``"yes"`` when at least ``min_inside`` (default 90%) of the steps lie inside, ``"no"``
-  otherwise. A recipe whose runs stopped early (non-finite loss) is ``"no"``, and so is one whose curve
-  holds a non-finite loss (a skipped step's NaN); without two fp32 runs, or when an fp32 curve is itself
-  non-finite, the verdict is ``"n/a"``.
+The fp32 runs with seeds ``s_1..s_R`` (R >= 2) span, at every step, a band ``[min_r f_r(t), max_r f_r(t)]`` of
+their smoothed losses. A recipe runs with the same seeds (same initial weights and data order) and its curve is
+the mean over its repeats: if it behaves like fp32 the mean tracks the fp32 mean and lies inside the band. (A
+single curve against a two-seed band would not do: a third fp32 seed lies between two others a third of the
+time.) Curves are smoothed by a trailing moving average (a twentieth of the curve); the band is widened by
+``rtol`` of the fp32 mean on each side. Verdict ``"yes"`` when at least ``min_inside`` of the steps lie inside;
+``"no"`` for a run stopped early or a non-finite curve; ``"n/a"`` without two finite fp32 runs.
 """
 
 from __future__ import annotations
@@ -39,9 +27,8 @@ class ParityResult:
     verdict: str
     """"yes", "no" or "n/a"."""
     inside_fraction: float | None
-    """Fraction of steps where the recipe's mean smoothed curve lies inside the widened fp32 band."""
     max_excursion: float | None
-    """Largest distance outside the band, in units of the band's median width (0 when always inside)."""
+    """Largest distance outside the band, in units of the band's median width."""
     steps: int
     reason: str
 

@@ -1,12 +1,6 @@
-"""Everything a bench decides before its first run, so a mistake exits 2 at once, not after an hour of runs.
-
-:func:`plan` checks the :class:`~mixprec.bench.config.BenchConfig` and every recipe's own config (flag
-contradictions per recipe), says per recipe what this machine does with its dtypes (the preflight),
-builds the fp32 reference run once through the one build path (it checks the dataset and the model, and
-its FLOPs are counted later), checks that warm-up leaves timed steps, lays out the (recipe, repeat)
-matrix and makes sure the bench folder can be written. A resumed bench (``--resume``) also gets the runs
-its folder already holds (:mod:`mixprec.bench.resume`) and runs only the others.
-"""
+"""Everything a bench decides before its first run, so a mistake exits 2 at once, not after an hour of runs:
+every recipe's config checked, the preflight, the fp32 reference run built, warm-up checked, the (recipe, repeat)
+matrix laid out, the folder writable; after ``--resume`` only the runs the folder lacks (:mod:`.resume`)."""
 
 from __future__ import annotations
 
@@ -35,23 +29,18 @@ class Plan:
     """What one invocation will do."""
 
     config: BenchConfig
-    """The bench, with ``out`` set to the folder actually used."""
     configs: dict[str, TrainConfig]
-    """Recipe name -> its TrainConfig (the bench's, with this recipe and the flags that apply to it)."""
     checks: dict[str, Preflight]
-    """Recipe name -> what this machine does with its dtypes."""
     reference: Run | None
     """The fp32 run the FLOPs are counted on (dropped once they are)."""
     specs: list[RunSpec]
-    """Every (recipe, repeat) of the bench, repeat-major."""
+    """Repeat-major."""
     kept: list[RunResult]
-    """Finished runs an earlier invocation left in the folder (``--resume``), kept as they are."""
+    """Finished runs of earlier invocations (``--resume``)."""
     to_run: list[RunSpec]
-    """The specs this invocation runs: all of them, or after ``--resume`` the missing and failed ones."""
     invocation: int
     """1 for a new bench, one more than the folder's last for a resumed one."""
     previous: Previous | None
-    """What the resumed folder held (None for a new bench)."""
 
     @property
     def recipes(self) -> tuple[str, ...]:
@@ -71,8 +60,7 @@ class Plan:
 
 
 def plan(config: BenchConfig, previous: Previous | None = None) -> Plan:
-    """Check every setting and recipe, build the reference run, lay out the matrix; raises UsageError
-    (exit 2) before anything runs."""
+    """Raises UsageError (exit 2) before anything runs."""
     config.validate()
     base = config.train
     device = hardware.resolve_device(base.run.device)
@@ -110,6 +98,4 @@ def _check_warmup(warmup_steps: int, base: TrainConfig, n_batches: int) -> None:
 
 
 def _prepare_out_dir(path: str) -> None:
-    """Create the bench folder and test-write a file in it, so an unusable place exits 2 before the first run
-    (the check train and doctor use: :func:`mixprec.train.outputs.check_folder`)."""
     check_folder(path, "--out")

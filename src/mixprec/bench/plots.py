@@ -1,10 +1,6 @@
-"""PNG plots of a bench: time bars, memory bars by category, loss curves overlaid, the task's main metric.
-
-Figures are drawn with ``matplotlib.figure.Figure`` and its Agg canvas directly, never through
-``pyplot``: no display is needed, no global backend is switched, and nothing leaks between calls.
-matplotlib is an optional dependency (``mixprec[plots]``); without it :func:`write_plots` says so and
-writes nothing.
-"""
+"""PNG plots of a bench: time bars, memory bars by category, loss curves, the task's main metric. Drawn with
+``matplotlib.figure.Figure`` and its Agg canvas, never ``pyplot`` (no display, no global backend); without the
+optional matplotlib :func:`write_plots` says so and writes nothing."""
 
 from __future__ import annotations
 
@@ -81,8 +77,7 @@ def _memory_plot(rows: list[SummaryRow], path: str, title: str) -> None:
 
 
 def _measured_total(row: SummaryRow) -> float | None:
-    """The memory plot's measured point: the static state (parameters, optimizer state, masters) + the measured
-    step peak above it (on either device), beside the bars' exact accounting; None without both."""
+    """The memory plot's measured point: the static state + the measured step peak; None without both."""
     step, mem = number(row.measured_step_peak_bytes), row.memory
     if not step or not mem:
         return None
@@ -114,7 +109,6 @@ def _loss_plot(rows: list[SummaryRow], results: list[RunResult], path: str, titl
 
 
 def _metric_plot(rows: list[SummaryRow], path: str, title: str) -> None:
-    """The task's main metric per recipe (the key the rows name), median and min..max over repeats."""
     fig = _figure()
     ax = fig.add_subplot()
     names = [r.recipe for r in rows]
@@ -134,11 +128,7 @@ def _metric_plot(rows: list[SummaryRow], path: str, title: str) -> None:
 
 def write_plots(rows: Iterable[SummaryRow | dict[str, Any]], results: Iterable[RunResult | dict[str, Any]],
                 out_dir: str, *, title: str) -> list[str]:
-    """Write ``time.png``, ``memory.png``, ``loss.png`` and ``metric.png`` into ``out_dir``; returns their
-    file names.
-
-    Takes any rows and results, as records or as results.json holds them (a missing or non-finite number
-    is drawn as nothing, or as 0 in a bar)."""
+    """Write :data:`PLOT_FILES` into ``out_dir`` from rows and results as records or dicts; returns the names."""
     rows = as_rows(r for r in rows if isinstance(r, (SummaryRow, dict)))
     results = as_results(results)
     try:

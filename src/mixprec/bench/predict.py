@@ -1,25 +1,15 @@
 """The plan's prediction beside the measurement: every bench checks ``mixprec plan``.
 
-Before the matrix, bench plans its recipes (:class:`mixprec.planning.api.Planner`: one step of each traced
-under fake tensors, the same config, data, recipe and batch as the runs) on the device the runs use --
-``cpu``: this machine, with the matmul peaks bench has just measured (so the plan costs no peak
-measurement of its own); a CUDA device: its entry in the plan's GPU table, when it has one -- and the
-report puts the predicted step peak and step time beside the measured ones, with the ratio
-measured / predicted (:class:`~mixprec.bench.results.Prediction` in each summary row; the whole plan of each
-recipe in ``results.json``'s ``prediction``).
+Before the matrix, bench plans its recipes (:class:`mixprec.planning.api.Planner`, same config and batch as the
+runs) for the device the runs use -- a CPU with the peaks bench just measured, a GPU by its table entry -- and
+the report shows the predicted step peak and step time beside the measured ones (measured / predicted). The
+planner runs the user's model, so it runs in its own process (``python -m mixprec.bench.predict SPEC OUT``) with
+a time limit, writing its result after every recipe: a model that cannot be traced costs the predictions from
+that recipe on, never the bench.
 
-**Isolated like a run.** The planner runs the user's model code, so it runs in its own process
-(``python -m mixprec.bench.predict SPEC OUT``, log in ``OUT/logs/plan.log``) with a time limit, before the
-matrix (it never overlaps a timed run). It writes its result after every recipe, so a model that cannot
-be traced under fake tensors -- or that kills the process -- costs the predictions from that recipe on,
-never the bench: the recipes without one say why in one line. ``--no-plan`` turns it off.
-
-**What is compared.** Peak: the probe measures what one step adds above the resident state (:mod:`.measure`:
-on a CPU the allocator's peak, on CUDA ``max_memory_allocated`` less what was allocated before the step;
-parameters, buffers, optimizer state and masters exist before it), so the prediction compared is the plan's
-peak less those and the batch (``step_peak_bytes``), on either device. Step time: the median timed step
-against the plan's roofline time, with ``--grad-accum K`` counted as K forward+backward passes and
-one optimizer phase.
+Compared: the probe's step peak (what one step adds above the resident state, :mod:`.measure`) with the plan's
+peak less :data:`RESIDENT` and the batch; the median step with the roofline time, ``--grad-accum K`` counted as
+K forward+backward passes and one optimizer phase.
 """
 
 from __future__ import annotations
@@ -43,12 +33,11 @@ PREDICT_TIMEOUT_S = 300.0
 """The planner's time limit when the bench has no ``--timeout`` (the bench's own limit otherwise)."""
 
 RESIDENT = ("parameters", "buffers", "optimizer_state", "master_weights")
-"""Categories that exist before a step (the CPU probe's baseline holds them, and the batch)."""
+"""Categories that exist before a step (the probe's baseline holds them)."""
 
 
 def target_spec(device_type: str, device_name: str, peaks: dict[str, dict[str, Any]]) -> tuple[Any, str | None]:
-    """What the planner plans for: ``{"cpu": peak FLOP/s per dtype}`` (this machine, bench's peaks), a GPU
-    table name, or None and why not."""
+    """What the planner plans for: ``{"cpu": peak FLOP/s per dtype}``, a GPU table name, or None and why not."""
     if device_type == "cpu":
         rates = {k: float(v["flops_per_s"]) for k, v in peaks.items()
                  if k in ("fp32", "bf16", "fp16") and isinstance(v, dict) and v.get("flops_per_s")}
@@ -65,9 +54,7 @@ def target_spec(device_type: str, device_name: str, peaks: dict[str, dict[str, A
 
 
 def predict(p, machine, *, say=print) -> dict[str, Any] | None:
-    """Plan every recipe of bench plan ``p`` in a subprocess; the ``prediction`` section of results.json
-    (None with ``--no-plan``). Prints one line with the predictions and, where some are missing, one line
-    saying why."""
+    """Plan every recipe of bench plan ``p`` in a subprocess: results.json's ``prediction`` (None: ``--no-plan``)."""
     if not p.config.predict:
         return None
     t0 = time.perf_counter()
@@ -122,7 +109,6 @@ def _seconds(s: Any) -> str:
 
 
 def _run(p, target) -> dict[str, Any]:
-    """The planner's process: its result file, or what is known when it died."""
     from .runner import _wait, failed_reason
 
     runs, logs = os.path.join(p.out_dir, "runs"), os.path.join(p.out_dir, "logs")
@@ -197,7 +183,7 @@ def _batch_bytes(batch) -> int:
 
 
 def run_planner(spec: dict[str, Any], out_path: str) -> None:
-    """Plan each recipe of ``spec`` in turn, writing ``out_path`` after each (see the module docstring)."""
+    """Plan each recipe of ``spec`` in turn, writing ``out_path`` after each."""
     from ..planning.api import Planner
     from ..planning.roofline import efficiency_for
     from ..train.config import TrainConfig
@@ -229,8 +215,7 @@ def run_planner(spec: dict[str, Any], out_path: str) -> None:
 
 
 def _exit_with_parent(poll_s: float = 1.0) -> None:
-    """End this process when the bench that started it is gone (SIGKILL leaves it no time to stop us): a
-    prediction nobody waits for is worth nothing, and a model that hangs under tracing would run forever."""
+    """End this process when the bench that started it is gone (a SIGKILLed bench cannot stop it)."""
     parent = os.getppid()
 
     def watch() -> None:

@@ -1,11 +1,5 @@
-"""Hardware preflight: before the matrix runs, say per recipe whether this machine runs its dtype fast.
-
-Nothing is rewritten: a recipe the machine runs slowly still runs as asked, and the line says why it will
-be slow. The facts come from the recipe itself (:meth:`mixprec.precision.Recipe.hardware_facts`, the
-same source as its one-line ``describe()``): the dtype its matmuls actually run in, which picks the peak
-its MFU is measured against (emulated fp16 multiplies in fp32, so its peak is fp32's), and whether this
-device has fast kernels for it.
-"""
+"""Hardware preflight: before the matrix, say per recipe whether this machine runs its dtype fast (from
+:meth:`mixprec.precision.Recipe.hardware_facts`). Nothing is rewritten: a slow recipe runs as asked."""
 
 from __future__ import annotations
 
@@ -21,9 +15,8 @@ class Preflight:
     recipe: str
     impl: str
     matmul_dtype: str
-    """``fp32``, ``tf32``, ``bf16`` or ``fp16``: what the matmuls run in (the MFU peak's dtype)."""
+    """What the matmuls run in (the MFU peak's dtype)."""
     fast: bool
-    """Whether this machine has native fast kernels for that dtype."""
     line: str
 
     def to_dict(self) -> dict:

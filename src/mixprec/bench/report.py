@@ -1,12 +1,6 @@
-"""The comparison as text: the stdout table and ``results.md``.
-
-The table starts with the tutorial's columns (recipe | memory | avg epoch time) and adds the rest after.
-Every cell is formatted by :func:`fmt`, which prints a dash for a number a run did not produce, so a
-damaged or missing field never costs the other rows (the rows themselves are read with the tolerant
-:meth:`SummaryRow.from_dict <mixprec.bench.results.SummaryRow.from_dict>`). After ``--resume`` the rows
-may come from several invocations: an ``invocation`` column says which, and a note under the table says
-that their timings were not measured side by side.
-"""
+"""The comparison as text: the stdout table and ``results.md``. Every cell goes through :func:`fmt`, which prints
+a dash for a number a run did not produce, so a damaged field never costs the other rows. Rows from several
+invocations (``--resume``) get an ``invocation`` column and a note that they were not timed side by side."""
 
 from __future__ import annotations
 
@@ -21,29 +15,24 @@ from .results import Spread, SummaryRow, number, ratio
 __all__ = ["COLUMNS", "PLAN_COLUMNS", "INVOCATION_COLUMN", "columns", "table", "markdown_report", "fmt", "DASH", "MEMORY_CATEGORIES"]
 
 PLAN_COLUMNS = ["step peak (plan)", "step time", "step time (plan)", "measured / plan"]
-"""The plan's prediction beside the measurement (:mod:`mixprec.bench.predict`); left out when no row has
-one (``--no-plan``)."""
+"""The plan's prediction (:mod:`mixprec.bench.predict`); left out when no row has one."""
 
 COLUMNS = [
     "recipe", "memory", "avg epoch time", "speedup vs fp32", "memory saving vs fp32", "step peak (measured)",
     *PLAN_COLUMNS, "samples/s", "MFU", "train loss", "test accuracy", "Δ accuracy vs fp32", "skipped steps",
     "loss scale", "parity vs fp32", "runs",
 ]
-"""Columns of the stdout table and results.md, in order."""
 
 INVOCATION_COLUMN = "invocation"
-"""Added last when the rows come from more than one invocation (``--resume``)."""
 
 LM_COLUMNS = {"test accuracy": "test loss / bits per char", "Δ accuracy vs fp32": "Δ test loss vs fp32"}
-"""Language models are judged by test loss (and bits per character), not accuracy."""
 
 METRIC_COLUMNS = {
     "test_f1": {"test accuracy": "test F1", "Δ accuracy vs fp32": "Δ F1 vs fp32"},
     "test_r2": {"test accuracy": "test R²", "Δ accuracy vs fp32": "Δ R² vs fp32"},
     "test_loss": {"test accuracy": "test loss", "Δ accuracy vs fp32": "Δ test loss vs fp32"},
 }
-"""The other tasks' main metric (the key the rows name) in the accuracy columns: multilabel F1, regression R²,
-a loss-only run's test loss."""
+"""Other tasks' main metric in the accuracy columns."""
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights", "activations")
 
@@ -57,7 +46,6 @@ def fmt(x: Any, spec: str, *, scale: float = 1.0, suffix: str = "") -> str:
 
 
 def as_rows(rows: Iterable[SummaryRow | dict[str, Any]]) -> list[SummaryRow]:
-    """Rows as :class:`SummaryRow` (dicts, as stored in results.json, read tolerantly)."""
     return [r if isinstance(r, SummaryRow) else SummaryRow.from_dict(r) for r in rows]
 
 
@@ -137,9 +125,7 @@ def _invocations(rows: list[SummaryRow]) -> list[int]:
 
 
 def columns(rows: Iterable[SummaryRow | dict[str, Any]]) -> list[str]:
-    """The table's columns for these rows: the task's main metric where classifiers show accuracy (language
-    models: test loss; multilabel: F1; regression: R²), and rows from several invocations get the invocation
-    column."""
+    """The table's columns for these rows (the task's main metric in the accuracy columns)."""
     rows = as_rows(rows)
     metric = next((r.metric for r in rows if r.metric), None)
     base = COLUMNS if _has_plan(rows) else [c for c in COLUMNS if c not in PLAN_COLUMNS]
@@ -173,7 +159,6 @@ def table(rows: Iterable[SummaryRow | dict[str, Any]]) -> str:
 
 
 def _plan_notes(rows: list[SummaryRow]) -> list[str]:
-    """One line per reason a prediction is missing, and what the plan columns compare."""
     missing: dict[str, list[str]] = {}
     for r in rows:
         if r.prediction is not None and r.prediction.reason:
@@ -195,7 +180,7 @@ def _fmt_rate(x: float | None) -> str:
 
 
 def _state_lines(doc: dict[str, Any]) -> list[str]:
-    """What the report does not cover: runs not finished (interrupted, or still running), failed plots."""
+    """What the report does not cover: runs not finished, failed plots."""
     progress, out = doc.get("progress") or {}, []
     if progress and progress.get("state") != "complete":
         state = str(progress.get("state"))
@@ -207,7 +192,6 @@ def _state_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def _invocation_lines(invocations: list[Any]) -> list[str]:
-    """One line per invocation when there were several (``--resume``): when, which runs, its peaks."""
     if len(invocations) < 2:
         return []
     out = ["## Invocations", ""]

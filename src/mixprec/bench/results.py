@@ -1,14 +1,9 @@
-"""Typed records of a bench: one run's result (:class:`RunResult`), its timing and memory probe, and one
-summary row per recipe (:class:`SummaryRow`). Each has ``to_dict()`` (its JSON form in ``results.json``
-and ``OUT/runs/RECIPE-rN.json``) and ``from_dict()``.
+"""Typed records of a bench: one run's result (:class:`RunResult`), its timing and memory probe, and one summary
+row per recipe (:class:`SummaryRow`), each with ``to_dict()`` (its JSON form) and ``from_dict()``.
 
-**Any run result is readable.** A run that diverged finishes with nulls where numbers would be (JSON has
-no NaN), a run that crashed has no summary at all, and a result file is whatever the worker managed to
-write. So ``from_dict`` accepts anything: a field of the wrong type or a non-finite number becomes "not
-measured" (None, or an empty record), ``status`` is "ok" only when it says so, and the trainer's own
-records (``history``, ``summary``) are kept as plain JSON data with non-finite numbers as None. Every
-computation on them treats None as "not measured" (:func:`number`, :func:`ratio`), so a damaged field is a
-dash in its cell, never a crash of the report that would lose the other rows.
+Any run result is readable: ``from_dict`` accepts anything, a field of the wrong type or a non-finite number
+becomes "not measured" (None), ``status`` is "ok" only when it says so. Every computation treats None as not
+measured (:func:`number`, :func:`ratio`), so a damaged field is a dash in its cell, never a crash of the report.
 """
 
 from __future__ import annotations
@@ -57,8 +52,7 @@ def _ints(x: Any) -> list[int]:
 
 
 def _read(cls: type, d: Any, kinds: dict[str, Any]) -> Any:
-    """``cls`` from the dict ``d``: each field read by its kind (``number``, ``_int``, ``_str``...); a
-    missing or damaged one becomes what the kind makes of it (None)."""
+    """``cls`` from the dict ``d``, each field read by its kind (a damaged one becomes None)."""
     d = _dict(d)
     return cls(**{name: kind(d.get(name)) for name, kind in kinds.items()})
 
@@ -68,17 +62,12 @@ class Spread:
     """A number over the repeats of one recipe."""
 
     median: float | None = None
-    """Median over the successful repeats."""
     min: float | None = None
-    """Smallest value."""
     max: float | None = None
-    """Largest value."""
     n: int = 0
-    """How many repeats measured it."""
 
     @classmethod
     def of(cls, values: Any) -> Spread | None:
-        """The spread of the numbers among ``values`` (None when there is none)."""
         vals = [v for v in map(number, values) if v is not None]
         if not vals:
             return None
@@ -101,19 +90,14 @@ def _median(spread: Spread | None) -> float | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Timing:
-    """One run's timing with the warm-up steps of every epoch left out
-    (:func:`mixprec.bench.measure.timing_from_history`)."""
+    """One run's timing, warm-up steps of every epoch left out (:func:`mixprec.bench.measure.timing_from_history`)."""
 
     timed_steps: int | None = None
-    """Steps that were timed (all epochs, warm-up excluded)."""
     warmup_steps_per_epoch: int | None = None
-    """Steps at the start of every epoch left out."""
     step_time_s: float | None = None
     """Median time of a timed optimizer step."""
     step_time_p10_s: float | None = None
-    """10th percentile of the timed steps."""
     step_time_p90_s: float | None = None
-    """90th percentile of the timed steps."""
     epoch_time_s: float | None = None
     """Steady epoch: mean timed step x steps per epoch, averaged over epochs."""
     raw_epoch_time_s: float | None = None
@@ -137,24 +121,16 @@ class MemoryProbe:
     method: str | None = None
     """How it was measured; None when it could not be (then ``reason`` says why)."""
     reason: str | None = None
-    """Why there is no measurement."""
     step_peak_bytes: int | None = None
-    """What one step adds at its peak above the resident state: on a CPU the allocator's peak (else, where the
-    profiler gives no memory events, the ``VmHWM`` rise: ``method`` says which), on CUDA the largest
-    ``max_memory_allocated`` rise over ``repeats``."""
+    """What one step adds at its peak above the resident state (``method`` says how)."""
     rss_step_peak_bytes: int | None = None
     """CPU: the resident set's rise over the step (``VmHWM``), the largest over ``repeats``."""
     rss_method: str | None = None
-    """How ``rss_step_peak_bytes`` was measured."""
     exact_activations: int | None = None
-    """The exact accounting's bytes saved for backward in the same step (activations, autocast weight copies and
-    FP8 buffers together: :data:`mixprec.memory.SAVED_CATEGORIES`)."""
+    """Bytes saved for backward in the same step (all :data:`mixprec.memory.SAVED_CATEGORIES`)."""
     exact_gradients: int | None = None
-    """The exact accounting's gradients of the same step."""
     repeats: int | None = None
-    """Steps measured."""
     cuda_peak_reserved_bytes: int | None = None
-    """CUDA: the caching allocator's peak reserved memory."""
 
     @property
     def exact_total(self) -> int | None:
@@ -195,35 +171,24 @@ class RunResult:
     status: str = "failed"
     """"ok" or "failed"."""
     reason: str | None = None
-    """Why it failed (the exception, the non-finite step, the exit status and the last log line)."""
     recipe: str | None = None
-    """Canonical recipe name."""
     repeat: int | None = None
-    """Repeat index r (0-based)."""
     seed: int | None = None
     """The seed it ran with (base seed + r)."""
     impl: str | None = None
-    """The mechanism the recipe ran with (native or scratch)."""
     describe: str | None = None
-    """The recipe's one-line description on its device."""
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """The trainer's per-epoch records, as JSON data."""
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The trainer's summary, as JSON data."""
     timing: Timing = dataclasses.field(default_factory=Timing)
-    """Step and epoch times, warm-up excluded."""
     memory_probe: MemoryProbe = dataclasses.field(default_factory=MemoryProbe)
-    """The measured step peak."""
     wall_s: float | None = None
     """The worker's own time for building, training and probing."""
     returncode: int | None = None
     """The worker's exit status (None: it timed out and was killed)."""
     process_wall_s: float | None = None
-    """Wall time of the worker process, start to exit."""
     log: str | None = None
-    """Its log file, relative to the bench folder."""
     invocation: int | None = None
-    """Which invocation of ``mixprec bench`` on this folder ran it (1, then 2, ... for each ``--resume``)."""
+    """Which invocation of ``mixprec bench`` on this folder ran it (one more per ``--resume``)."""
 
     @property
     def ok(self) -> bool:
@@ -244,7 +209,6 @@ class RunResult:
 
     @classmethod
     def from_dict(cls, d: Any) -> RunResult:
-        """Whatever a result file holds, as a result (see the module docstring)."""
         d = _dict(d)
         return cls(status="ok" if d.get("status") == "ok" else "failed", reason=_str(d.get("reason")),
                    recipe=_str(d.get("recipe")), repeat=_int(d.get("repeat")), seed=_int(d.get("seed")),
@@ -260,11 +224,8 @@ class Failure:
     """A failed run of a recipe, as listed under the table."""
 
     repeat: int | None = None
-    """Its repeat index."""
     seed: int | None = None
-    """Its seed."""
     reason: str | None = None
-    """Why it failed."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -284,31 +245,23 @@ def _parity(d: Any) -> ParityResult | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Prediction:
-    """What ``mixprec plan`` predicted for one recipe of the bench (:mod:`mixprec.bench.predict`), and how the
-    measurement compares with it."""
+    """What ``mixprec plan`` predicted for one recipe (:mod:`mixprec.bench.predict`), and the measured ratios."""
 
     target: str | None = None
-    """The plan's target (``cpu``: this machine with the bench's measured matmul peaks)."""
     peak_bytes: int | None = None
-    """Predicted peak of the step, the resident state (parameters, optimizer state...) included."""
+    """Predicted peak of the step, the resident state included."""
     step_peak_bytes: int | None = None
-    """Predicted peak above the resident state (parameters, buffers, optimizer state, masters, the batch):
-    what the probe's step peak measures (``measured_step_peak_bytes``)."""
+    """Predicted peak above the resident state (what ``measured_step_peak_bytes`` measures)."""
     step_time_s: float | None = None
     """Predicted time of one optimizer step (``--grad-accum`` micro-batches of forward and backward)."""
     peak_compared_with: str | None = None
-    """The measured figure the peak is compared with: ``measured_step_peak_bytes``, with ``step_peak_bytes``
-    (an older results.json may name ``cuda_peak_allocated_bytes``, with ``peak_bytes``)."""
+    """The measured figure the peak is compared with (``cuda_peak_allocated_bytes``: with ``peak_bytes``)."""
     peak_ratio: float | None = None
-    """Measured peak / predicted peak (set by the summary)."""
     step_time_ratio: float | None = None
-    """Measured median step time / predicted step time (set by the summary)."""
     reason: str | None = None
-    """Why there is no prediction (the model could not be traced, ``--no-plan``...)."""
 
     @property
     def compared_peak(self) -> int | None:
-        """The predicted figure the measured peak is compared with."""
         return self.peak_bytes if self.peak_compared_with == "cuda_peak_allocated_bytes" else self.step_peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
@@ -334,72 +287,52 @@ _NUMBERS = ("memory_total_bytes", "cuda_peak_allocated_bytes", "cuda_peak_reserv
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SummaryRow:
-    """One recipe's line of the comparison: medians (and spreads) over its successful repeats, and its
-    ratios to fp32 when fp32 ran (:func:`mixprec.bench.aggregate.aggregate`)."""
+    """One recipe's line of the comparison: medians (and spreads) over its successful repeats, and its ratios to
+    fp32 (:func:`mixprec.bench.aggregate.aggregate`). Byte and loss figures are medians."""
 
     recipe: str
-    """Canonical recipe name."""
     impl: str | None = None
-    """Mechanism (native or scratch)."""
     runs_ok: int = 0
-    """Successful repeats."""
     runs_total: int = 0
-    """Repeats that ran."""
     failures: list[Failure] = dataclasses.field(default_factory=list)
-    """The failed repeats and why."""
     invocations: list[int] = dataclasses.field(default_factory=list)
-    """Which invocations of ``mixprec bench`` ran its repeats (more than one after ``--resume``)."""
     epoch_time_s: Spread | None = None
-    """Steady epoch time."""
     raw_epoch_time_s: Spread | None = None
     """The trainer's epoch clock, warm-up included."""
     step_time_s: Spread | None = None
-    """Median timed step."""
     samples_per_s: Spread | None = None
-    """Throughput."""
     memory: dict[str, Any] | None = None
-    """Exact memory accounting of a sampled step, by category (bytes)."""
+    """Exact memory accounting of a sampled step, by category."""
     memory_total_bytes: int | None = None
-    """Its total."""
     cuda_peak_allocated_bytes: float | None = None
-    """CUDA: the trainer's peak allocated memory (median)."""
+    """CUDA: the trainer's peak allocated memory."""
     cuda_peak_reserved_bytes: float | None = None
-    """CUDA: the probe's peak reserved memory (median)."""
     measured_step_peak_bytes: float | None = None
-    """The probe's measured step peak above the resident state (median): CPU: the allocator's, CUDA:
-    ``max_memory_allocated``'s rise over the step. The figure the plan's ``step_peak_bytes`` is compared with."""
+    """The probe's step peak above the resident state (compared with the plan's ``step_peak_bytes``)."""
     measured_step_rss_peak_bytes: float | None = None
-    """CPU: the probe's resident-set (``VmHWM``) rise over the step (median)."""
+    """CPU: the probe's resident-set (``VmHWM``) rise over the step."""
     measured_step_peak_method: str | None = None
-    """How it was measured, or why it was not."""
     exact_activations_plus_gradients_bytes: float | None = None
-    """Exact activations + gradients of the probed step (median)."""
     matmul_dtype: str | None = None
-    """The dtype the recipe's matmuls run in: whose peak MFU is measured against."""
+    """The dtype the recipe's matmuls run in, whose peak MFU is measured against."""
     peak_flops_per_s: float | None = None
-    """That dtype's measured peak matmul rate."""
     mfu: float | None = None
     """Model FLOPs per step / median step time / peak."""
     final_train_loss: float | None = None
-    """Last epoch's training loss (median)."""
     task: str | None = None
-    """The task its runs trained (classify, binary, multilabel, regression, lm; loss: an explicit --loss only)."""
+    """classify, binary, multilabel, regression, lm; loss: an explicit --loss only."""
     metric: str | None = None
-    """The key of the runs' summaries holding the task's main metric (``test_accuracy``, ``test_r2``...)."""
+    """The summaries' key of the task's main metric (``test_accuracy``, ``test_r2``...)."""
     test_metric: Spread | None = None
-    """That main metric over the repeats: what the table shows and compares with fp32."""
     test_accuracy: Spread | None = None
-    """Classifiers: test accuracy (0..1)."""
+    """0..1."""
     test_loss: Spread | None = None
-    """Test loss."""
     bits_per_char: Spread | None = None
-    """Language models: bits per character."""
     language_model: bool | None = None
-    """True when its runs report bits per character (the table then shows test loss, not accuracy)."""
+    """Its runs report bits per character (the table shows test loss, not accuracy)."""
     skipped_steps: int | None = None
     """Most skipped (non-finite) steps of a repeat."""
     final_loss_scale: float | None = None
-    """Loss scale at the end (median)."""
     speedup_vs_fp32: float | None = None
     """fp32's median epoch time / this recipe's."""
     memory_saving_vs_fp32: float | None = None
@@ -407,21 +340,18 @@ class SummaryRow:
     accuracy_delta_vs_fp32_pp: float | None = None
     """Test accuracy minus fp32's, in percentage points."""
     test_loss_delta_vs_fp32: float | None = None
-    """Test loss minus fp32's."""
     metric_delta_vs_fp32: float | None = None
-    """The main metric's median minus fp32's (in the metric's own units: accuracy as a fraction)."""
+    """In the metric's own units (accuracy as a fraction)."""
     parity: ParityResult | None = None
-    """Convergence parity with fp32's seed band."""
     prediction: Prediction | None = None
-    """The plan's prediction of its step peak and step time, and the measured/predicted ratios (None: the
-    bench ran with ``--no-plan``)."""
+    """None with ``--no-plan``."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, d: Any) -> SummaryRow:
-        """Any dict as a row (damaged fields become None), so a stored table can always be printed."""
+        """Any dict as a row (damaged fields become None)."""
         d = _dict(d)
         failures = d.get("failures")
         return cls(recipe=str(d.get("recipe")), impl=_str(d.get("impl")), runs_ok=_int(d.get("runs_ok")) or 0,

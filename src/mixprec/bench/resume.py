@@ -1,13 +1,9 @@
 """``mixprec bench --resume DIR``: continue an interrupted (or partly failed) bench in its own folder.
 
-The bench is the one ``DIR/results.json`` describes (its :class:`~mixprec.bench.config.BenchConfig`): the
-command line may change only :data:`~mixprec.bench.config.RESUME_MAY_CHANGE` (how long a run may take,
-plots, where the same data lies); any other flag is refused, naming it, before anything is built or run.
-A run is kept when ``DIR/runs/RECIPE-rN.json`` holds a successful result of that (recipe, repeat) and seed;
-every other (recipe, repeat) — missing, failed, or damaged — runs again. The peaks are measured again;
-every row carries the number of the invocation that ran it (1 for the first, then one more per resume),
-and ``results.json`` lists the invocations with their peaks, since rows of different invocations were
-not timed side by side.
+The bench is the one ``DIR/results.json`` describes; the command line may change only
+:data:`~mixprec.bench.config.RESUME_MAY_CHANGE`. A run is kept when ``DIR/runs/RECIPE-rN.json`` holds a successful
+result of that recipe, repeat and seed; every other runs again. Each row carries the number of the invocation
+that ran it, and ``results.json`` lists the invocations with their peaks.
 """
 
 from __future__ import annotations
@@ -33,17 +29,13 @@ class Previous:
     """What a bench folder holds from its earlier invocations."""
 
     path: str
-    """The folder."""
     config: BenchConfig
-    """The bench it ran."""
     invocation: int
     """The number of its last invocation."""
     invocations: list[dict[str, Any]]
-    """Its earlier invocations as results.json lists them (number, created, peaks, environment, runs)."""
 
     def finished(self, specs: Iterable[Any]) -> list[RunResult]:
-        """The successful results the folder holds for these specs (``runs/RECIPE-rN.json``), in spec order;
-        a result from before its invocation was recorded gets the folder's last invocation."""
+        """The successful results the folder holds for these specs, in spec order."""
         kept = []
         for spec in specs:
             result = RunResult.from_dict(_read_json(os.path.join(self.path, "runs", f"{spec.name}.json")))
@@ -52,14 +44,13 @@ class Previous:
         return kept
 
     def check_same_bench(self, config: BenchConfig) -> None:
-        """Refuse ``config`` when it is not this folder's bench but for what :data:`RESUME_MAY_CHANGE` allows
-        (a config built by hand with ``resume=`` set, rather than by :func:`resume_config`)."""
+        """Refuse ``config`` when it differs from this folder's bench beyond :data:`RESUME_MAY_CHANGE`."""
         changed = [n for n in changed_settings(self.config, config) if n not in ("out", "resume")]
         check_resume_changes(self.path, changed)
 
 
 def changed_settings(a: BenchConfig, b: BenchConfig) -> list[str]:
-    """The settings (bench's and train's, by their Python names) in which ``b`` differs from ``a``."""
+    """The settings (by Python name) in which ``b`` differs from ``a``."""
     fa, fb = a.train.flags(), b.train.flags()
     return ([k for k in BENCH_FLAGS if getattr(a, k) != getattr(b, k)]
             + [k for k in fa if fa[k] != fb.get(k)])
@@ -74,8 +65,7 @@ def _read_json(path: str) -> Any:
 
 
 def load_previous(path: str) -> Previous:
-    """Read the bench folder ``path``; ConfigError (one line, exit 2) when it is not one this version can
-    continue."""
+    """Read the bench folder ``path``; ConfigError when this version cannot continue it."""
     head = f"--resume {path}"
     if not os.path.exists(path):
         raise ConfigError(f"{head}: no such folder; pass the --out folder of an earlier mixprec bench")
@@ -107,8 +97,7 @@ def load_previous(path: str) -> Previous:
 
 
 def check_resume_changes(path: str, given: Iterable[str]) -> None:
-    """Refuse, naming it, the first setting in ``given`` (flag names as Python names) that a resumed bench
-    may not change."""
+    """Refuse the first setting in ``given`` that a resumed bench may not change."""
     for name in given:
         if name not in RESUME_MAY_CHANGE and name != "resume":
             shown = bench_flag(name)
@@ -119,9 +108,8 @@ def check_resume_changes(path: str, given: Iterable[str]) -> None:
 
 
 def resume_config(path: str, changes: dict[str, Any]) -> BenchConfig:
-    """The bench of folder ``path`` with ``changes`` applied (bench settings and train flags by their Python
-    names, only those :data:`RESUME_MAY_CHANGE` allows); checked in that order before anything is read
-    further or built."""
+    """The bench of folder ``path`` with ``changes`` applied (only those :data:`RESUME_MAY_CHANGE` allows, checked
+    before anything is read)."""
     check_resume_changes(path, changes)
     previous = load_previous(path)
     config = previous.config

@@ -1,24 +1,14 @@
 """Run the (recipe, repeat) matrix, one fresh subprocess per run, one at a time.
 
-Each run gets its own interpreter (:mod:`mixprec.bench.worker`): memory peaks start clean, and no kernel
-cache, allocator pool or thread pool warmed by one recipe speeds up the next. Runs go repeat-major
-(``fp32 s0, amp s0, bf16 s0, fp32 s1, ...``) so that slow drifts of a shared machine hit every recipe
-alike. Repeat ``r`` uses seed ``seed + r`` for every recipe: the same initial weights and data order
-across recipes, different ones across repeats.
+Each run gets its own interpreter (:mod:`mixprec.bench.worker`), so memory peaks start clean and no cache warmed
+by one recipe speeds up the next. Runs go repeat-major, so slow drifts of a shared machine hit every recipe alike;
+repeat ``r`` uses seed ``seed + r`` for every recipe. A worker that leaves no result (a signal, out of memory, a
+timeout) becomes a failed row naming the exit status and quoting its log's last line; the rest still runs. Every
+result stays in ``OUT/runs/RECIPE-rN.json`` (what ``--resume`` keeps).
 
-A worker that exits without a result file (killed by a signal, out of memory, a crash in native code),
-writes something that is not a result, cannot be started, or runs past ``timeout`` becomes a failed row
-whose reason names the exit status and quotes the last line of its log (``OUT/logs/RECIPE-rN.log``); the
-rest of the matrix still runs. Every finished run's result, completed with what the runner knows (exit
-status, process wall time, log, invocation), stays in ``OUT/runs/RECIPE-rN.json``: that file is what
-``--resume`` keeps.
-
-**Stopping.** No worker outlives the matrix. When bench is interrupted (SIGINT, or SIGTERM while inside
-:func:`stop_on_signals`, which raises :class:`Stopped`) or anything else escapes while a worker runs, the
-worker gets the same signal, ``STOP_GRACE_S`` seconds to exit, then SIGKILL, and is waited for; then the
-interrupt goes on up to the caller, which still has every finished run (its ``on_done`` saw each one).
-The first signal switches SIGINT/SIGTERM to "ignore" until :func:`stop_on_signals` exits, so a second
-Ctrl-C cannot cut that bounded clean-up short and orphan the worker.
+Stopping: no worker outlives the matrix. On an interrupt (or anything escaping) the worker gets the same signal,
+``STOP_GRACE_S`` seconds, then SIGKILL, and is reaped; the first signal makes SIGINT/SIGTERM ignored until
+:func:`stop_on_signals` exits, so a second Ctrl-C cannot orphan the worker.
 """
 
 from __future__ import annotations
@@ -46,9 +36,7 @@ STOP_GRACE_S = 10.0
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived (raised by the handler :func:`stop_on_signals` installs).
-
-    A KeyboardInterrupt, so code that handles Ctrl-C handles SIGTERM alike; ``signum`` says which."""
+    """SIGINT or SIGTERM arrived (:func:`stop_on_signals`); a KeyboardInterrupt, so SIGTERM is handled as Ctrl-C."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -62,9 +50,8 @@ def signal_of(e: BaseException) -> signal.Signals:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """While inside, SIGINT and SIGTERM raise :class:`Stopped` — once; later ones are ignored until the
-    block exits, so the clean-up the first one starts runs to its end. Outside the main thread (where
-    Python cannot install handlers) it does nothing."""
+    """While inside, SIGINT and SIGTERM raise :class:`Stopped` once; later ones are ignored until the block exits.
+    A no-op outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -89,15 +76,11 @@ class RunSpec:
     """What one worker runs (its ``SPEC`` file)."""
 
     recipe: str
-    """Canonical recipe name."""
     repeat: int
-    """Repeat index r."""
     seed: int
-    """Its seed (the bench's seed + r)."""
     config: dict[str, Any]
-    """The run's :meth:`TrainConfig.to_dict() <mixprec.train.config.TrainConfig.to_dict>`."""
+    """The run's ``TrainConfig.to_dict()``."""
     warmup_steps: int
-    """Steps of every epoch left out of the timings."""
 
     @property
     def name(self) -> str:
@@ -137,7 +120,7 @@ def failed_reason(returncode: int | None, log_path: str, *, timeout: float | Non
 
 
 def _stop_worker(proc: subprocess.Popen, sig: int | None) -> None:
-    """Send ``sig`` (None: straight to SIGKILL), wait up to STOP_GRACE_S, then SIGKILL; always reaped."""
+    """Send ``sig`` (None: SIGKILL), wait up to STOP_GRACE_S, then SIGKILL; always reaped."""
     try:
         if sig is not None and proc.poll() is None:
             proc.send_signal(sig)
@@ -171,7 +154,6 @@ def _read_result(path: str) -> dict[str, Any] | None:
 
 
 def _run_one(spec: RunSpec, out_dir: str, timeout: float | None, env: dict[str, str], invocation: int) -> RunResult:
-    """Run one worker to its end; its result, or a failed row saying why there is none."""
     spec_path = os.path.join(out_dir, "runs", f"{spec.name}.spec.json")
     result_path = os.path.join(out_dir, "runs", f"{spec.name}.json")
     log_path = os.path.join(out_dir, "logs", f"{spec.name}.log")
@@ -203,9 +185,8 @@ def _run_one(spec: RunSpec, out_dir: str, timeout: float | None, env: dict[str, 
 
 
 def worker_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a worker process: this process's (or ``env``), unbuffered, with this process's
-    ``sys.path`` first on ``PYTHONPATH``, so a worker imports what the caller imported (a module its script or
-    notebook found through ``sys.path.insert``)."""
+    """A worker's environment: this process's (or ``env``), unbuffered, with this process's ``sys.path`` first on
+    ``PYTHONPATH``, so a worker imports what the caller imported."""
     child = dict(os.environ if env is None else env)
     child.setdefault("PYTHONUNBUFFERED", "1")
     paths = [os.path.abspath(p or os.curdir) for p in sys.path]
@@ -223,13 +204,8 @@ def execute_matrix(
     env: dict[str, str] | None = None,
     invocation: int = 1,
 ) -> list[RunResult]:
-    """Run every spec in its own ``python -m mixprec.bench.worker``; returns one result per spec, each
-    marked with ``invocation``.
-
-    ``on_done(i, n, result)`` is called as each run finishes, so a caller that is interrupted (the
-    KeyboardInterrupt or :class:`Stopped` propagates, after the running worker is stopped) still has
-    every finished result.
-    """
+    """Run every spec in its own ``python -m mixprec.bench.worker``; one result per spec. ``on_done(i, n, result)``
+    is called as each finishes, so an interrupted caller still has every finished result."""
     os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     child_env = worker_env(env)

@@ -1,22 +1,9 @@
-"""One bench invocation, start to end: plan → measure the machine → run the matrix → report.
+"""One bench invocation, start to end: plan → measure the machine → predict → run the matrix → report.
 
-- :func:`~mixprec.bench.plan.plan` checks everything before any run (exit 2 at once, not after an hour).
-- :func:`~mixprec.bench.machine.measure_machine` counts the FLOPs and measures the peaks; the console
-  shows the plan and one preflight line per recipe; :func:`~mixprec.bench.predict.predict` has ``mixprec
-  plan`` predict each recipe's step peak and step time (its own process; ``--no-plan`` skips it).
-- :func:`~mixprec.bench.runner.execute_matrix` runs each (recipe, repeat) in a fresh subprocess, one line
-  per finished run.
-- :meth:`Session.report` prints the table and writes ``results.json``, ``results.md`` and the plots.
-
-Nothing is lost: every finished run's result is in ``OUT/runs/RECIPE-rN.json``, and ``results.json`` /
-``results.md`` are rewritten after every finished run (``progress.state`` "running"), so they hold the
-finished rows whatever happens next. SIGINT or SIGTERM stops the running worker
-(:mod:`mixprec.bench.runner`); :meth:`Session.interrupted` writes the report of the finished runs
-(``progress.state`` "interrupted by SIGINT") and says in one line what was kept. ``--resume OUT`` then
-runs the rest (:mod:`mixprec.bench.resume`).
-
-Exit status: 0 when every run succeeded, 1 when any failed (their rows say why) or the report could not
-be written, 2 for usage errors (raised), 128 + the signal number when interrupted.
+Nothing is lost: every finished run is in ``OUT/runs/RECIPE-rN.json`` and ``results.json``/``results.md`` are
+rewritten after each; on SIGINT/SIGTERM :meth:`Session.interrupted` writes the report of the finished runs and
+``--resume OUT`` runs the rest. Exit status: 0, 1 when a run failed or the report could not be written, 2 for
+usage errors (raised), 128 + the signal number when interrupted.
 """
 
 from __future__ import annotations
@@ -50,17 +37,13 @@ class Session:
         self.plan: Plan | None = None
         self.machine: Machine | None = None
         self.results: list[RunResult] = []
-        """Finished runs: the kept ones of a resumed bench, then this invocation's."""
+        """The kept runs of a resumed bench, then this invocation's."""
         self.doc: dict[str, Any] | None = None
-        """The final results.json document, once the report is written."""
         self.lock: OutputLock | None = None
-        """This bench's hold on its folder: a second bench on a live folder is refused."""
         self.predicting = False
-        """Whether the planner's process is running (before the first run)."""
 
     def run(self) -> int:
-        """Plan, measure, run, report; the exit status (UsageError raised for exit 2). The folder stays
-        held after an interrupt until :meth:`interrupted` has written what was kept."""
+        """The exit status. After an interrupt the folder stays held until :meth:`interrupted` has run."""
         interrupted = False
         try:
             return self._run()
@@ -97,7 +80,6 @@ class Session:
         return self.report()
 
     def finished(self, i: int, n: int, result: RunResult) -> None:
-        """A run finished: show it, and rewrite results.json / results.md with every finished run."""
         self.results.append(result)
         progress_line(i, n, result)
         try:
@@ -107,7 +89,6 @@ class Session:
                   file=sys.stderr, flush=True)
 
     def report(self) -> int:
-        """Print the table, write results.json / results.md (first) and the plots; the exit status."""
         p = self.plan
         doc = self.doc = build_document(p, self.machine, self.results, "complete")
         say("")
@@ -128,7 +109,7 @@ class Session:
         return 1 if failed else 0
 
     def interrupted(self, e: BaseException) -> int:
-        """Write what the finished runs give, say in one line what was kept; 128 + the signal number."""
+        """Write what the finished runs give, say what was kept; 128 + the signal number."""
         sig = signal_of(e)
         p, done = self.plan, len(self.results)
         head = f"mixprec bench: interrupted by {sig.name}"

@@ -1,15 +1,9 @@
-"""One bench run — one (recipe, repeat) — in a fresh interpreter: ``python -m mixprec.bench.worker SPEC OUT``.
+"""One bench run in a fresh interpreter: ``python -m mixprec.bench.worker SPEC OUT``.
 
-``SPEC`` is a :class:`~mixprec.bench.runner.RunSpec` as JSON (recipe, repeat, seed, warm-up steps and the
-run's ``TrainConfig.to_dict()``); the worker trains with the trainer itself
-(:func:`mixprec.train.build.build_run` + :func:`~mixprec.train.loop.train`, logging off so no ``.item()``
-lands in the timed steps), then, outside the timed run, probes the measured memory peak of one step
-(:func:`mixprec.bench.measure.probe_step_memory`), and writes a :class:`~mixprec.bench.results.RunResult`
-to ``OUT``.
-
-A run that raises (including out-of-memory) or stops on a non-finite loss writes ``status: "failed"``
-with the reason and exits 1; a run that dies outright (signal, hard OOM kill) writes nothing, and the
-parent reports the exit status instead. Either way the rest of the matrix goes on.
+``SPEC`` is a :class:`~mixprec.bench.runner.RunSpec`; the worker trains with the trainer itself (logging off),
+then probes one step's memory peak outside the timed run and writes a :class:`~mixprec.bench.results.RunResult`
+to ``OUT``. A run that raises or stops on a non-finite loss writes ``status: "failed"`` and exits 1; one that
+dies outright writes nothing, and the parent reports its exit status.
 """
 
 from __future__ import annotations
