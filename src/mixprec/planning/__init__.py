@@ -1,13 +1,9 @@
 """``mixprec plan``: memory and step time of every recipe before running, for models and GPUs you do not have.
 
-- :mod:`.targets` -- the devices (a documented GPU table; ``cpu`` measured here);
-- :mod:`.recorder` -- a dispatch mode recording allocations, the peak and every op's work;
-- :mod:`.trace` -- one steady-state step of one recipe under ``FakeTensorMode``, the recipe as the target
-  would run it, host reads modelled;
-- :mod:`.roofline` -- step time from the ops; :mod:`.api` -- :func:`plan`; :mod:`.report` -- table,
-  verdict, JSON and PNG; :mod:`.command` -- the CLI.
-
-The package is ``planning`` so that ``mixprec.plan`` can be the function.
+:mod:`.targets` (the devices), :mod:`.recorder` (allocations, the peak, every op's work), :mod:`.trace` (one
+steady-state step under ``FakeTensorMode``), :mod:`.roofline` and :mod:`.kernels` (step time), :mod:`.api`
+(:func:`plan`), :mod:`.report`, :mod:`.command`. The package is ``planning`` so that ``mixprec.plan`` can be the
+function.
 """
 
 from .api import Plan, PlanError, RecipePlan, plan

@@ -1,17 +1,12 @@
 """``mixprec.plan(...)``: memory and step time of each recipe on a target, before running anything.
 
-For each recipe: trace one steady-state step (:mod:`.trace`), price its ops on the target (:mod:`.roofline`;
-on the cpu target the GEMMs, convolutions and attention are timed on this CPU instead: :mod:`.kernels`), and
-find the largest batch that fits. The data, the batch and the model builder are made once and shared by every
-recipe; each recipe gets its own fresh fake model (conversion changes the model) and its own trace.
+For each recipe: trace one steady-state step (:mod:`.trace`), price its ops on the target (:mod:`.roofline`; on
+the cpu target GEMMs, convolutions and attention are timed on this CPU: :mod:`.kernels`), and find the largest
+batch that fits. Data, batch and model builder are shared; each recipe gets its own fake model and trace.
 
-**Largest batch.** Every phase of the step (forward, backward, optimizer) has its own peak; the bytes alive
-at a phase's peak that grow with the batch (activations; temporaries outside the optimizer step) scale
-linearly with it, the rest (parameters, gradients, optimizer state, masters, autocast weight copies, FP8
-weights and scales, the optimizer's temporaries) does not. The largest batch is the largest ``B`` with every
-phase's ``fixed + B / traced_batch * growing`` within the target's memory. Linear scaling is exact for
-per-sample activations; a model whose activations grow faster (attention without a fused kernel grows with
-the sequence, not the batch, so it stays linear in the batch) is checked by the tests at twice the batch.
+Largest batch: at each phase's peak (forward, backward, optimizer) the bytes that grow with the batch
+(activations, temporaries outside the optimizer step) scale linearly with it, the rest is fixed; the largest
+batch is the largest ``B`` with every phase's ``fixed + B / traced_batch * growing`` within the target's memory.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ __all__ = ["RecipePlan", "Plan", "plan", "PlanError", "Planner", "TaskLoss"]
 
 
 class PlanError(UsageError):
-    """A plan that cannot be made as asked (no recipe, a bad batch); the message names the fix."""
+    """A plan that cannot be made as asked; the message names the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +61,6 @@ class RecipePlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A plan: the target and one :class:`RecipePlan` per recipe, with a verdict."""
 
     target: Target
     recipes: tuple[RecipePlan, ...]
@@ -107,7 +101,7 @@ def _max_batch(trace: StepTrace, memory_bytes: int) -> int:
 
 
 def _scaled(trace: StepTrace, batch_size: int) -> StepTrace:
-    """A trace measured at a small batch (``--fallback-real``), with what grows scaled to ``batch_size``."""
+    """A small-batch trace (``--fallback-real``) with what grows scaled to ``batch_size``."""
     k = batch_size / trace.batch_size
     phase_peak = {p: int(v + (k - 1) * trace.batch_bytes.get(p, 0)) for p, v in trace.phase_peak.items()}
     at_peak = dict(trace.at_peak)
@@ -146,9 +140,7 @@ def _recipe_plan(trace: StepTrace, target: Target, *, tf32: bool, notes: list[st
 
 
 def _measured(ops, target: Target, kernel_times: KernelTimes | None) -> dict | None:
-    """The timed kernels of ``ops`` (:mod:`.kernels`); a call the roofline prices above
-    :attr:`KernelTimes.longest_s` is not timed (a large GEMM reaches its efficiency factor, and a slow kernel
-    path -- CPU fp16 -- would take minutes)."""
+    """The timed kernels of ``ops``; a call the roofline prices above :attr:`KernelTimes.longest_s` is not timed."""
     if kernel_times is None:
         return None
     eff = efficiency_for(target)
@@ -176,22 +168,15 @@ def plan(
     """Predict memory by category, peak, largest batch, FLOPs by dtype and step time of each recipe.
 
     Args:
-        precisions: recipe names or aliases (or one comma-separated string); target: ``cpu`` (this machine,
-            measured) or a GPU of :data:`mixprec.planning.targets.TARGETS`.
-        config: a :class:`~mixprec.train.config.TrainConfig`; else one is made from ``flags`` (train's flag
-            names: ``model="mlp"``, ``dataset="digits"``, ``batch_size=64``, ``optimizer="adamw"``...).
-        model: instead of the config's model: a module (copied as fake tensors, never changed) or a
-            zero-argument factory (called under fake tensors: a Hugging Face ``LlamaForCausalLM(config)``
-            allocates nothing).
-        batch: instead of a batch from the config's data: ``(inputs, targets)``, ``(in_1, ..., targets)`` or a
-            dict (the model contract, :mod:`mixprec.train.contract`).
-        loss_fn, make_optimizer: an explicit loss ``(raw output, targets)`` and ``params -> optimizer``
-            (default: the config's ``--loss`` -- else the model's own, else the task's, resolved as train
-            resolves it: :class:`TaskLoss` -- and the config's optimizer).
-        fallback_real: when the model cannot be built under fake tensors (its initialisation reads values),
-            build it for real once and trace fake copies; when its step cannot be traced, run the same step for
-            real on the CPU on ``fallback_batch_size`` samples and scale what grows with the batch. Without it
-            either is a :class:`~.trace.TraceError` naming the op, and nothing is built or run for real.
+        target: ``cpu`` (this machine, measured) or a GPU of :data:`mixprec.planning.targets.TARGETS`.
+        config: a :class:`~mixprec.train.config.TrainConfig`; else one is made from ``flags`` (train's flag names).
+        model: instead of the config's model: a module (copied as fake tensors, never changed) or a zero-argument
+            factory (called under fake tensors, so it allocates nothing).
+        batch: instead of a batch from the config's data, in the model contract's forms (:mod:`mixprec.train.contract`).
+        loss_fn, make_optimizer: default: the config's loss (as train resolves it: :class:`TaskLoss`) and optimizer.
+        fallback_real: a model that cannot be built under fake tensors is built for real once and copied; a step
+            that cannot be traced is run for real on the CPU on ``fallback_batch_size`` samples and scaled. Without
+            it either is a :class:`~.trace.TraceError` naming the op, and nothing runs for real.
     """
     from ..train.config import TrainConfig
 
@@ -225,12 +210,8 @@ def plan(
 
 
 class Planner:
-    """What every recipe of a plan shares, made once -- the target, the config, the model builder, the batch,
-    the loss and the optimizer factory, the fake mode -- and one trace per recipe (:meth:`trace`).
-
-    ``data``: the config's data, already loaded (bench passes its own), so that it is not loaded again.
-    ``fallback_real``: a model that cannot be built under fake tensors is built for real (:class:`.FakeModelSource`).
-    """
+    """What every recipe of a plan shares, made once, and one trace per recipe (:meth:`trace`). ``data``: the
+    config's data if already loaded."""
 
     def __init__(self, *, config, target: str | Target = "cpu", model=None, batch=None, loss_fn=None,
                  make_optimizer=None, data=None, fallback_real: bool = False) -> None:
@@ -253,14 +234,12 @@ class Planner:
         self.models = FakeModelSource(self.build, self.fake_mode, fallback_real=fallback_real,
                                       real=model if isinstance(model, nn.Module) else None)
         self.kernel_times = KernelTimes() if self.target.kind == "cpu" else None
-        """The cpu target's kernels timed on this CPU (:mod:`.kernels`), shared by the recipes."""
 
     def trace(self, name: str) -> tuple[StepTrace, list[str], bool]:
         """``(trace, notes, tf32)`` of recipe ``name`` (canonical) under fake tensors; raises TraceError."""
         return self._trace(name, self.batch, self.models, self.fake_mode)
 
     def trace_real(self, names, batch) -> list[tuple[StepTrace, list[str], bool]]:
-        """Every recipe's step run for real on this CPU on ``batch`` (``--fallback-real``)."""
         models = FakeModelSource(self.build, None)
         return [self._trace(name, batch, models, None) for name in names]
 
@@ -276,24 +255,19 @@ class Planner:
                             kernel_times=self.kernel_times)
 
     def step_time(self, ops, *, dtype_map: dict[str, str] | None = None) -> StepTime:
-        """:func:`.roofline.step_time` of ``ops`` on the target, with the kernels this plan times measured."""
         return step_time(ops, self.target, dtype_map=dtype_map,
                          kernel_times=_measured(ops, self.target, self.kernel_times))
 
 
 class TaskLoss:
-    """The step's default loss, resolved as ``mixprec train`` resolves it (:mod:`mixprec.train.tasks`):
-    ``--task``, else the data source's task, else the task that the first traced output and the batch's real
-    targets imply (:func:`~mixprec.train.tasks.infer_task`: float targets train a regression with MSE, 0/1
-    targets with BCE, class indices with cross-entropy). The contract uses it only when ``--loss`` is auto and
-    the model returns no loss of its own (:func:`mixprec.train.contract.compute_loss`)."""
+    """The step's default loss, resolved as ``mixprec train`` resolves it: ``--task``, else the data's task, else
+    the one the first traced output and the batch's real targets imply (:func:`~mixprec.train.tasks.infer_task`)."""
 
     def __init__(self, config, data, batch) -> None:
         self._asked = config.model.task
         self._hint = getattr(data, "task", None) if data is not None else None
         self._targets = batch.targets if isinstance(batch.targets, torch.Tensor) else None
         self.task = None
-        """The :class:`~mixprec.train.tasks.Task`, once the first traced step has settled it."""
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from torch.utils._python_dispatch import _disable_current_modes
@@ -308,8 +282,7 @@ class TaskLoss:
 
 
 def _inputs(config, model, batch, data=None) -> tuple[Callable[[], nn.Module], str, Any, Any]:
-    """The model builder (shared by every recipe), the model's name, the batch (the contract's Batch) and the
-    data source (None when both the model and the batch were given)."""
+    """The model builder, the model's name, the batch and the data (None when the model and batch were given)."""
     from ..train.build import load_data, model_from_config
     from ..train.contract import as_batch
 
@@ -348,7 +321,7 @@ def _tf32(name: str) -> bool:
 
 
 def _repeat_batch(batch, n: int):
-    """``batch`` grown to ``n`` samples by repeating it (every tensor whose first dimension is the batch's)."""
+    """``batch`` grown to ``n`` samples by repeating it."""
     from ..train.contract import Batch
 
     k = len(batch)

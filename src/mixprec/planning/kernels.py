@@ -1,27 +1,11 @@
 """Kernels the cpu target times on this CPU instead of pricing them by the roofline.
 
-The roofline (:mod:`.roofline`) prices an op by its FLOPs or its bytes. On a GPU, and for large operands on a
-CPU, that is what a kernel's time follows. For the small GEMMs of the models a CPU trains it is not: a CPU
-kernel call has fixed costs that depend on the kind of op, its shapes and its dtype, not on the FLOPs
-(``torch.profiler`` on this project's small models: a 64 x 8 x 8 x 8 convolution's backward takes ~170 us, as
-long as a 20x larger ``mm``; a bf16 ``mm`` at ``d_model`` 32 takes longer than the fp32 one, since oneDNN converts
-and reorders its operands; and PyTorch's CPU flash attention, ``_scaled_dot_product_flash_attention_for_cpu``,
-walks (batch, head, query block) tiles whose count, not the FLOPs, sets its time -- its bf16 backward is 2x the
-fp32 one on the tests' ``nn.TransformerEncoder`` at batch 256, which makes the whole bf16-mixed step slower
-than fp32). No FLOP or byte count gives these, and the ``cpu`` target is the machine the plan runs on: so
-there the planner runs each distinct GEMM, convolution and attention call of the traced step
-(:data:`TIMED_OPS`; the same op, shapes, strides, dtypes and flags) for real, once per plan, on random inputs,
-and uses its time in the step's sum (:func:`.roofline.step_time`). The ops without FLOPs (elementwise, norms,
-casts, the optimizer's update) keep the roofline: they are bandwidth- or dispatch-bound and priced well by it.
-A call whose operands exceed :data:`MAX_OPERAND_BYTES`, or that the roofline prices above
-:attr:`KernelTimes.longest_s`, keeps the roofline too (a large GEMM reaches its efficiency factor, and timing
-it would cost the memory and the minutes the plan exists to save); so do GPU targets, whose kernels the
-machine at hand cannot run.
-
-The traced step records each such call (:class:`KernelSpec`, :func:`kernel_spec`); timing happens after the
-trace, outside the fake mode (:class:`KernelTimes`): a warm-up call, then the median of a few more, bounded by
-a time budget per kernel and one per plan. A call that fails on random inputs keeps the roofline. Being
-measured, these times are the machine's as it is: on a busy machine they read slow, as a real run there would.
+A small CPU kernel's time follows fixed costs of its op kind, shapes and dtype, not its FLOPs, so on the cpu
+target each distinct GEMM, convolution and attention call of the traced step (:data:`TIMED_OPS`; same op,
+shapes, strides, dtypes and flags) runs for real on random inputs, once per plan, and its measured time replaces
+the roofline's (docs/architecture.md, "plan"). Calls over :data:`MAX_OPERAND_BYTES`, calls the roofline prices
+above :attr:`KernelTimes.longest_s`, calls that fail on random inputs, GPU targets and ops without FLOPs keep the
+roofline. Timing: a warm-up, then the median of a few calls, within a per-kernel and a per-plan budget.
 """
 
 from __future__ import annotations
@@ -40,26 +24,22 @@ TIMED_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
 })
-"""The ops with FLOPs that are timed (overload packet names). Only ops whose every input may be any values of
-its shape are run on random inputs: the fused RNN kernels (``mkldnn_rnn_layer`` and its backward) take a
-workspace whose contents their backward trusts -- replayed on random bytes, it crashes the process -- so they
-keep the roofline, as does any op not listed."""
+"""The ops timed: only those whose every input may be any values (the fused RNN kernels' backward trusts its
+workspace: replayed on random bytes it crashes the process)."""
 
 MAX_OPERAND_BYTES = 256 * 2**20
-"""A call whose tensors (inputs and outputs) hold more bytes keeps the roofline (see the module docstring)."""
+"""A call whose tensors (inputs and outputs) hold more bytes keeps the roofline."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """What a tensor argument needs to be made again for real: shape, strides, dtype."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
 
     def make(self, gen: torch.Generator) -> torch.Tensor:
-        """A real tensor of this layout (expanded ones too: a gradient of ``sum`` has stride 0), random normal
-        when floating, zeros otherwise."""
+        """A real tensor of this layout (stride 0 too), random normal when floating, zeros otherwise."""
         n = 1 + sum((d - 1) * st for d, st in zip(self.shape, self.stride)) if all(self.shape) else 0
         base = torch.empty(n, dtype=self.dtype)
         if base.is_floating_point():
@@ -71,16 +51,13 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
-    """One op call of the traced step, its tensors replaced by :class:`TensorSpec` (hashable: the same call
-    made by every layer is timed once)."""
+    """One op call of the traced step, its tensors replaced by :class:`TensorSpec` (hashable: timed once)."""
 
     op: Any
-    """The op overload (``torch.ops.aten....``)."""
     args: tuple
     kwargs: tuple[tuple[str, Any], ...]
 
     def inputs(self, gen: torch.Generator) -> tuple[list, dict]:
-        """Real arguments: random normal floating tensors, zero integer ones, the rest as recorded."""
         return [_real(a, gen) for a in self.args], {k: _real(v, gen) for k, v in self.kwargs}
 
 
@@ -125,8 +102,7 @@ def _nbytes(a: Any) -> int:
 
 
 def kernel_spec(func, args: tuple, kwargs: dict, out_bytes: int = 0) -> KernelSpec | None:
-    """The :class:`KernelSpec` of a call; None when it keeps the roofline (its tensors and ``out_bytes`` of
-    outputs exceed :data:`MAX_OPERAND_BYTES`, or an argument cannot be made again)."""
+    """The :class:`KernelSpec` of a call; None when it keeps the roofline (too large, or not replayable)."""
     try:
         spec = KernelSpec(func, tuple(_spec(a) for a in args), tuple((k, _spec(v)) for k, v in kwargs.items()))
     except TypeError:
@@ -139,27 +115,24 @@ def kernel_spec(func, args: tuple, kwargs: dict, out_bytes: int = 0) -> KernelSp
 class KernelTimes:
     """Measured seconds per :class:`KernelSpec` on this CPU, each measured once (a plan's recipes share them).
 
-    ``budget_s``: no new timed call of a kernel starts after this long (beyond its warm-up); ``repeats``: at
-    most this many timed calls; the median is kept, as the measured steps it is compared with are medians.
-    ``total_budget_s``: once timing has taken this long in all, the calls not timed yet keep the roofline
-    (:attr:`untimed` counts them, and the plan says so) -- a large model on the cpu target has calls of
-    seconds each."""
+    ``budget_s``: no new timed call of a kernel starts after this long; ``repeats``: at most this many timed
+    calls (the median is kept). ``total_budget_s``: after this long in all, calls not timed yet keep the
+    roofline (:attr:`untimed` counts them)."""
 
     def __init__(self, *, budget_s: float = 0.5, repeats: int = 5, total_budget_s: float = 60.0,
                  longest_s: float = 1.0) -> None:
         self.budget_s = budget_s
         self.longest_s = longest_s
-        """The planner does not time a call its roofline prices above this (:func:`.api._measured`)."""
+        """The planner does not time a call its roofline prices above this."""
         self.repeats = repeats
         self.total_budget_s = total_budget_s
         self.spent_s = 0.0
         self.untimed = 0
-        """Distinct calls left to the roofline because the total budget was spent."""
         self.seconds: dict[KernelSpec, float | None] = {}
         """None: the call failed on random inputs (it keeps the roofline)."""
 
     def measure(self, specs) -> dict[KernelSpec, float]:
-        """Times every spec not measured yet; returns the times of those of ``specs`` that could be timed."""
+        """Time every spec not measured yet; the times of those of ``specs`` that could be timed."""
         from torch.utils._python_dispatch import _disable_current_modes
 
         specs = [s for s in specs if s is not None]

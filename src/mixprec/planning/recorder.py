@@ -1,28 +1,18 @@
 """What one traced training step allocates and computes: a ``TorchDispatchMode`` over fake tensors.
 
-Every aten op of the step passes through :class:`StepRecorder` (it sits above ``FakeTensorMode``, so the
-ops compute nothing and allocate nothing). For each op it records:
+Every aten op of the step passes through :class:`StepRecorder` (above ``FakeTensorMode``: nothing is computed or
+allocated). It records:
 
-- **memory**: each output storage it has not seen is an allocation, alive until Python drops the storage
-  (a weak reference's callback marks the free). The live total after every op gives the peak and the
-  moment of the peak; storages that exist before the step (parameters, buffers, optimizer state, fp32
-  masters, the batch) are registered as resident. This is the bookkeeping of PyTorch's
-  ``torch.distributed._tools.mem_tracker.MemTracker`` (storages held by weak reference, the peak after
-  each op), and a test checks that both find the same peak. It is ours because MemTracker's categories are
-  wrong for mixed precision -- autocast's weight copies and FP8 buffers count as activations, the
-  optimizer's foreach temporaries as optimizer state, fp32 masters as "other" -- and because it walks every
-  tracked module after every op, which makes a Llama-8B step several times slower. Here the category of
-  each storage is decided after the step, from what it turned out to be (see :mod:`.trace`).
-- **work**: the op's FLOPs by :func:`mixprec.flops.op_flops` (PyTorch's formulas and mixprec's for CPU
-  attention and fused RNNs), the dtype of its first floating input (``fp8`` for ``_scaled_mm``), and the
-  bytes it moves (inputs read plus outputs written; view ops move nothing). The roofline
-  (:mod:`.roofline`) turns these into time on a target; for the cpu target the GEMM, convolution and
-  attention calls are kept too, to be timed for real (:mod:`.kernels`).
+- **memory**: each output storage not seen before is an allocation, alive until Python drops the storage (a
+  weak reference's callback marks the free); the live total after every op gives the peak and its moment.
+  Storages that exist before the step are registered as resident. This is the bookkeeping of PyTorch's
+  ``MemTracker`` (a test checks both find the same peak), with categories decided after the step from what
+  each storage turned out to be (:mod:`.trace`), which MemTracker's do not get right for mixed precision.
+- **work**: the op's FLOPs (:func:`mixprec.flops.op_flops`), the dtype of its first floating input (``fp8`` for
+  ``_scaled_mm``), the bytes it moves (inputs read plus outputs written; views move nothing), and for the cpu
+  target the GEMM, convolution and attention calls, to be timed (:mod:`.kernels`).
 
-A step dispatches tens of thousands of ops of a few dozen overloads, so what the recorder needs of an
-overload (its name, whether it is a view or mutates, whether a FLOP formula knows it) is worked out once
-(:func:`_op_info`) and the arguments are flattened once per op; the rest of a trace's time is
-``FakeTensorMode``'s own dispatch.
+What the recorder needs of an op overload is worked out once per overload (:func:`_op_info`): the hot path.
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..flops import op_flops
 from .kernels import TIMED_OPS, KernelSpec, kernel_spec
 
-__all__ = ["Alloc", "OpRecord", "StepRecorder", "dtype_bucket"]
+__all__ = ["Alloc", "OpRecord", "StepRecorder"]
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                 torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8"}
@@ -65,41 +55,25 @@ class OpRecord:
     name: str
     flops: int
     dtype: str
-    """``fp32``, ``bf16``, ``fp16``, ``fp8``... of the first floating input (``other`` when none)."""
+    """The first floating input's (``fp8`` for ``_scaled_mm``, ``other`` when none)."""
     nbytes: int
-    """Bytes read and written (0 for views)."""
     phase: str
     kernel: KernelSpec | None = None
-    """The call, to be timed for real (:mod:`.kernels`: the GEMMs, convolutions and attention, when the
-    recorder keeps them)."""
-
-
-def dtype_bucket(func: Any, args: tuple) -> str:
-    """The dtype an op computes in, for the roofline: FP8 for ``_scaled_mm``, else the first floating input's."""
-    name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
-    if name.startswith("_scaled_mm"):
-        return "fp8"
-    for a in tree_leaves(args):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return _DTYPE_NAMES.get(a.dtype, str(a.dtype).replace("torch.", ""))
-    return "other"
+    """The call, to be timed for real (:mod:`.kernels`)."""
 
 
 class StepRecorder(TorchDispatchMode):
-    """Records allocations, frees, the peak and every op's work while active (see the module docstring).
+    """Records allocations, frees, the peak and every op's work while active.
 
-    Set :attr:`phase` (``forward``, ``backward``, ``optimizer``) as the step moves on; the peak of each phase
-    is kept apart (:attr:`phase_peak`) because they scale differently with the batch.
+    Set :attr:`phase` (``forward``, ``backward``, ``optimizer``) as the step moves on; each phase's peak is kept
+    apart (:attr:`phase_peak`): they scale differently with the batch.
     """
 
     def __init__(self, workspace=None, time_kernels: bool = False) -> None:
         super().__init__()
         self._time_kernels = time_kernels
-        """Keep each call of :data:`.kernels.TIMED_OPS` as a :class:`~.kernels.KernelSpec`, to be timed (the cpu
-        target)."""
         self._workspace = workspace
-        """``(op name, positional args, outputs) -> bytes`` a kernel allocates and frees inside the op
-        (:func:`.workspace.cpu_workspace` for the cpu target; None: no workspace term)."""
+        """``(op name, positional args, outputs) -> bytes`` a kernel allocates and frees inside the op."""
         self.phase = "setup"
         self.seq = 0
         self.live = 0
@@ -108,7 +82,7 @@ class StepRecorder(TorchDispatchMode):
         self.phase_peak: dict[str, int] = {}
         self.phase_peak_seq: dict[str, int] = {}
         self.peak_workspace = 0
-        """Kernel workspace alive at the peak (in no storage: counted as temporary)."""
+        """Kernel workspace alive at the peak (counted as temporary)."""
         self.phase_peak_workspace: dict[str, int] = {}
         self.allocs: list[Alloc] = []
         self.ops: list[OpRecord] = []
@@ -140,7 +114,7 @@ class StepRecorder(TorchDispatchMode):
         self.live -= a.nbytes
 
     def register(self, tensors, category: str) -> None:
-        """Mark tensors that exist before the step (resident: parameters, optimizer state, masters...)."""
+        """Mark tensors that exist before the step (resident)."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 a = self._storage_alloc(t, category)
@@ -149,7 +123,6 @@ class StepRecorder(TorchDispatchMode):
         self._note_peak()
 
     def alloc_of(self, t: torch.Tensor) -> Alloc | None:
-        """The record of ``t``'s storage, if the recorder has seen it."""
         try:
             return self._by_storage.get(t.untyped_storage())
         except (RuntimeError, NotImplementedError):
@@ -206,7 +179,7 @@ class _OpInfo:
     mutable: bool
     scaled_mm: bool
     may_have_flops: bool
-    """Whether a FLOP formula (PyTorch's or mixprec's) knows the op; the others count 0 without asking."""
+    """Whether a FLOP formula knows the op; the others count 0 without asking."""
 
 
 _OP_INFO: dict[Any, _OpInfo] = {}
@@ -217,8 +190,6 @@ of a non-viewable tensor is ``clone`` + ``_unsafe_view``): no kernel, no bytes m
 
 
 def _op_info(func) -> _OpInfo:
-    """What the recorder needs of an op overload, worked out once per overload (a step dispatches thousands
-    of ops of a few dozen kinds)."""
     info = _OP_INFO.get(func)
     if info is None:
         from torch.utils import flop_counter as _fc
@@ -235,7 +206,6 @@ def _op_info(func) -> _OpInfo:
 
 
 def _leaves(args: tuple, kwargs: dict) -> tuple[list, list]:
-    """The leaves of an op's positional and keyword arguments (the common flat case without pytree's walk)."""
     if any(isinstance(a, (list, tuple, dict)) for a in args):
         positional = tree_leaves(args)
     else:
@@ -244,7 +214,7 @@ def _leaves(args: tuple, kwargs: dict) -> tuple[list, list]:
 
 
 def _bucket(info: _OpInfo, leaves: list) -> str:
-    """:func:`dtype_bucket` from the already flattened positional arguments."""
+    """The dtype an op computes in, for the roofline, from its flattened positional arguments."""
     if info.scaled_mm:
         return "fp8"
     for a in leaves:

@@ -119,8 +119,7 @@ def write_json(p, path: str) -> None:
 
 
 def plot_memory(p, path: str) -> str | None:
-    """A stacked bar per recipe of the memory alive at its peak, by category (needs matplotlib; returns the
-    path, or None without matplotlib)."""
+    """A stacked bar per recipe of the memory alive at its peak, by category; None without matplotlib."""
     try:
         import matplotlib
 

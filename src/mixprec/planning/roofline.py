@@ -1,28 +1,13 @@
 """Step time on a target from the traced ops: a roofline with efficiency factors.
 
-Each op of the traced step takes ``max(compute, memory, launch) + overhead``: ``compute = FLOPs / (peak[dtype] *
-gemm_efficiency[dtype])`` for the ops with FLOPs (matmuls, convolutions, attention: the GEMMs), at the peak
-of the dtype they run in (:class:`~.targets.Target`); ``memory = bytes moved / (bandwidth *
-memory_efficiency)`` for every op (elementwise ops, norms, casts, the optimizer's update are bandwidth-bound);
-``launch`` is the target's least time per op (a GPU's kernel launch; 0 on the cpu target), and ``overhead``
-the host time each op adds before its kernel (:attr:`Efficiency.op_overhead_s`, plus ``lowp_gemm_overhead_s``
-for a GEMM in bf16/fp16/fp8: eager dispatch, which a CPU pays in line and a GPU hides behind its queue, so 0
-there). View ops cost nothing. The step time is the sum (eager PyTorch runs one op after another) plus the step's own
-host time (:attr:`Efficiency.step_overhead_s`; 0 on GPU targets). On the cpu target an op the roofline cannot
-price there (the small GEMMs, convolutions and attention of the models a CPU trains: :mod:`.kernels`) takes
-the time it was measured to take on this CPU instead, plus its host overhead.
+Each op takes ``max(compute, memory, launch) + overhead``: ``compute = FLOPs / (peak[dtype] *
+gemm_efficiency[dtype])`` for ops with FLOPs, ``memory = bytes moved / (bandwidth * memory_efficiency)``,
+``launch`` the target's least time per op (0 on the cpu target), ``overhead`` the host time each op adds (0 on
+GPUs, whose dispatch runs ahead of the kernels). Views cost nothing. The step is the sum plus the step's own host
+time. On the cpu target the calls :mod:`.kernels` timed take their measured time instead.
 
-The efficiency factors say how close real kernels come to the datasheet. **GPU targets** use fixed factors
-(:data:`GPU_EFFICIENCY`): large cuBLAS GEMMs reach about 70% of the dense tensor-core peak in bf16/fp16 and
-somewhat less in FP8, and streaming kernels about 80% of the bandwidth -- figures that vary with shapes and
-are not calibrated here (no GPU). **The cpu target** uses :data:`CPU_EFFICIENCY`, fitted by
-``benchmarks/plan_vs_measured.py --calibrate``: it measures real step times of calibration models (SimpleNet,
-residual CNNs, a GRU, an MLP-Mixer, an LSTM, two GPTs; fp32 and bf16-mixed), traces the same steps, times their
-GEMM, convolution and attention calls as the plan does, and solves for what is left -- the bandwidth factor of
-the other ops, the host time every op adds (eager dispatch, autograd's bookkeeping) and the step's own (the
-loop's Python) -- by non-negative least squares of the relative errors; the GEMM factors (for the calls too
-large to time) are fitted on the timed calls. The models it checks the plan on are other families. On another
-CPU rerun the calibration.
+GPU targets use fixed factors (:data:`GPU_EFFICIENCY`, not calibrated here); the cpu target uses
+:data:`CPU_EFFICIENCY`, fitted by ``benchmarks/plan_vs_measured.py --calibrate`` (rerun it on another CPU).
 """
 
 from __future__ import annotations
@@ -50,14 +35,9 @@ class Efficiency:
     """Fraction of the bandwidth a bandwidth-bound op reaches."""
     default: float = 0.5
     op_overhead_s: float = 0.0
-    """Host time every op adds on top of its roofline time: eager dispatch (Python, the dispatcher, autograd's
-    bookkeeping) runs before each CPU kernel, so on a CPU it adds up; a GPU's kernels run asynchronously behind
-    it (0: the target's ``launch_s`` floor stands for it there)."""
+    """Host time every op adds on top of its roofline time (eager dispatch; 0 on GPUs)."""
     lowp_gemm_overhead_s: float = 0.0
-    """Added to ``op_overhead_s`` for an op with FLOPs (a GEMM: matmul, convolution) computing in bf16/fp16/fp8:
-    on a CPU such a kernel call also converts or reorders its operands (oneDNN), a fixed cost per call that
-    small GEMMs feel (``torch.profiler``: a bf16 ``mm`` at the user transformer's shapes takes longer than
-    the fp32 one); a low-precision elementwise op or cast shows no such cost."""
+    """Added to ``op_overhead_s`` for a GEMM in :data:`LOWP_DTYPES` (a CPU kernel converts or reorders operands)."""
     step_overhead_s: float = 0.0
     """Host time per step outside the ops (the training loop's and the optimizer's Python)."""
     source: str = ""
@@ -88,17 +68,15 @@ class StepTime:
 
     total_s: float
     gemm_s: float
-    """Ops with FLOPs (at their compute, memory or launch bound, whichever is larger)."""
+    """Ops with FLOPs."""
     memory_s: float
     """Ops without FLOPs (bandwidth or launch)."""
     overhead_s: float
-    """Host overhead: every op's (:attr:`Efficiency.op_overhead_s`, ``lowp_gemm_overhead_s``) and the step's
-    (``step_overhead_s``); 0 on GPU targets."""
+    """Host overhead, every op's and the step's; 0 on GPU targets."""
     ops: int
     flops_by_dtype: dict[str, int]
     timed_s: float = 0.0
-    """Ops timed for real on this CPU instead of their roofline terms (:mod:`.kernels`; the cpu target only):
-    the calls themselves; the host overhead of a step's op around its call is in ``overhead_s``."""
+    """Ops timed on this CPU (:mod:`.kernels`), their host overhead aside."""
     timed_ops: int = 0
 
     def to_dict(self) -> dict:
@@ -108,11 +86,8 @@ class StepTime:
 def step_time(ops: list[OpRecord], target: Target, efficiency: Efficiency | None = None, *,
               dtype_map: dict[str, str] | None = None, kernel_times: Mapping[KernelSpec, float] | None = None,
               ) -> StepTime:
-    """The roofline time of ``ops`` on ``target`` (see the module docstring). ``dtype_map`` renames a
-    dtype's peak (the tf32 recipe's fp32 GEMMs run at the ``tf32`` peak where the target has TF32);
-    ``kernel_times``: measured seconds of the ops whose :attr:`~.recorder.OpRecord.kernel` it holds
-    (:class:`.kernels.KernelTimes`), which then replace their roofline terms (and the low-precision GEMM
-    overhead, which the measured call includes)."""
+    """The roofline time of ``ops`` on ``target``. ``dtype_map`` renames a dtype's peak (``{"fp32": "tf32"}``);
+    ``kernel_times``: measured seconds per :attr:`~.recorder.OpRecord.kernel`, replacing their roofline terms."""
     eff = efficiency or efficiency_for(target)
     dtype_map = dtype_map or {}
     kernel_times = kernel_times or {}

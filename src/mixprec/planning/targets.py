@@ -1,17 +1,10 @@
 """Where a planned run would happen: memory, peak FLOP/s per dtype and memory bandwidth of each target.
 
-GPU figures are the vendors' published *dense* peaks (never the "with sparsity" figures, which are twice as
-large), for the SXM/PCIe board named, from the document in each entry's ``source``. Tensor-core FP16/BF16/FP8
-peaks are those with **FP32 accumulation** (what PyTorch's GEMMs use; GeForce cards run FP16 accumulation
-at twice that rate, which PyTorch does not use). ``fp32`` is the non-tensor-core FP32 rate (the ``fp32``
-recipe turns TF32 off); ``tf32`` the TF32 tensor-core rate. Memory is the datasheet's capacity in decimal
-gigabytes (``80 GB`` = 80e9 bytes): the card has a little more (80 GiB), and the difference stands in for
-the CUDA context, cuBLAS workspaces and allocator fragmentation, which the plan does not model.
-
-``cpu`` is *this* machine, measured when asked for: the matmul peaks of bench
-(:func:`mixprec.hardware.measure_matmul_peak`: square GEMMs, best of a few), the bandwidth of a large
-copy, and ``MemTotal`` from ``/proc/meminfo``. fp16 counts as fast only where the CPU has AVX512-FP16 or
-AMX-FP16 (:mod:`mixprec.hardware`), and FP8 is emulated on every CPU (bf16 GEMMs: :mod:`mixprec.fp8`).
+GPU figures are the vendors' published dense peaks (not the sparsity ones), from the document in each entry's
+``source``; tensor-core FP16/BF16/FP8 peaks are those with FP32 accumulation (what PyTorch's GEMMs use); ``fp32``
+is the non-tensor-core rate, ``tf32`` the TF32 tensor-core rate. Memory is the datasheet's capacity in decimal
+gigabytes: the difference to GiB stands in for the CUDA context, workspaces and fragmentation, unmodelled.
+``cpu`` is this machine, measured when asked for (matmul peaks, a large copy's bandwidth, ``MemTotal``).
 """
 
 from __future__ import annotations
@@ -40,26 +33,21 @@ class Target:
     """One device a run could happen on."""
 
     name: str
-    """What ``--target`` calls it."""
     description: str
-    """The product, as its vendor names it."""
     kind: str
-    """``cuda`` (a GPU: CUDA's autocast lists, real FP8 where ``peak_flops`` has fp8) or ``cpu``."""
+    """``cuda`` or ``cpu``."""
     memory_bytes: int
-    """Device memory a run can use."""
     peak_flops: dict[str, float]
-    """Dense peak FLOP/s per GEMM dtype (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``)."""
+    """Dense peak FLOP/s per GEMM dtype."""
     bandwidth: float
     """Memory bandwidth, bytes/s."""
     source: str
-    """Where the figures come from."""
     launch_s: float = 4e-6
-    """Least time one op takes (a GPU kernel's launch), the roofline's floor per op; the cpu target has none,
-    its per-op dispatch is the calibrated ``Efficiency.op_overhead_s`` added to every op instead."""
+    """Least time one op takes (a GPU kernel's launch), the roofline's floor per op; 0 on the cpu target."""
 
     @property
     def fp8_matmul(self) -> bool:
-        """Whether FP8 GEMMs run natively (``torch._scaled_mm``): the ``fp8-mixed`` recipe's real path."""
+        """Whether FP8 GEMMs run natively (``torch._scaled_mm``)."""
         return "fp8" in self.peak_flops
 
     @property
@@ -67,8 +55,7 @@ class Target:
         return "fp16" in self.peak_flops
 
     def peak(self, dtype: str) -> float:
-        """Peak FLOP/s of a GEMM in ``dtype``; a dtype without its own figure runs at fp32's (emulated fp16 on
-        a CPU, say), FP8 without FP8 hardware at bf16's (the emulated path's GEMM)."""
+        """Peak FLOP/s of a GEMM in ``dtype``; without its own figure fp32's (FP8: bf16's, the emulated GEMM)."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
         if dtype == "fp8":
@@ -121,8 +108,7 @@ _GPU_NAMES = (("H100", "h100-sxm"), ("H200", "h200"), ("B200", "b200"), ("A100",
 
 
 def target_for_gpu(device_name: str) -> Target | None:
-    """The table's entry for a GPU by its CUDA device name (``NVIDIA H100 80GB HBM3``), or None when the table
-    has no such GPU (an A100 40GB, an H100 PCIe or NVL are not the boards the table describes)."""
+    """The table's entry for a CUDA device name (``NVIDIA H100 80GB HBM3``), or None for a board it lacks."""
     name = f" {device_name} "
     if "PCIe" in name or "NVL" in name or "GH200" in name or ("A100" in name and "80GB" not in name):
         return None
@@ -134,7 +120,7 @@ def known_targets() -> list[str]:
 
 
 def get_target(name: str | Target) -> Target:
-    """The target called ``name`` (``cpu`` is measured on first use); unknown names list the known ones."""
+    """The target called ``name`` (``cpu`` is measured on first use)."""
     if isinstance(name, Target):
         return name
     key = name.strip().lower()
@@ -184,8 +170,7 @@ def measure_cpu(budget_s: float = 0.5) -> Target:
 
 
 def cpu_target(peak_flops: dict[str, float], *, source: str) -> Target:
-    """This machine with the matmul peaks given (``fp32`` at least; measured by :func:`measure_cpu`, or by a
-    bench in the same invocation), the bandwidth measured now and MemTotal."""
+    """This machine with the matmul peaks given (``fp32`` at least), the bandwidth measured now and MemTotal."""
     cpu = torch.device("cpu")
     return Target(name="cpu", description=hardware.describe_device(cpu), kind="cpu", memory_bytes=_mem_total(),
                   peak_flops=dict(peak_flops), bandwidth=measure_bandwidth(), launch_s=0.0, source=source)

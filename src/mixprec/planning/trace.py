@@ -1,58 +1,26 @@
 """One training step of one recipe, traced under ``FakeTensorMode`` through the real build path.
 
-What runs is what ``mixprec train`` runs, on fake CPU tensors (shapes, dtypes and storages, no data): the
-recipe from :func:`mixprec.precision.build_recipe`, ``recipe.convert_module`` (dtype casts, FP8 layers),
-``recipe.build_optimizer`` (fp32 masters), the optimizer the config names, the model called by the model
-contract (:mod:`mixprec.train.contract`: tuple or dict batches, tensors or ``ModelOutput``), the recipe's
-scaler, masters and the optimizer step. The traced step is the *steady-state* one: before it, the optimizer's
-state is created by one step on zero gradients, outside the trace, as after the first real step.
+What runs is what ``mixprec train`` runs, on fake CPU tensors: :func:`mixprec.precision.build_recipe`,
+``convert_module``, ``build_optimizer``, the model called by the model contract, the scaler, masters and the
+optimizer step. The traced step is the steady-state one: the optimizer's state is created first by one step on
+zero gradients, outside the trace. A GPU target is traced as its device would run the recipe: native autocast
+with CUDA's op lists (through the scratch autocast, which can apply them to CPU tensors), no emulation, real FP8
+GEMMs where the target has them; the built-in models' attention is told the target
+(:func:`~mixprec.train.attention.planned_device`).
 
-**The recipe as it would run on the target.** A GPU target is traced with what its device would pick:
-``--amp-impl auto`` is native (GPUs have fast fp16, so no emulation), the autocast applies CUDA's op lists
-(``mixprec.policy.default_policy("cuda")``) -- through mixprec's scratch autocast, which matches
-``torch.autocast`` op by op and can apply CUDA's lists to CPU tensors -- and FP8 layers take the real
-``torch._scaled_mm`` path where the target has FP8 GEMMs (:func:`mixprec.fp8.planned_gemm_path`), the
-emulated bf16 one elsewhere. The recipe object itself is built for this CPU: a recipe built for a device the
-plan does not have is never run. The ``cpu`` target is traced with the recipe exactly as built here.
+Host reads are modelled as the healthy branch (fake tensors have no values):
 
-**Host reads are modelled, not executed.** Fake tensors have no values, so the places where a step reads a
-value on the host take the branch a healthy step takes:
+1. ``Recipe.backward``: the finite-loss check -- the loss is finite;
+2. ``Recipe.step``: the skip decision of loss-scaled recipes -- the gradients are finite (``unscale_``'s check
+   and unscale are real ops, then ``optimizer.step()`` and ``scaler.update()``);
+3. ``Recipe.step`` with ``--clip-grad-norm``: the finite-norm check -- finite;
+4. :func:`mixprec.fp8.fp8_scale` on CPU tensors reads ``amax``; fake tensors take its device path.
 
-1. ``Recipe.backward``: the finite-loss check (``loss.item()``) of recipes without a loss scaler -- the loss
-   is taken as finite, and backward runs ``recipe.scaler.scale(loss).backward()``;
-2. ``Recipe.step``: the skip decision of loss-scaled recipes (``found_inf.item()``, in GradScaler.step and
-   DynamicLossScaler.step) -- the gradients are taken as finite: ``unscale_`` runs (its inf check and
-   unscale are real ops), then ``optimizer.step()`` and ``scaler.update()``;
-3. ``Recipe.step`` with ``--clip-grad-norm``: the finite-norm check (``bool(isfinite(norm))``) -- finite;
-4. :func:`mixprec.fp8.fp8_scale` on CPU tensors reads ``amax`` on the host; fake tensors take its device
-   path (the same value, computed with tensor ops).
-
-**Memory categories** (one definition with bench's exact accounting, :mod:`mixprec.memory`): parameters,
-gradients, optimizer state and fp32 masters by :func:`mixprec.memory.static_memory`; what autograd saves by
-:class:`mixprec.memory.SavedTensorTracker` (activations, autocast weight copies, FP8 buffers); buffers; and
-**temporary**: everything else alive at the step's peak (activation gradients, kernel outputs not yet freed,
-the optimizer's foreach intermediates, FP8 transposes in backward), from :class:`.recorder.StepRecorder`;
-on the ``cpu`` target also the workspace a kernel allocates and frees inside an op (:mod:`.workspace`).
-
-**Building the model under fake tensors.** The model is built with its parameters fake (Hugging Face models,
-the built-in ones, a model that deep-copies its layers: the planner's fake mode is shared by every copy, never
-copied itself), so a model far larger than this machine's memory is planned. Initialisation that reads values
-(``nn.init.trunc_normal_`` checks ``mask.any()``) cannot run on fake tensors: without ``--fallback-real`` that
-is a :class:`TraceError` naming the op and the flag; with it the model is built for real on the CPU, once, and
-each recipe gets a fake copy. ``Module.to()`` swaps fake parameters with ``torch.utils.swap_tensors``,
-which refuses tensors that have weak references -- and FakeTensorMode's converter keeps one to each tensor it
-makes -- so around ``convert_module`` and ``build_optimizer`` that memo is emptied and holds plain references
-until the conversion ends (:func:`_swappable`).
-
-**Nothing runs for real under the fake mode** (:func:`planning_fake_mode`). FakeTensorMode by default runs an
-aten op that has no fake kernel for real, on zero-filled copies of its inputs at full size: PyTorch's fused SGD
-step (``_fused_sgd_``, the default optimizer's) would allocate every parameter and gradient. Here that fallback
-is off: the fused SGD and Adagrad steps (in-place updates that return nothing, so their fake result is nothing:
-:data:`NO_FAKE_KERNEL`) are given one, and any other such op is a :class:`TraceError` naming it.
-
-**The built-in models are told the target.** Their attention picks its kernel by the tensors' device
-(:func:`mixprec.train.attention.attention`); a GPU target's step runs under
-:func:`~mixprec.train.attention.planned_device` ``("cuda")``, so it takes the CUDA branch on fake CPU tensors.
+Memory categories are :mod:`mixprec.memory`'s, plus buffers and **temporary** (everything else alive at the
+peak, and on the cpu target a kernel's own workspace, :mod:`.workspace`). The model is built with fake
+parameters, so models far larger than this machine are planned; initialisation that reads values is a
+:class:`TraceError` unless ``--fallback-real``. Nothing runs for real under the fake mode
+(:func:`planning_fake_mode`): ops without a fake kernel are a TraceError, except :data:`NO_FAKE_KERNEL`.
 """
 
 from __future__ import annotations
@@ -95,15 +63,13 @@ class StepTrace:
     label: str
     batch_size: int
     totals: dict[str, int]
-    """Exact bytes per category over the step (:data:`mixprec.memory.CATEGORIES` and ``buffers``)."""
+    """Exact bytes per category over the step (``CATEGORIES`` and ``buffers``)."""
     at_peak: dict[str, int]
     """Bytes alive at the step's peak per :data:`AT_PEAK_CATEGORIES`; they add up to ``peak_bytes``."""
     peak_bytes: int
     phase_peak: dict[str, int]
-    """The peak of each phase (``forward``, ``backward``, ``optimizer``)."""
     batch_bytes: dict[str, int]
-    """Bytes alive at each phase's peak that grow with the batch (activations, and temporaries outside the
-    optimizer step)."""
+    """Bytes alive at each phase's peak that grow with the batch."""
     ops: list[OpRecord]
     notes: list[str]
     path: str
@@ -113,13 +79,12 @@ class StepTrace:
 # ------------------------------------------------------------------------------------------ fake mode
 
 NO_FAKE_KERNEL = frozenset({"_fused_sgd_", "_fused_adagrad_"})
-"""Aten ops without a fake kernel that update their input lists in place and return nothing (fused optimizer
-steps): under fake tensors there is nothing to compute, so their fake result is nothing."""
+"""Aten ops without a fake kernel that update their inputs in place and return nothing (fused optimizer steps)."""
 
 
 def planning_fake_mode() -> FakeTensorMode:
-    """The planner's fake mode: it never runs an op for real (no fallback kernels, see the module docstring),
-    and ``copy.deepcopy`` of a fake tensor keeps it (a deep copy of the mode would be a second, foreign one)."""
+    """The planner's fake mode: no fallback kernels (nothing runs for real), and ``copy.deepcopy`` keeps the mode
+    (a copy would be a second, foreign one)."""
     mode = FakeTensorMode(allow_fallback_kernels=False)
     mode.__deepcopy__ = lambda memo: mode  # copy.deepcopy looks __deepcopy__ up on the instance
     return mode
@@ -138,8 +103,8 @@ class _FakeKernels(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _swappable(fake_mode: FakeTensorMode | None) -> Iterator[None]:
-    """Let ``Module._apply`` swap fake parameters (see the module docstring): the converter's weak memo is
-    emptied and replaced by a plain dict for the duration, then restored empty."""
+    """Let ``Module._apply`` swap fake parameters: ``swap_tensors`` refuses tensors with weak references, which
+    the converter's memo holds, so it is a plain dict for the duration, then restored empty."""
     if fake_mode is None:
         yield
         return
@@ -190,14 +155,9 @@ def _clone_structure(model: nn.Module, convert: Callable[[torch.Tensor, bool], t
 
 
 class FakeModelSource:
-    """Makes a fresh fake model per recipe, from a builder of real or fake models (shared by all recipes).
-
-    ``build`` is run under the fake mode (nothing is allocated). If its initialisation reads values, that is a
-    :class:`TraceError` naming ``--fallback-real``; with ``fallback_real`` the model is built for real once
-    instead and each call returns a fake copy. ``real``: a model that exists already (``plan(model=module)``):
-    each call returns a fake copy of it, and it is never changed. Without a fake mode (the real fallback step)
-    every call builds a fresh real model.
-    """
+    """Makes a fresh fake model per recipe, from ``build`` run under the fake mode (``fallback_real``: built for
+    real once, copied fake) or from an existing ``real`` model (copied fake, never changed). Without a fake mode
+    every call builds a fresh real model."""
 
     def __init__(self, build: Callable[[], nn.Module], fake_mode: FakeTensorMode | None, *,
                  fallback_real: bool = False, real: nn.Module | None = None) -> None:
@@ -252,11 +212,8 @@ def _needs_real_tensors(e: BaseException) -> bool:
 # ---------------------------------------------------------------------------------------- the recipe
 
 def recipe_for_target(recipe_config, target: Target) -> tuple[Recipe, Callable[[nn.Module], Any], str | None]:
-    """The recipe built for this CPU, the autocast the target would apply, and the FP8 GEMM path it would take.
-
-    Returns ``(recipe, autocast_for(model), fp8_path)``; ``fp8_path`` is None for the ``cpu`` target (the
-    device decides, as in a real run).
-    """
+    """``(recipe, autocast_for(model), fp8_path)``: the recipe built for this CPU, the autocast the target would
+    apply and its FP8 GEMM path (None for the ``cpu`` target: the device decides)."""
     import dataclasses as dc
 
     if target.kind == "cpu":
@@ -312,8 +269,7 @@ def trace_step(
     *, recipe_config, target: Target, models: FakeModelSource, fake_mode: FakeTensorMode | None, batch,
     make_optimizer: Callable, loss_fn: Callable | None, default_loss: Callable, clip_grad_norm: float | None,
 ) -> StepTrace:
-    """Trace one steady-state training step of one recipe (see the module docstring). Without a
-    ``fake_mode`` the same step runs for real on the CPU (``--fallback-real``, on a small batch)."""
+    """Trace one steady-state training step of one recipe; without a ``fake_mode`` it runs for real on the CPU."""
     from ..fp8 import planned_gemm_path
     from ..train.attention import planned_device
 
@@ -362,14 +318,11 @@ def trace_step(
 
 @contextlib.contextmanager
 def _replayed_scales(rec: StepRecorder, fake: bool) -> Iterator[None]:
-    """Trace each kind of FP8 scale computation once, then replay its ops.
+    """Trace each kind of FP8 scale computation once, then replay its op records.
 
-    :func:`mixprec.fp8._device_scale` (the scale from a 0-dim amax, about twenty 0-dim ops) depends only on
-    the dtypes, so every call of the same kind dispatches the same ops with the same shapes; under fake
-    tensors those dispatches were a third of an FP8 recipe's trace time. The first call of each kind runs and
-    is recorded; later ones append the same op records (same names, FLOPs, bytes and dtypes, in the current
-    phase) and get a fresh fake 0-dim fp32 output -- what the last op would have allocated. What is left out
-    is the 0-dim temporaries between those ops (a few bytes each, freed at once)."""
+    ``fp8._device_scale`` (about twenty 0-dim ops) depends only on the dtypes, so later calls of a kind append the
+    first call's op records (in the current phase) and get a fresh fake 0-dim fp32 output; only the 0-dim
+    temporaries between those ops are left out."""
     if not fake:
         yield
         return
@@ -415,7 +368,7 @@ def _recorder_with_residents(model, optimizer, recipe, fbatch, target: Target) -
 
 def _step(model, recipe, optimizer, fbatch, rec: StepRecorder, tracker, autocast_ctx, *, loss_fn, default_loss,
           clip_grad_norm) -> None:
-    """What ``Recipe.backward`` and ``Recipe.step`` do, with their host reads modelled (module docstring)."""
+    """What ``Recipe.backward`` and ``Recipe.step`` do, with their host reads modelled."""
     from ..train.contract import ModelCall, compute_loss
 
     optimizer.zero_grad(set_to_none=True)
@@ -449,9 +402,8 @@ def _at_peak(rec: StepRecorder) -> dict[str, int]:
 
 
 def _batch_bytes(rec: StepRecorder) -> dict[str, int]:
-    """Per phase, the bytes alive at its peak that grow with the batch: activations, and temporaries outside
-    the optimizer step (whose temporaries are parameter-sized), kernel workspace included there (it follows the
-    activations' sizes)."""
+    """Per phase, the bytes alive at its peak that grow with the batch: activations, and temporaries and kernel
+    workspace outside the optimizer step (whose temporaries are parameter-sized)."""
     out = {}
     for phase, seq in rec.phase_peak_seq.items():
         workspace = rec.phase_peak_workspace.get(phase, 0) if phase != "optimizer" else 0

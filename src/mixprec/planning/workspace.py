@@ -1,27 +1,15 @@
 """Kernel workspace: bytes a CPU kernel allocates inside an op and frees before it returns.
 
-The traced step (:class:`.recorder.StepRecorder`) sees each op's outputs only; a real kernel may allocate
-temporaries of its own while it runs, which count towards the step's real peak but never appear under
-``FakeTensorMode`` (the fake kernel allocates the outputs and nothing else). For the ``cpu`` target the
-recorder adds, at each op, the workspace :func:`cpu_workspace` names for it to the live bytes when it looks
-for the peak; the bytes belong to the **temporary** category (:mod:`mixprec.memory`: alive at the peak, in
-no exact category), never to activations.
+A fake kernel allocates its outputs only, so for the ``cpu`` target the recorder adds the workspace
+:func:`cpu_workspace` names for an op to the live bytes when it looks for the peak (as **temporary** memory).
+Modelled in terms of the op's operands, as measured on PyTorch's CPU kernels:
 
-What is modelled was measured op by op on a real step (glibc in mmap mode, every malloc counted during the
-op minus what is alive after it) with PyTorch's CPU kernels, and it is written in terms of the op's own
-operands, not fitted to any model:
-
-- ``native_batch_norm_backward``: one temporary the size of the input, in the input's dtype (seen for
-  contiguous and channels-last inputs, fp32 and bf16);
+- ``native_batch_norm_backward``: one temporary the size of the input, in its dtype;
 - ``max_pool2d_with_indices_backward`` on a non-contiguous (channels-last) input: contiguous copies of the
-  indices and of the input gradient (a contiguous input needs neither).
+  indices and of the input gradient.
 
-Not modelled: oneDNN's scratchpads and weight reorders in convolutions and in bf16/fp16 GEMMs (a
-roughly fixed size per op that does not follow the operands' sizes, and a repacked copy of a GEMM's
-second operand that oneDNN makes for some shapes and not others), and MKL's fp32 GEMM packing buffers (kept
-by MKL between calls, so they are resident before a step). GPU targets get no workspace term: cuBLAS keeps
-its workspace per handle (allocated once, resident), and cuDNN's per-call workspace depends on the algorithm
-it picks on the device, which a plan made without that device cannot know.
+Not modelled: oneDNN scratchpads and weight reorders, MKL's packing buffers (resident between calls), and GPU
+targets (cuBLAS's workspace is resident; cuDNN's depends on the algorithm picked on the device).
 """
 
 from __future__ import annotations
