@@ -51,7 +51,3 @@ class ForwardHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._handles)
