@@ -1,15 +1,11 @@
 """C++ composites transcribed to Python, so that their inner ops meet the policy one by one.
 
-``torch.autocast`` works at the dispatcher and sees the ops inside an ATen composite (on CPU ``lstm_cell`` is on
-no list, but its two ``linear`` calls are); a function-level autocast sees one call. For the composites a policy
-lists as ``composite`` the mode runs a transcription of the C++ path (same ATen ops, same order, in-place ops
-included), so values, dtypes and gradients match torch's. From torch 2.13's ``RNN.cpp``, ``Linear.cpp`` and
-``LossNLL.cpp``:
-
-* ``lstm_cell``, ``gru_cell``, ``rnn_tanh_cell``, ``rnn_relu_cell``: the non-fused (CPU) cell bodies.
-* ``tensordot``: dtype check, size-1 contracted dims summed away, one ``mm`` (which CPU autocast lowers).
-* ``cross_entropy_loss`` (CUDA lists): ``log_softmax(x, dim, dtype=x.dtype)`` (runs in the logits' dtype), then
-  ``nll_loss``/``nll_loss2d`` (fp32 lists) through ``nll_loss_nd``.
+``torch.autocast`` works at the dispatcher and sees the ops inside an ATen composite (CPU ``lstm_cell`` is on no
+list, but its two ``linear`` calls are); the mode runs a transcription of the C++ path instead (same ATen ops, same
+order, in-place ops included), so values, dtypes and gradients match. From torch 2.13's ``RNN.cpp``,
+``Linear.cpp`` and ``LossNLL.cpp``: the non-fused (CPU) RNN cells; ``tensordot`` (dtype check, size-1 contracted
+dims summed away, one ``mm``); ``cross_entropy_loss`` on the CUDA lists (``log_softmax(x, dim, dtype=x.dtype)``,
+then ``nll_loss``/``nll_loss2d`` through ``nll_loss_nd``).
 """
 
 from __future__ import annotations

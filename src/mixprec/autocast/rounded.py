@@ -1,19 +1,14 @@
 """Emulation's rounding, and not rounding a value twice.
 
-``x.to(low).to(float32)`` rounds to the low format bit-exactly as a real cast (RNE; fp16's overflow and
-subnormals included); the casts are autograd ops, so the gradient is rounded too.
+``x.to(low).to(float32)`` rounds bit-exactly as a real cast (RNE, fp16's overflow and subnormals included); the
+casts are autograd ops, so gradients are rounded too. :func:`round_result` marks low ops' rounded results (low
+dtype, version counter), :func:`call_exact` carries the mark through :data:`EXACT_OPS` (no arithmetic), and the
+emulating ``to_low`` passes a marked operand through unless its version moved. ``relu`` is left out so that
+doctor's precision map, which follows low-format values through views and copies only, still sees the next linear.
 
-A low op's operand often already holds low-format values (views of a rounded projection). :func:`round_result`
-marks the rounded results of low ops (the low dtype and the tensor's version counter), :func:`call_exact`
-carries the mark through :data:`EXACT_OPS` (views, reshapes, basic indexing, copies: no arithmetic), and the
-emulating ``to_low`` passes a marked operand through unless its version moved (``h += 1`` un-marks ``h``).
-``relu`` is left out so that doctor's precision map, which follows low-format values through views and
-copies only, still sees the next linear as low.
-
-Gradients: skipping an operand's rounding moves its gradient's rounding from "round per use, then sum" to
-"sum, then round once". The two agree when the value's uses read disjoint parts of it (q, k, v slicing one
-projection), as in every built-in model (tests check whole steps bit for bit); otherwise the gradient is
-rounded once instead of twice, within emulation's documented difference from native fp16.
+Gradients: a skipped rounding moves the gradient's from "round per use, then sum" to "sum, then round once"; the
+two agree when the uses read disjoint parts of the value (q, k, v slicing one projection), as in every built-in
+model (tests check whole steps bit for bit); otherwise it is within emulation's documented difference.
 """
 
 from __future__ import annotations
