@@ -167,16 +167,10 @@ def plan(
 ) -> Plan:
     """Predict memory by category, peak, largest batch, FLOPs by dtype and step time of each recipe.
 
-    Args:
-        target: ``cpu`` (this machine, measured) or a GPU of :data:`mixprec.planning.targets.TARGETS`.
-        config: a :class:`~mixprec.train.config.TrainConfig`; else one is made from ``flags`` (train's flag names).
-        model: instead of the config's model: a module (copied as fake tensors, never changed) or a zero-argument
-            factory (called under fake tensors, so it allocates nothing).
-        batch: instead of a batch from the config's data, in the model contract's forms (:mod:`mixprec.train.contract`).
-        loss_fn, make_optimizer: default: the config's loss (as train resolves it: :class:`TaskLoss`) and optimizer.
-        fallback_real: a model that cannot be built under fake tensors is built for real once and copied; a step
-            that cannot be traced is run for real on the CPU on ``fallback_batch_size`` samples and scaled. Without
-            it either is a :class:`~.trace.TraceError` naming the op, and nothing runs for real.
+    ``config`` is made from ``flags`` (train's flag names) when not given. ``model``: a module (copied as fake
+    tensors) or a zero-argument factory (called under fake tensors). ``fallback_real``: a model that cannot be built
+    under fake tensors is built for real once; a step that cannot be traced runs for real on the CPU on
+    ``fallback_batch_size`` samples and is scaled. Without it either is a :class:`~.trace.TraceError`.
     """
     from ..train.config import TrainConfig
 

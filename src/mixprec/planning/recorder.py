@@ -1,18 +1,11 @@
 """What one traced training step allocates and computes: a ``TorchDispatchMode`` over fake tensors.
 
-Every aten op of the step passes through :class:`StepRecorder` (above ``FakeTensorMode``: nothing is computed or
-allocated). It records:
-
-- **memory**: each output storage not seen before is an allocation, alive until Python drops the storage (a
-  weak reference's callback marks the free); the live total after every op gives the peak and its moment.
-  Storages that exist before the step are registered as resident. This is the bookkeeping of PyTorch's
-  ``MemTracker`` (a test checks both find the same peak), with categories decided after the step from what
-  each storage turned out to be (:mod:`.trace`), which MemTracker's do not get right for mixed precision.
-- **work**: the op's FLOPs (:func:`mixprec.flops.op_flops`), the dtype of its first floating input (``fp8`` for
-  ``_scaled_mm``), the bytes it moves (inputs read plus outputs written; views move nothing), and for the cpu
-  target the GEMM, convolution and attention calls, to be timed (:mod:`.kernels`).
-
-What the recorder needs of an op overload is worked out once per overload (:func:`_op_info`): the hot path.
+Every aten op of the step passes through :class:`StepRecorder`, above ``FakeTensorMode``. Memory: each output
+storage not seen before is an allocation, alive until Python drops it (a weak reference's callback marks the
+free); the live total after every op gives the peak and its moment (the bookkeeping of PyTorch's ``MemTracker``,
+which a test checks agrees; categories are decided after the step, :mod:`.trace`). Work: each op's FLOPs
+(:func:`mixprec.flops.op_flops`), the dtype it computes in, the bytes it moves (views move nothing), and on the
+cpu target the calls :mod:`.kernels` times.
 """
 
 from __future__ import annotations

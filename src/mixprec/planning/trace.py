@@ -1,26 +1,21 @@
 """One training step of one recipe, traced under ``FakeTensorMode`` through the real build path.
 
-What runs is what ``mixprec train`` runs, on fake CPU tensors: :func:`mixprec.precision.build_recipe`,
-``convert_module``, ``build_optimizer``, the model called by the model contract, the scaler, masters and the
-optimizer step. The traced step is the steady-state one: the optimizer's state is created first by one step on
-zero gradients, outside the trace. A GPU target is traced as its device would run the recipe: native autocast
-with CUDA's op lists (through the scratch autocast, which can apply them to CPU tensors), no emulation, real FP8
-GEMMs where the target has them; the built-in models' attention is told the target
-(:func:`~mixprec.train.attention.planned_device`).
+What runs is what ``mixprec train`` runs, on fake CPU tensors: ``build_recipe``, ``convert_module``,
+``build_optimizer``, the model contract, the scaler, masters and the optimizer step, in the steady state (the
+optimizer's state made first by a step on zero gradients, untraced). A GPU target is traced as its device would
+run the recipe: CUDA's autocast lists (through the scratch autocast, on CPU tensors), no emulation, real FP8 GEMMs
+where it has them; the built-in models' attention is told the target.
 
 Host reads are modelled as the healthy branch (fake tensors have no values):
 
-1. ``Recipe.backward``: the finite-loss check -- the loss is finite;
-2. ``Recipe.step``: the skip decision of loss-scaled recipes -- the gradients are finite (``unscale_``'s check
-   and unscale are real ops, then ``optimizer.step()`` and ``scaler.update()``);
+1. ``Recipe.backward``: the finite-loss check -- finite;
+2. ``Recipe.step``: the skip decision of loss-scaled recipes -- no skip (``unscale_``'s check is traced);
 3. ``Recipe.step`` with ``--clip-grad-norm``: the finite-norm check -- finite;
 4. :func:`mixprec.fp8.fp8_scale` on CPU tensors reads ``amax``; fake tensors take its device path.
 
-Memory categories are :mod:`mixprec.memory`'s, plus buffers and **temporary** (everything else alive at the
-peak, and on the cpu target a kernel's own workspace, :mod:`.workspace`). The model is built with fake
-parameters, so models far larger than this machine are planned; initialisation that reads values is a
-:class:`TraceError` unless ``--fallback-real``. Nothing runs for real under the fake mode
-(:func:`planning_fake_mode`): ops without a fake kernel are a TraceError, except :data:`NO_FAKE_KERNEL`.
+Memory categories are :mod:`mixprec.memory`'s, plus buffers and **temporary** (everything else alive at the peak;
+on the cpu target also kernel workspace, :mod:`.workspace`). Initialisation that reads values is a
+:class:`TraceError` unless ``--fallback-real``; nothing runs for real under :func:`planning_fake_mode`.
 """
 
 from __future__ import annotations
