@@ -1,10 +1,8 @@
 """Measurements: step/epoch timing from the trainer's history, and an honest step memory peak.
 
-**Timing.** The trainer records every step's wall time, with no ``.item()`` or logging inside (bench runs with
-``log_every=0``). The first ``warmup_steps`` steps of every epoch are dropped (kernel creation, the epoch's
-permutation, the sampled memory step). The steady epoch time is the mean timed step times the epoch's step
-count; the raw epoch time is kept beside it. On CUDA every recipe syncs the host once per step, so step times
-cannot drift ahead of the GPU by more than one step.
+**Timing.** Every step's wall time, no ``.item()`` inside (``log_every=0``); the first ``warmup_steps`` of every
+epoch dropped. Steady epoch time = mean timed step x the epoch's step count. On CUDA every recipe syncs once per
+step, so step times cannot run ahead of the GPU by more than one step.
 
 **Memory**, measured after the timed run (beside the exact accounting of :mod:`mixprec.memory`):
 

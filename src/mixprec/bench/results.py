@@ -169,7 +169,6 @@ class RunResult:
     """One (recipe, repeat): what its worker wrote, completed by the runner (exit status, wall time, log)."""
 
     status: str = "failed"
-    """"ok" or "failed"."""
     reason: str | None = None
     recipe: str | None = None
     repeat: int | None = None
@@ -298,7 +297,6 @@ class SummaryRow:
     invocations: list[int] = dataclasses.field(default_factory=list)
     epoch_time_s: Spread | None = None
     raw_epoch_time_s: Spread | None = None
-    """The trainer's epoch clock, warm-up included."""
     step_time_s: Spread | None = None
     samples_per_s: Spread | None = None
     memory: dict[str, Any] | None = None
@@ -325,7 +323,6 @@ class SummaryRow:
     """The summaries' key of the task's main metric (``test_accuracy``, ``test_r2``...)."""
     test_metric: Spread | None = None
     test_accuracy: Spread | None = None
-    """0..1."""
     test_loss: Spread | None = None
     bits_per_char: Spread | None = None
     language_model: bool | None = None

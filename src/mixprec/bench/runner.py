@@ -1,14 +1,10 @@
-"""Run the (recipe, repeat) matrix, one fresh subprocess per run, one at a time.
+"""Run the (recipe, repeat) matrix, one fresh subprocess per run (:mod:`.worker`), one at a time, repeat-major,
+so memory peaks start clean and a shared machine's drifts hit every recipe alike. A worker that leaves no result
+(a signal, out of memory, a timeout) becomes a failed row naming its exit status and its log's last line.
 
-Each run gets its own interpreter (:mod:`mixprec.bench.worker`), so memory peaks start clean and no cache warmed
-by one recipe speeds up the next. Runs go repeat-major, so slow drifts of a shared machine hit every recipe alike;
-repeat ``r`` uses seed ``seed + r`` for every recipe. A worker that leaves no result (a signal, out of memory, a
-timeout) becomes a failed row naming the exit status and quoting its log's last line; the rest still runs. Every
-result stays in ``OUT/runs/RECIPE-rN.json`` (what ``--resume`` keeps).
-
-Stopping: no worker outlives the matrix. On an interrupt (or anything escaping) the worker gets the same signal,
-``STOP_GRACE_S`` seconds, then SIGKILL, and is reaped; the first signal makes SIGINT/SIGTERM ignored until
-:func:`stop_on_signals` exits, so a second Ctrl-C cannot orphan the worker.
+No worker outlives the matrix: on an interrupt the worker gets the same signal, ``STOP_GRACE_S`` seconds, then
+SIGKILL; the first signal makes SIGINT/SIGTERM ignored until :func:`stop_on_signals` exits, so a second Ctrl-C
+cannot orphan the worker.
 """
 
 from __future__ import annotations
