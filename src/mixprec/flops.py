@@ -1,13 +1,10 @@
 """Model FLOPs: one counter for bench's MFU and doctor's precision map.
 
-``torch.utils.flop_counter`` counts matmuls, convolutions and the CUDA attention kernels. :data:`CUSTOM_FORMULAS`
-adds CPU attention (``_scaled_dot_product_flash_attention_for_cpu``, with PyTorch's own ``sdpa_flop_count``)
-and fused recurrent layers (``mkldnn_rnn_layer`` on CPU, ``_cudnn_rnn`` on CUDA): ``2 * T * B * (numel(W_ih) +
-numel(W_hh))`` forward (the gate count is in the weights' first dimension), twice that backward. Elementwise
-work (gates, norms, the loss) is not counted, by convention.
-
-The formulas reach ``FlopCounterMode`` through its ``custom_mapping``: nothing is registered globally.
-What is still not counted is listed, never silently zero (:func:`uncounted_modules`).
+:data:`CUSTOM_FORMULAS` adds to ``torch.utils.flop_counter`` CPU attention (with PyTorch's own
+``sdpa_flop_count``) and fused recurrent layers (``mkldnn_rnn_layer``, ``_cudnn_rnn``): ``2 * T * B *
+(numel(W_ih) + numel(W_hh))`` forward, twice that backward. Elementwise work is not counted, by convention. The
+formulas reach ``FlopCounterMode`` through ``custom_mapping`` (nothing registered globally); what is still not
+counted is listed (:func:`uncounted_modules`), never silently zero.
 """
 
 from __future__ import annotations

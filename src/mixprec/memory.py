@@ -96,18 +96,15 @@ def storage_bytes(tensors: Iterable[torch.Tensor], *, exclude: set[tuple[str, in
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Bytes by category for one sampled training step."""
+    """Bytes by category (:data:`CATEGORIES`) for one sampled training step."""
 
     parameters: int = 0
     gradients: int = 0
     optimizer_state: int = 0
     master_weights: int = 0
     activations: int = 0
-    """Saved for backward, except the two categories below."""
     autocast_weight_copies: int = 0
-    """Low-precision copies of fp32 parameters kept for backward."""
     fp8_buffers: int = 0
-    """FP8 layers' saved quantized weights and scales."""
     cuda_peak_allocated: int | None = None
     """``torch.cuda.max_memory_allocated`` over the sampled step (None off CUDA)."""
     cuda_peak_reserved: int | None = None

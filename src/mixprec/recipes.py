@@ -49,7 +49,6 @@ class RecipeSpec:
     compute_dtype: torch.dtype
     """Dtype of the low-precision ops (matmuls, convs); fp32 for full-precision recipes."""
     param_dtype: torch.dtype
-    """Dtype the model's parameters are stored in."""
     autocast: bool
     """Run the forward under an autocast context (cast policy per op)."""
     loss_scaling: bool

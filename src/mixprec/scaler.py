@@ -1,33 +1,23 @@
 """Dynamic loss scaling for fp16 training: :class:`DynamicLossScaler`, a drop-in for ``torch.amp.GradScaler``.
 
-fp16's smallest subnormal is 2**-24, so small gradients flush to zero. The loss is multiplied by a
-power-of-two scale ``S`` (the chain rule is linear: every gradient is multiplied by ``S``) and the
-gradients are divided by ``S`` again before the step; powers of two make both exact. Every gradient is
-checked for inf/NaN after backward: an overflowing step is skipped (parameters untouched) and
-``S *= backoff_factor``; after ``growth_interval`` clean steps ``S *= growth_factor`` (unless that
-overflows float32).
+fp16's smallest subnormal is 2**-24, so small gradients flush to zero. The loss is multiplied by a power-of-two
+scale ``S`` (every gradient is then multiplied by ``S``) and the gradients are divided by ``S`` again before the
+step; powers of two make both exact. An overflowing step (inf/NaN in any gradient) is skipped, parameters
+untouched, and ``S *= backoff_factor``; after ``growth_interval`` clean steps ``S *= growth_factor`` (unless that
+overflows float32). Hysteresis (DeepSpeed's ``delayed_shift``) tolerates ``hysteresis - 1`` overflows (skipped,
+scale kept) before backing off; the budget refills when the scale grows, or after every clean step with
+``consecutive_hysteresis=True``. ``min_scale``/``max_scale`` clamp backoff/growth.
 
-GradScaler-exact: with ``hysteresis=1`` and no ``min_scale``/``max_scale`` the update uses GradScaler's
-kernels (``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._amp_update_scale_``), so scales
-and parameters are bit-identical. An optimizer with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD/
-Adagrad) gets GradScaler's contract: :meth:`~DynamicLossScaler.step` only checks, then the optimizer
-divides by ``optimizer.grad_scale`` inside its kernel (bit-identical to GradScaler even for scales that
-are not powers of two). Unlike GradScaler, a skipped step never calls ``optimizer.step()``: fused SGD with
-momentum would store uninitialised buffers on a skipped first step.
-
-Hysteresis (DeepSpeed's ``delayed_shift``): ``hysteresis - 1`` overflows are tolerated (the step is
-skipped, the scale kept) before backing off. The budget is refilled when the scale grows, or after every
-clean step with ``consecutive_hysteresis=True``; any overflow restarts the count towards growth.
-``min_scale``/``max_scale`` clamp backoff/growth.
+GradScaler-exact: with ``hysteresis=1`` and no bounds the update uses GradScaler's kernels, so scales and
+parameters are bit-identical. An optimizer with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD/Adagrad)
+gets GradScaler's contract: ``step`` only checks and the optimizer divides by ``optimizer.grad_scale`` inside its
+kernel (bit-identical for any scale). Unlike GradScaler a skipped step never calls ``optimizer.step()`` (fused SGD
+with momentum would store uninitialised buffers on a skipped first step), and ``step`` returns whether it applied.
 
 Host syncs: ``scale``, ``unscale_`` and ``update`` only launch device work; ``step`` syncs once (it reads
-``found_inf``); ``get_scale`` and ``state_dict`` sync. When ``torch.distributed`` is initialised,
-``found_inf`` is all-reduced with MAX, so every rank skips the same steps and keeps the same scale.
-
-Differences from GradScaler's API: ``step`` returns whether the step was applied; every setting is
-checked by :func:`validate_scaler_settings` (constructor, setters, ``update(new_scale=...)``,
-``load_state_dict``, :meth:`ScalerConfig.validate`), raising :class:`~mixprec.errors.ScalerConfigError`
-that names the flag, argument or state-dict key; a shape-(1,) ``new_scale`` is accepted.
+``found_inf``); ``get_scale`` and ``state_dict`` sync. When ``torch.distributed`` is initialised ``found_inf`` is
+all-reduced with MAX, so every rank skips the same steps. Every setting goes through
+:func:`validate_scaler_settings` (:class:`~mixprec.errors.ScalerConfigError` naming the flag, argument or key).
 """
 
 from __future__ import annotations
