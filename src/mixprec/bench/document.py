@@ -1,10 +1,5 @@
-"""The results document: ``results.json`` (schema ``mixprec.bench/3``) and ``results.md``, and the plots.
-
-``results.json`` holds the configs as their ``to_dict()``, the command that asks for the same bench afresh,
-every invocation (time, environment, peaks, runs), the progress, preflight, FLOPs, the plan's prediction, the
-summary rows and every run. Both files are written atomically; the plots come after them, so a failed plot
-loses nothing (``plots_error``).
-"""
+"""The results document: ``results.json`` (schema ``mixprec.bench/3``) and ``results.md``, written atomically,
+then the plots (a failed plot loses nothing: ``plots_error``)."""
 
 from __future__ import annotations
 

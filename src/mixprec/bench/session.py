@@ -1,9 +1,8 @@
 """One bench invocation, start to end: plan → measure the machine → predict → run the matrix → report.
 
-Nothing is lost: every finished run is in ``OUT/runs/RECIPE-rN.json`` and ``results.json``/``results.md`` are
-rewritten after each; on SIGINT/SIGTERM :meth:`Session.interrupted` writes the report of the finished runs and
-``--resume OUT`` runs the rest. Exit status: 0, 1 when a run failed or the report could not be written, 2 for
-usage errors (raised), 128 + the signal number when interrupted.
+Every finished run is in ``OUT/runs/RECIPE-rN.json`` and the reports are rewritten after each, so an interrupt
+loses nothing (``--resume OUT`` runs the rest). Exit status: 0; 1 when a run failed or the report could not be
+written; 2 for usage errors (raised); 128 + the signal number when interrupted.
 """
 
 from __future__ import annotations

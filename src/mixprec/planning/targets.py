@@ -1,10 +1,8 @@
 """Where a planned run would happen: memory, peak FLOP/s per dtype and memory bandwidth of each target.
 
-GPU figures are the vendors' published dense peaks (not the sparsity ones), from the document in each entry's
-``source``; tensor-core FP16/BF16/FP8 peaks are those with FP32 accumulation (what PyTorch's GEMMs use); ``fp32``
-is the non-tensor-core rate, ``tf32`` the TF32 tensor-core rate. Memory is the datasheet's capacity in decimal
-gigabytes: the difference to GiB stands in for the CUDA context, workspaces and fragmentation, unmodelled.
-``cpu`` is this machine, measured when asked for (matmul peaks, a large copy's bandwidth, ``MemTotal``).
+GPU figures are the vendors' dense peaks (tensor-core ones with FP32 accumulation, as PyTorch's GEMMs use; ``fp32``
+without tensor cores), from each entry's ``source``; memory in decimal gigabytes (the difference to GiB stands in
+for the CUDA context, workspaces and fragmentation). ``cpu`` is this machine, measured when asked for.
 """
 
 from __future__ import annotations
