@@ -1,6 +1,7 @@
 """--compile: same training as eager (up to kernel fusion), compile time apart, scratch autocast refused."""
 
 import pytest
+import torch
 
 from mixprec.train.config import TrainConfig
 from mixprec.train.loop import train
@@ -25,3 +26,58 @@ def test_scratch_autocast_refuses_compile(cli):
     code, _, err = cli("train", "--dataset", "digits", "--max-steps", "1", "--precision", "bf16-mixed",
                        "--amp-impl", "scratch", "--compile")
     assert code == 2 and "--amp-impl native" in err and "Traceback" not in err
+
+
+# -- --compile auto|on|off -----------------------------------------------------------------------------------------
+
+def test_compile_flag_spellings():
+    from mixprec.cli import build_parser
+    from mixprec.train.args import typed_flags
+
+    parse = build_parser().parse_args
+    assert typed_flags(parse(["train", "--compile"]))["compile"] == "on"
+    assert typed_flags(parse(["train", "--compile", "off"]))["compile"] == "off"
+    assert "compile" not in typed_flags(parse(["train"])) and TrainConfig().run.compile == "auto"
+    # configs stored before auto existed held a bool
+    assert TrainConfig.from_dict({"run": {"compile": True}}).run.compile == "on"
+    assert TrainConfig.from_dict({"run": {"compile": False}}).run.compile == "off"
+    with pytest.raises(SystemExit) as e:  # argparse's own refusal, as for every choice flag
+        parse(["train", "--compile", "sometimes"])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("recipe, device, units, expected", [
+    ("fp8-mixed", "cuda", True, True),      # real FP8 GEMMs: compiled
+    ("fp8-rowwise", "cuda", True, True),
+    ("fp8-mixed", "cuda", False, False),    # emulated GEMMs (no FP8 units): eager
+    ("bf16-mixed", "cuda", True, False),    # not an FP8/FP4 recipe
+    ("fp8-mixed", "cpu", False, False),     # a CPU compiles nothing by default
+    ("nvfp4", "cpu", False, False),
+])
+def test_auto_compiles_the_fp8_recipes_on_cuda_where_their_gemms_are_real(monkeypatch, recipe, device, units,
+                                                                            expected):
+    from mixprec import hardware
+    from mixprec.precision import build_recipe
+
+    monkeypatch.setattr(hardware, "has_fp8_matmul", lambda d: units and torch.device(d).type == "cuda")
+    monkeypatch.setattr(hardware, "has_lowp_units", lambda name, d: units and torch.device(d).type == "cuda")
+    r = build_recipe(recipe, device=device, for_target=True)
+    compiles, why = r.compiles("auto")
+    assert compiles is expected
+    assert ("compiled" in why) if expected else (why == "" or "eager" in why)
+    assert r.compiles("on") == (True, "") and r.compiles("off") == (False, "")
+
+
+@pytest.mark.slow
+def test_a_run_stores_the_resolved_compile_and_a_resume_compares_it(tmp_path):
+    from mixprec.errors import CheckpointError
+    from mixprec.train.build import build_run
+    from mixprec.train.resume import resume_config
+
+    flags = dict(FLAGS, precision="fp8-mixed", max_steps=2, out=str(tmp_path / "r"))
+    run = build_run(TrainConfig.from_flags(**flags))
+    assert run.config.run.compile == "off"  # auto on a CPU: nothing compiles
+    train(run)
+    assert resume_config({"resume": str(tmp_path / "r"), "compile": "auto"}).run.compile == "auto"
+    with pytest.raises(CheckpointError, match="--compile 'off' in the checkpoint vs 'on' now"):
+        resume_config({"resume": str(tmp_path / "r"), "compile": "on"})

@@ -66,7 +66,8 @@ def test_recipe_aliases_are_the_same_run(saved, spelling):
     ({"batch_size": 32}, "--batch-size 256 in the checkpoint vs 32 now"),
     ({"seed": 1}, "--seed 0 in the checkpoint vs 1 now"),
     ({"width": 16}, "--width 8 in the checkpoint vs 16 now"),
-    ({"compile": True}, "--compile False in the checkpoint vs True now"),
+    ({"compile": True}, "--compile 'off' in the checkpoint vs 'on' now"),
+    ({"compile": "on"}, "--compile 'off' in the checkpoint vs 'on' now"),
     ({"amp_impl": "scratch"}, "--amp-impl 'auto' in the checkpoint vs 'scratch' now (bf16-mixed would run with "
                               "impl scratch instead of native)"),
     ({"lr_schedule": "cosine"}, "--lr-schedule 'constant' in the checkpoint vs 'cosine' now"),

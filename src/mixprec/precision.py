@@ -231,6 +231,25 @@ class Recipe:
         """Refuse ``--compile`` where the mechanism cannot benefit from it."""
         self.mechanism.check_compile()
 
+    def compiles(self, asked: str) -> tuple[bool, str]:
+        """Whether ``--compile asked`` (on, off, auto) compiles this recipe here, and auto's reason in a clause.
+
+        ``auto`` compiles the FP8/FP4 recipes on CUDA where every GEMM runs on real low-precision units: eager,
+        their scaling and casting are many small kernels that cost more than the GEMMs save (torchao and
+        torchtitan compile them for that reason); emulated GEMMs and the other recipes stay eager."""
+        if asked != "auto":
+            return asked == "on", ""
+        if self.fp8 is None:
+            return False, ""
+        if self.device.type != "cuda" or not self.fp8.real():
+            return False, f"--compile auto: eager ({self.name}'s GEMMs are emulated here, so compiling buys nothing)"
+        try:
+            self.check_compile()
+        except RecipeError as e:
+            return False, f"--compile auto: eager ({e})"
+        return True, (f"--compile auto: compiled ({self.name}'s scaling and casts fuse only under torch.compile; "
+                      "--compile off keeps it eager)")
+
     # -- hooks ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def run_context(self) -> Iterator[None]:

@@ -16,7 +16,7 @@ import argparse
 from typing import Any
 
 from ..precision import ALIASES, AMP_IMPLS, FP8_IMPL_CHOICES, RECIPES
-from .config import OPTIMIZERS, PROGRESS, SCHEDULES, STRATEGIES, TrainConfig
+from .config import COMPILE, OPTIMIZERS, PROGRESS, SCHEDULES, STRATEGIES, TrainConfig
 
 __all__ = ["add_train_arguments", "add_output_arguments", "config_from_args", "typed_flags"]
 
@@ -186,9 +186,10 @@ def _run_arguments(add: _Flags) -> None:
     add("--strategy", choices=STRATEGIES,
         help="multi-process strategy under torchrun: auto (ddp with several processes), ddp (replicate), fsdp "
              "(shard), none (one process only)")
-    add("--compile", action="store_true",
-        help="torch.compile the model (inductor; needs a C++ compiler on CPU); compile time is reported apart from "
-             "epoch times")
+    add("--compile", nargs="?", const="on", choices=COMPILE,
+        help="torch.compile the model (inductor; needs a C++ compiler on CPU): on (a bare --compile), off, or auto "
+             "(default: the FP8/FP4 recipes on CUDA where their GEMMs are real, whose casts only pay fused; "
+             "nothing elsewhere); compile time is reported apart from epoch times")
     add("--check-consistency", type=_int_or_none, metavar="N",
         help="every N steps, check that all ranks hold the same loss scale, skipped-step count and parameters; "
              "stop on divergence (debug)")

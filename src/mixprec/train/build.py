@@ -451,7 +451,9 @@ def build_run(
             objective, notes = default_objective(model, data, loss_fn), ()
         model = recipe.convert_module(model)
     model = distributed.wrap_model(model, recipe, config.run.strategy, device)  # DDP / FSDP2, or as it is
-    if config.run.compile:
+    compiles, why = recipe.compiles(config.run.compile)
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, compile="on" if compiles else "off"))
+    if compiles:
         recipe.check_compile()
         model.compile()  # in place: state-dict keys and the module object stay the same
     optimizer = recipe.build_optimizer(model, make_optimizer)
@@ -461,4 +463,4 @@ def build_run(
     ctx = StepContext(model=model, recipe=recipe, optimizer=optimizer, objective=objective,
                       device=device, clip_grad_norm=config.optim.clip_grad_norm)
     return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx, schedule=schedule, lock=lock,
-               notes=tuple(data.notes) + tuple(notes))
+               notes=tuple(data.notes) + tuple(notes) + ((why,) if why else ()))

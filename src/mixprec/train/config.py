@@ -29,11 +29,12 @@ from .tasks import TASKS
 from .usercode import is_reference
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "OPTIMIZERS", "STRATEGIES",
-           "PROGRESS", "SCHEDULES"]
+           "PROGRESS", "COMPILE", "SCHEDULES"]
 
 OPTIMIZERS = ("sgd", "adamw")
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
 PROGRESS = ("auto", "on", "off")
+COMPILE = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -215,8 +216,9 @@ class RunConfig:
     """Allow replacing a checkpoint in ``out`` that this run did not resume from."""
     metrics_json: str | None = None
     """Write per-epoch records and the summary as JSON here."""
-    compile: bool = False
-    """``torch.compile`` the model (inductor); the compile time is reported apart, not in epoch times."""
+    compile: str = "auto"
+    """``torch.compile`` the model (inductor): on, off, or auto (the FP8/FP4 recipes on CUDA where their GEMMs
+    are real; nothing elsewhere). A stored true/false reads as on/off. The compile time is reported apart."""
     max_consecutive_skips: int = 100
     """Stop when this many optimizer steps in a row are skipped for inf/nan gradients."""
     check_consistency: int | None = None
@@ -235,6 +237,7 @@ class RunConfig:
         if self.checkpoint_every is not None and self.out is None:
             raise ConfigError("--checkpoint-every needs --out DIR to write checkpoints into")
         one_of("progress", self.progress, PROGRESS)
+        one_of("compile", self.compile, COMPILE)
         one_of("strategy", self.strategy, STRATEGIES)
         positive_int("max_consecutive_skips", self.max_consecutive_skips)
 
@@ -270,6 +273,8 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
             raise ConfigError(f"unknown setting {k!r} in the {cls.__name__} section")
         if k == "scaler" and isinstance(v, dict):
             v = _build(ScalerConfig, v)
+        elif k == "compile" and isinstance(v, bool):  # configs stored before --compile auto
+            v = "on" if v else "off"
         elif isinstance(v, list) and "tuple" in str(names[k].type):
             v = tuple(v)
         kw[k] = v

@@ -52,7 +52,7 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None,
         reporter.info(resumed + (_complete(run, state.global_step) if state.global_step >= total else ""))
     stopped: str | None = None
     run.model.train()
-    compile_time = _compile(run, reporter) if config.run.compile else None
+    compile_time = _compile(run, reporter) if config.run.compile == "on" else None
     with run.recipe.run_context(), reporter.progress_bar(total=total, completed=state.global_step) as bar:
         for epoch in range(state.epoch, config.optim.epochs):
             if state.global_step >= total:

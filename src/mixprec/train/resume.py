@@ -109,6 +109,9 @@ def _stored(path: str | os.PathLike) -> tuple[TrainConfig, dict[str, Any]]:
 
 def _check(path: str | os.PathLike, stored: TrainConfig, stored_mech: dict[str, Any], config: TrainConfig) -> None:
     theirs, ours = _comparable(stored), _comparable(config)
+    for flags, c in ((theirs, stored), (ours, config)):
+        if flags["compile"] == "auto":  # compared as resolved: the run's config stores on/off
+            flags["compile"] = _resolved_compile(c)
     if ours["lr_total_steps"] is None:  # unset: the run's planned steps, i.e. the checkpoint's (build_schedule)
         ours["lr_total_steps"] = theirs["lr_total_steps"]
     diffs = [_diff(k, theirs[k], v) for k, v in ours.items()
@@ -121,6 +124,11 @@ def _check(path: str | os.PathLike, stored: TrainConfig, stored_mech: dict[str, 
             + ". Drop these flags to continue the run as it was saved (a resume may change only "
             + ", ".join("--" + k.replace("_", "-") for k in RESUME_MAY_CHANGE) + ")"
         )
+
+
+def _resolved_compile(config: TrainConfig) -> str:
+    recipe = build_recipe(config.recipe, device=hardware.resolve_device(config.run.device), seed=config.run.seed)
+    return "on" if recipe.compiles(config.run.compile)[0] else "off"
 
 
 def _comparable(config: TrainConfig) -> dict[str, Any]:
