@@ -1,16 +1,9 @@
 """First non-finite: the first op of a step whose output holds an inf or a NaN.
 
-``torch.autograd.detect_anomaly`` only checks backward and names the autograd node; module hooks only see
-module outputs, after the damage has travelled through the module. :class:`NonFiniteWatch` is a sink of the
-dispatcher-level :class:`~mixprec.doctor.observer.OpObserver`: it checks the outputs of every arithmetic
-op and every cast, in forward, backward and optimizer step, and records the first one that is not finite,
-with its module path (backward ops included, via the autograd graph), the op, the autograd node, and the
-dtype, shape and range of each input. Inputs that are all finite mean *this* op created the problem:
-an fp16 overflow shows up as the ``addmm`` that produced 7e4 (native fp16), or as the ``_to_copy`` that
-rounded an fp32 result to fp16 (emulated fp16), inside the same module.
-
-Checking costs one reduction per op output plus a host sync, so the doctor does not watch every step: it
-replays a step under the watch only when the step's loss, gradients or weights came out non-finite.
+:class:`NonFiniteWatch` is a sink of :class:`~.observer.OpObserver`: it checks the outputs of every arithmetic op
+and every cast, in forward, backward and optimizer step, and records the first one that is not finite, with its
+module path, the op, the autograd node, and the dtype, shape and range of each input (all finite inputs: this op
+created the problem). It costs a reduction and a host read per op, so it runs only in replays of failed steps.
 """
 
 from __future__ import annotations
