@@ -31,10 +31,11 @@ from ..errors import NonFiniteError, UsageError, keywords_checked
 from ..probes.attribution import ModuleTracker
 from ..probes.block_formats import BlockFormatConfig, BlockFormatProbe
 from ..probes.lost_updates import LostUpdateMonitor, optimizer_param_names, same_optimizer
+from ..probes.nonfinite import all_finite
 from ..probes.observer import OpObserver
 from ..probes.precision_map import PrecisionMap, PrecisionMapSink
 from ..probes.ranges import DEFAULT_FORMATS, GradientLoss, RangeProfile, RangeProfiler
-from ..probes.replay import FaultAnalysis, ModelInputs, locate, replay_step
+from ..probes.replay import FaultAnalysis, ModelInputs, locate, replay_step, rng_state
 from ..probes.scale_history import ScaleHistory, StepRecord
 from ..scaler import ScalerConfig
 from ..train.build import Run, build_run, probe
@@ -124,20 +125,6 @@ def _cycle(batches: Any) -> Iterator[Any]:
 # the diagnosis
 # ------------------------------------------------------------------------------------------------------
 
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    # a sum is finite exactly when every term is (an inf or nan term makes it inf or nan); a finite sum
-    # that overflows float32 is rechecked element-wise
-    for t in tensors:
-        if not bool(torch.isfinite(t.detach().sum(dtype=torch.float32))) and not bool(torch.isfinite(t).all()):
-            return False
-    return True
-
-
 def _replay_call(objective: Objective, batch: Batch) -> tuple[Callable, ModelInputs, Any]:
     """The replays' ``(loss_fn, x, y)`` for one batch: the forward the model contract makes (as
     :class:`~mixprec.probes.replay.ModelInputs`) and a loss that takes it by the contract's rule."""
@@ -221,7 +208,7 @@ def _observe_step(run: Run, watch: _Watch, step: int, batch: Batch, scale: float
     with watch.blocks.watching():
         ref_grads = watch.profiler.observe(run.objective, batch)
     pre_step = copy.deepcopy(run.model) if len(watch.faults) < max_analyzed else None
-    rng = _rng_state(run.device)
+    rng = rng_state(run.device)
     stopped = False
     observe = step == 0  # the precision map: one step under the dispatcher-level observer
     watch.tracker.new_step()
@@ -234,7 +221,7 @@ def _observe_step(run: Run, watch: _Watch, step: int, batch: Batch, scale: float
             loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
     if observe:
         watch.pmap = watch.map_sink.result(run.model)
-    bad_params = not skipped and not stopped and not _all_finite(run.model.parameters())
+    bad_params = not skipped and not stopped and not all_finite(run.model.parameters())
     cause = None
     if skipped or stopped or bad_params or not math.isfinite(loss_value):
         cause = "non-finite loss or gradients (not analysed: --steps past the first faults)"
@@ -385,6 +372,6 @@ def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None 
     run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
     first = _first_batch(run)
     with run.recipe.run_context():
-        fa = _locate(run, run.model, first, _rng_state(run.device), 0, loss_scale, False, bisect=replay,
+        fa = _locate(run, run.model, first, rng_state(run.device), 0, loss_scale, False, bisect=replay,
                      search=replay)
     return None if fa.classification == "not reproduced" else fa

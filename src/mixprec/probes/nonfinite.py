@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from .attribution import display_path
 from .observer import OpCall, OpObserver, dtype_name, is_data_movement
 
-__all__ = ["TensorInfo", "NonFiniteEvent", "NonFiniteWatch", "tensor_info"]
+__all__ = ["TensorInfo", "NonFiniteEvent", "NonFiniteWatch", "tensor_info", "all_finite"]
 
 _CHECK_MOVEMENT = frozenset({"_to_copy", "copy_"})  # the data-movement ops that can overflow (casts)
 
@@ -118,10 +119,14 @@ class NonFiniteEvent:
         return d
 
 
-def _finite(t: torch.Tensor) -> bool:
-    # one cheap reduction: the sum is finite exactly when every element is, unless finite values overflow
-    # the float32 sum, which the element-wise check then settles
-    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite: one sum per tensor (finite exactly when every element
+    is, unless finite values overflow the float32 sum, which the element-wise check then settles)."""
+    for t in tensors:
+        t = t.detach()
+        if not bool(torch.isfinite(t.sum(dtype=torch.float32))) and not bool(torch.isfinite(t).all()):
+            return False
+    return True
 
 
 class NonFiniteWatch:
@@ -139,7 +144,7 @@ class NonFiniteWatch:
         if is_data_movement(call.func) and call.name not in _CHECK_MOVEMENT:
             return
         for o in call.out_tensors:
-            if o.is_floating_point() and o.numel() and not _finite(o):
+            if o.is_floating_point() and o.numel() and not all_finite([o]):
                 self.first = NonFiniteEvent(
                     phase=call.phase,
                     module=call.module,

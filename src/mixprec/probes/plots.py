@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+
 import numpy as np
 
 from ..jsonio import write_figure
@@ -84,7 +85,7 @@ def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int
     fig.colorbar(im, ax=ax, label="share of the layer's non-zero values")
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # leave the bottom 0.45 in for the legend
-    writefigure(fig, path)
+    write_figure(fig, path)
     return path
 
 
@@ -152,7 +153,7 @@ def lost_updates_plot(path: str, findings: Findings, head: str) -> str | None:
     ax.tick_params(axis="y", labelsize=7)
     ax.set_title(f"{head}: lost updates per layer", fontsize=9)
     fig.tight_layout()
-    writefigure(fig, path)
+    write_figure(fig, path)
     return path
 
 
@@ -189,5 +190,5 @@ def block_formats_plot(path: str, findings: Findings, head: str) -> str | None:
     ax.set_title(f"{head}: GEMM operands in each format (red: > {bf.config.flag_db:g} dB below the median)",
                  fontsize=9)
     fig.tight_layout()
-    writefigure(fig, path)
+    write_figure(fig, path)
     return path

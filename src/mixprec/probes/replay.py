@@ -34,7 +34,7 @@ from .nonfinite import NonFiniteEvent, NonFiniteWatch
 from .observer import OpObserver
 
 __all__ = ["Fp32Modules", "ModelInputs", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult",
-           "FaultAnalysis", "locate", "step_device", "cuda_devices"]
+           "FaultAnalysis", "locate", "rng_state", "step_device", "cuda_devices"]
 
 
 @dataclasses.dataclass
@@ -63,6 +63,11 @@ def step_device(model: nn.Module, x: Any = ()) -> torch.device:
 def cuda_devices(model: nn.Module, x: Any = ()) -> list[torch.device]:
     """Every CUDA device the model's tensors and ``x``'s are on: the generators a replay forks."""
     return list(dict.fromkeys(t.device for t in _tensors(model, x) if t.device.type == "cuda"))
+
+
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The RNG state :func:`replay_step` restores: the CPU generator's, and on a CUDA device that device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
 def _forward(model: nn.Module, x: Any) -> Any:

@@ -33,7 +33,7 @@ from ..errors import NonFiniteError
 from ..memory import local_tensor
 from ..probes.loss_scale import ScalerReader, iteration_changed
 from ..probes.ranges import InertHook
-from ..probes.replay import FaultAnalysis, ModelInputs, step_device
+from ..probes.replay import FaultAnalysis, ModelInputs, rng_state, step_device
 from .config import WatchConfig
 from .output import Output
 from .recorder import AutocastState, MicroBatch, localize, save_capture
@@ -196,8 +196,8 @@ class Watch:
         if self._auto and self._open is not None and self._scaler_finished(self._open):
             self.close_step()
         st = self._open or self.open_step()
-        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
-        self._mb = MicroBatch(ModelInputs(tuple(args), dict(kwargs)), rng, AutocastState.now(self.device.type))
+        self._mb = MicroBatch(ModelInputs(tuple(args), dict(kwargs)), rng_state(self.device),
+                              AutocastState.now(self.device.type))
         st.batches.append(self._mb)
         if self._compute_dtype is None:
             self._compute_dtype = self._mb.autocast.low

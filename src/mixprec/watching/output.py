@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..jsonio import write_json, write_text
 from ..probes.lost_updates import LayerUpdates, LostUpdates
 from ..probes.observer import dtype_name
-from ..probes.ranges import GradientLoss, LayerRanges, Log2Histogram, RangeProfile
+from ..probes.ranges import GradientLoss, LayerRanges, RangeProfile
 from ..probes.report import Findings
 from ..probes.scale_history import ScaleHistory, StepRecord
 from .plots import write_plots
@@ -222,36 +222,22 @@ def _num(v: Any) -> Any:
 def _reduce(w: Any, profile: RangeProfile, lost: LostUpdates, triggers: list, counters: dict, faults: list) -> tuple:
     """Sum the ranks' histograms and lost-update counts; collect their triggers and fault analyses (in step order,
     rank 0 first within a step), the counters' max and each rank's non-finite count (one all_gather_object)."""
-    mine = {"ranges": {lr.name: (lr.kind, [_hist_state(h) for h in (lr.activations, lr.grad_outputs, lr.grad_params)])
-                       for lr in profile.layers},
-            "lost": [(lu.name, lu.dtype, lu.updated, lu.lost, lu.unchanged, lu.examined, lu.elements)
-                     for lu in lost.layers],
-            "lost_steps": lost.steps, "triggers": triggers, "counters": counters, "faults": faults}
+    mine = {"ranges": profile.layers, "lost": lost.layers, "triggers": triggers, "counters": counters,
+            "faults": faults}
     every: list[Any] = [None] * w.world_size
     dist.all_gather_object(every, mine)
     layers: dict[str, LayerRanges] = {}
     updates: dict[str, LayerUpdates] = {}
     for part in every:
-        for name, (kind, hs) in part["ranges"].items():
-            lr = layers.setdefault(name, LayerRanges(name, kind))
-            for target, h in zip((lr.activations, lr.grad_outputs, lr.grad_params), hs):
-                target.merge(_hist_from(h))
-        for name, dtype, upd, lo, unch, seen, elements in part["lost"]:
-            lu = updates.setdefault(name, LayerUpdates(name, dtype))
-            lu.updated, lu.lost, lu.unchanged = lu.updated + upd, lu.lost + lo, lu.unchanged + unch
-            lu.examined, lu.elements = lu.examined + seen, lu.elements + elements
+        for lr in part["ranges"]:
+            layers.setdefault(lr.name, LayerRanges(lr.name, lr.kind)).merge(lr)
+        for lu in part["lost"]:
+            total = updates.setdefault(lu.name, LayerUpdates(lu.name, lu.dtype))
+            for field in ("updated", "lost", "unchanged", "examined", "elements"):
+                setattr(total, field, getattr(total, field) + getattr(lu, field))
     merged_triggers = [t for part in every for t in part["triggers"]]
     merged_faults = sorted((f for part in every for f in part["faults"]), key=lambda f: f.step)  # stable: by rank
     counters = {k: max(part["counters"][k] for part in every) for k in counters}
     counters["ranks_nonfinite"] = [part["counters"]["nonfinite_steps"] for part in every]
     profile = RangeProfile(layers=list(layers.values()), steps=profile.steps, formats=profile.formats)
     return profile, LostUpdates(layers=list(updates.values()), steps=lost.steps), merged_triggers, counters, merged_faults
-
-
-def _hist_state(h: Log2Histogram) -> tuple[list[int], int, int]:
-    return h.counts.tolist(), h.zeros, h.nonfinite
-
-
-def _hist_from(state: tuple[list[int], int, int]) -> Log2Histogram:
-    counts, zeros, nonfinite = state
-    return Log2Histogram(torch.tensor(counts, dtype=torch.int64), zeros, nonfinite)

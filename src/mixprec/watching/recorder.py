@@ -27,6 +27,7 @@ from ..autocast import autocast as scratch_autocast
 from ..autocast import autocast_dtype, is_autocast_active
 from ..jsonio import to_jsonable
 from ..memory import local_tensor
+from ..probes.nonfinite import all_finite
 from ..probes.observer import dtype_name
 from ..probes.replay import FaultAnalysis, ModelInputs, locate, replay_step
 from .config import WatchError
@@ -158,10 +159,6 @@ def _ambient_autocast_off(device_type: str) -> Iterator[None]:
         yield
 
 
-def _nonfinite(ts: list[torch.Tensor | None]) -> bool:
-    return any(t is not None and not bool(torch.isfinite(t).all()) for t in ts)
-
-
 def _seed_fault(batches: list[MicroBatch], step: int, scale: float) -> FaultAnalysis:
     """The model's forward replays finite: the seed (the gradient that reached its output) was not.
 
@@ -169,7 +166,7 @@ def _seed_fault(batches: list[MicroBatch], step: int, scale: float) -> FaultAnal
     from the loss (a scale overflow: the scaler's backoff handles it); otherwise the loss itself was non-finite.
     """
     seeds = [g for mb in batches for g in mb.seed if g is not None]
-    if not any(_nonfinite([g]) for g in seeds):
+    if all_finite(seeds):
         return FaultAnalysis(step, None, "not reproduced", loss_scale=scale)
     if scale > 1 and not any(bool(torch.isnan(g).any()) for g in seeds):
         return FaultAnalysis(step, None, "scale overflow", loss_scale=scale)
