@@ -653,6 +653,30 @@ def test_a_replay_restores_the_steps_rng_on_its_device_and_leaves_the_callers(de
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_fp32_range_pass_runs_on_the_models_device_for_a_nested_input(device):
+    """The doctor's fp32 pass of a model called with a dict (no top-level tensor) turns off the autocast of the
+    model's device (the activation above fp16's range stays finite) and draws its dropout in a fork of that
+    device's generator (the caller's RNG is as it was)."""
+    from mixprec.probes.ranges import RangeProfiler
+    from mixprec.train.contract import ModelCall, Objective, as_batch
+    from mixprec.train.tasks import Classify
+
+    model = _DictInput(nn.Sequential(Overflowing(), nn.Dropout(0.5))).to(device)
+    x, y = (t.to(device) for t in _batch(gain=10.0))
+    profiler = RangeProfiler(model)
+
+    def states():
+        return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device == "cuda" else [])
+
+    before = states()
+    with torch.autocast(torch.device(device).type, dtype=torch.float16):
+        profiler.observe(Objective(ModelCall(model), Classify()), as_batch(({"x": x}, y)))
+    assert all(torch.equal(a, b) for a, b in zip(states(), before))
+    big = next(lr for lr in profiler.result().layers if lr.name == "inner.0.big")
+    assert big.activations.nonfinite == 0 and big.activations.binade_range()[1] >= 16  # above 65504, in fp32
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_fp32_search_turns_off_the_devices_autocast_for_a_nested_input(device):
     """The fp32 modules run with the autocast of the model's device off (a CUDA model's, not the CPU's), so the
     search finds the one layer that overflows fp16 whatever the input looks like."""
