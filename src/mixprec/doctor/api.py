@@ -362,9 +362,9 @@ def _objective(model: nn.Module, data: UserBatches, loss_fn: Callable | None) ->
 
 
 @keywords_checked
-def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *, precision: str = "fp16-mixed",
-                         amp_impl: str = "auto", loss_scale: float = 1.0, replay: bool = True,
-                         device: str | torch.device | None = "auto") -> FaultAnalysis | None:
+def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
+                         precision: str = "fp16-mixed", amp_impl: str = "auto", loss_scale: float = 1.0,
+                         replay: bool = True, device: str | torch.device | None = "auto") -> FaultAnalysis | None:
     """First non-finite op of one forward + ``(loss * loss_scale)`` backward under the recipe, classified.
 
     Returns None when the step is finite. Nothing is trained; ``model`` is not modified.

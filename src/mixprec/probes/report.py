@@ -184,7 +184,8 @@ class Findings:
         lines.append(f"  all gradients at the current loss scale 2^{k} = {self.loss_scale:g}: fp16 "
                      + self._fractions_text(now))
         if k != 0:
-            lines.append("  without loss scaling (2^0): fp16 " + self._fractions_text(self.gradient_fractions("fp16", 0)))
+            unscaled = self.gradient_fractions("fp16", 0)
+            lines.append("  without loss scaling (2^0): fp16 " + self._fractions_text(unscaled))
         k_rec = self.recommended_log2_scale()
         if k_rec is not None:
             rec = self.gradient_fractions("fp16", k_rec)
@@ -193,9 +194,9 @@ class Findings:
             lines.append(f"  {what}: 2^{k_rec} = {2.0**k_rec:g}: " + self._fractions_text(rec))
         gl = self.gradient_loss
         if gl.steps:
-            lines.append(f"  observed: {_pct(gl.fraction)} of parameter-gradient elements that are non-zero in fp32 were "
-                         f"exactly zero after the recipe's backward ({gl.lost:,} of {gl.nonzero:,} over {gl.steps} "
-                         "steps; underflow, or rounding that flips a ReLU or cancels a sum)")
+            lines.append(f"  observed: {_pct(gl.fraction)} of parameter-gradient elements that are non-zero in fp32 "
+                         f"were exactly zero after the recipe's backward ({gl.lost:,} of {gl.nonzero:,} over "
+                         f"{gl.steps} steps; underflow, or rounding that flips a ReLU or cancels a sum)")
         return lines
 
     def render_nonfinite(self) -> list[str]:
@@ -241,8 +242,8 @@ class Findings:
         lines.append(f"  overall: {_pct(lu.lost_fraction)} of non-zero updates rounded away")
         spec = self.recipe_spec
         if spec.get("stochastic_rounding") and spec.get("params") != "fp32":
-            lines.append(f"  (the optimizer steps fp32 copies; updates reach the {spec['params']} weights by stochastic "
-                         "rounding, which keeps small updates in expectation rather than every step)")
+            lines.append(f"  (the optimizer steps fp32 copies; updates reach the {spec['params']} weights by "
+                         "stochastic rounding, which keeps small updates in expectation rather than every step)")
         elif spec.get("master_weights"):
             lines.append(f"  (the optimizer steps the fp32 master weights; the {spec['params']} model weights are "
                          "rounded copies of them)")

@@ -52,7 +52,7 @@ class _Step:
     index: int
     sampled: bool
     iteration: Any
-    """The scaler's iteration token at the step's first forward (:func:`~mixprec.probes.loss_scale.iteration_changed`)."""
+    """The scaler's iteration token at the step's first forward (compared by ``iteration_changed``)."""
     scale: torch.Tensor | float
     """The loss scale this step's backward uses (a device copy)."""
     batches: list[MicroBatch] = dataclasses.field(default_factory=list)
@@ -268,20 +268,13 @@ class Watch:
                 self.sampler.pre_update(self.optimizer)
 
     def _check_finite(self, st: _Step) -> None:
-        """The finite flag of a loop without a loss scaler: one pass over the gradients and one read.
+        """The finite flag of a loop without a loss scaler: one pass over the gradients, one read.
 
-        Unsampled steps reduce each gradient to its sum (fp32 accumulation; one kernel each, the cheapest read of
-        the bytes), stacked with the step's losses and read in one go: an inf or NaN anywhere makes its sum
-        non-finite whatever the order of the additions, so finite sums mean finite gradients. A non-finite sum
-        may also be finite values overflowing fp32 (partial sums of opposite signs can even give NaN): such a
-        step (rare) is checked exactly with a second read. Sampled steps take each gradient's squared 2-norm
-        instead (:func:`_squared_norms`), which serves the sample's per-layer norms and the step's ``grad_l2``
-        (summed on the host); a square is never NaN for finite values, so a NaN square is a fault outright.
-
-        A gradient norm tensor the loop handed over before the step (``w.log(grad_norm=...)``, e.g. the return
-        value of ``clip_grad_norm_``) is finite iff the gradients are (up to the same overflow, re-checked
-        exactly): an unsampled step then reads that and the losses and makes no pass over the gradients of its
-        own (not for sharded parameters, whose norm is a DTensor: their own pass keeps the ranks agreeing).
+        Unsampled steps: each gradient's fp32 sum (an inf or NaN anywhere makes it non-finite), stacked with the
+        losses; finite values whose sum overflows are re-checked exactly (a second read, rare). A gradient norm
+        the loop logged before the step (``w.log(grad_norm=...)``) replaces the pass (not for sharded parameters,
+        whose own pass keeps the ranks agreeing). Sampled steps: each gradient's squared 2-norm
+        (:func:`_squared_norms`), which also gives the per-layer norms and ``grad_l2``; a NaN square is a fault.
         """
         losses = st.model_losses + st.logged_losses
         norm = st.grad_norm if not (st.sampled or self._dtensor) and isinstance(st.grad_norm, torch.Tensor) else None
@@ -479,10 +472,9 @@ def _scalar(v: Any, device: torch.device) -> torch.Tensor:
 
 
 def _squared_norms(grads: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """``||g||^2`` per gradient: an fp32 CPU gradient as a BLAS dot product with itself (its vector-norm
-    kernel is the slower read of the same bytes), the others by ``torch._foreach_norm`` squared in fp32. A sum of
-    squares overflows where the norm of finite huge values would too (both accumulate in fp32): the caller's
-    exact re-check tells those apart from an inf or NaN; a NaN or inf anywhere makes its square non-finite."""
+    """``||g||^2`` per gradient: an fp32 CPU gradient as a BLAS dot product with itself, the others by
+    ``torch._foreach_norm`` squared in fp32; an inf or NaN makes its square non-finite (finite values may overflow
+    it too: the caller re-checks those exactly)."""
     out: list[torch.Tensor | None] = [None] * len(grads)
     rest = []
     for i, g in enumerate(grads):

@@ -240,4 +240,5 @@ def _reduce(w: Any, profile: RangeProfile, lost: LostUpdates, triggers: list, co
     counters = {k: max(part["counters"][k] for part in every) for k in counters}
     counters["ranks_nonfinite"] = [part["counters"]["nonfinite_steps"] for part in every]
     profile = RangeProfile(layers=list(layers.values()), steps=profile.steps, formats=profile.formats)
-    return profile, LostUpdates(layers=list(updates.values()), steps=lost.steps), merged_triggers, counters, merged_faults
+    lost = LostUpdates(layers=list(updates.values()), steps=lost.steps)
+    return profile, lost, merged_triggers, counters, merged_faults

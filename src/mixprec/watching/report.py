@@ -59,7 +59,8 @@ class WatchReport:
                  f"  host reads of its own per unsampled step: {reads['per_unsampled_step']}; {reads['unsampled']} "
                  f"on {reads['unsampled_steps']} unsampled steps; all reads: {by}"]
         if not self.triggers:
-            lines.append("  no trigger fired (non-finite loss or gradients, loss-scale collapse, a run of skipped steps)")
+            lines.append("  no trigger fired (non-finite loss or gradients, loss-scale collapse, a run of skipped "
+                         "steps)")
         for tr in self.triggers:
             where = f" (rank {tr['rank']})" if tr.get("rank") else ""
             lines.append(f"  trigger at step {tr['step']}{where}: {tr['kind']}: {tr['description']}")
@@ -72,6 +73,7 @@ class WatchReport:
         last = next((s for s in reversed(self.samples) if any(r["grad_norm"] is not None for r in s["layers"])), None)
         if last is None:
             return ["6. Gradient norms per layer: no sampled step reached the optimizer"]
-        rows = [[display_path(r["layer"]), f"{r['grad_norm']:.3e}"] for r in last["layers"] if r["grad_norm"] is not None]
+        rows = [[display_path(r["layer"]), f"{r['grad_norm']:.3e}"] for r in last["layers"]
+                if r["grad_norm"] is not None]
         return [f"6. Gradient norms per layer (unscaled ||g||_2 at sampled step {last['step']})"] + text_table(
             ["layer", "grad norm"], rows)
