@@ -46,7 +46,8 @@ from ..train.outputs import check_folder
 from ..train.step import train_step
 from .report import DoctorReport
 
-__all__ = ["diagnose", "diagnose_run", "precision_map", "range_profile", "find_first_nonfinite", "DoctorError"]
+__all__ = ["diagnose", "diagnose_run", "precision_map", "range_profile", "find_first_nonfinite", "FaultAnalysis",
+           "DoctorError"]
 
 
 class DoctorError(UsageError):
