@@ -473,15 +473,23 @@ class GradientLoss:
     per_layer: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def add(self, model: nn.Module, ref: dict[str, torch.Tensor]) -> None:
-        counted = False
+        """Compare the parameters' gradients after the recipe's backward with ``ref``'s (one host read); a
+        non-finite gradient is left out."""
+        names, rows = [], []
         for name, p in model.named_parameters():
             r, g = ref.get(name), p.grad
-            if r is None or g is None or not bool(torch.isfinite(g).all()):
+            if r is not None and g is not None:
+                mask = r != 0
+                rows.append(torch.stack([torch.isfinite(g).all(), mask.sum(), (mask & (g == 0)).sum()]).double())
+                names.append(name)
+        if not rows:
+            return
+        counted = False
+        for name, (finite, n, lost) in zip(names, torch.stack([t.to(rows[0].device) for t in rows]).tolist()):
+            if not finite:
                 continue
-            mask = r != 0
-            n, lost = int(mask.sum()), int((mask & (g == 0)).sum())
-            layer = name.rsplit(".", 1)[0] if "." in name else ""
-            acc = self.per_layer.setdefault(layer, [0, 0])
+            n, lost = int(n), int(lost)
+            acc = self.per_layer.setdefault(name.rsplit(".", 1)[0] if "." in name else "", [0, 0])
             acc[0] += lost
             acc[1] += n
             self.nonzero += n
