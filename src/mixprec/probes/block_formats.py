@@ -287,28 +287,28 @@ class BlockFormatProfile:
                 out.setdefault(f, {})[t] = statistics.median(vals) if vals else None
         return out
 
-    def flagged(self) -> list[dict[str, Any]]:
-        """Cells more than ``flag_db`` below the model's median for their format and tensor, worst first."""
-        med, out = self.medians(), []
+    def _gaps(self) -> Iterator[tuple[LayerBlockStats, str, str, Cell, float]]:
+        """(layer, format, tensor, cell, median) of every lossy cell whose format and tensor have a median."""
+        med = self.medians()
         for lr in self.layers:
             for f in self.config.formats:
                 for t in ("x", "w", "dy"):
-                    c, m = lr.tensor_cell(t, f), med[f][t]
-                    if c.status == "ok" and m is not None and c.sqnr_db < m - self.config.flag_db:
-                        out.append({"layer": lr.name, "format": f, "tensor": t, "gemm": c.gemm,
-                                    "sqnr_db": c.sqnr_db, "median_db": m, "below_db": m - c.sqnr_db})
+                    c = lr.tensor_cell(t, f)
+                    if c.status == "ok" and med[f][t] is not None:
+                        yield lr, f, t, c, med[f][t]
+
+    def flagged(self) -> list[dict[str, Any]]:
+        """Cells more than ``flag_db`` below the model's median for their format and tensor, worst first."""
+        out = [{"layer": lr.name, "format": f, "tensor": t, "gemm": c.gemm, "sqnr_db": c.sqnr_db, "median_db": m,
+                "below_db": m - c.sqnr_db} for lr, f, t, c, m in self._gaps() if c.sqnr_db < m - self.config.flag_db]
         return sorted(out, key=lambda d: -d["below_db"])
 
     def worst_first(self) -> list[LayerBlockStats]:
         """Layers by how far their worst cell falls below the median (most first), then widest first."""
-        med = self.medians()
-
-        def deficit(lr: LayerBlockStats) -> float:
-            gaps = [med[f][t] - c.sqnr_db for f in self.config.formats for t in ("x", "w", "dy")
-                    if (c := lr.tensor_cell(t, f)).status == "ok" and med[f][t] is not None]
-            return max(gaps, default=-math.inf)
-
-        return sorted(self.layers, key=lambda lr: (-deficit(lr), -lr.in_features * lr.out_features))
+        deficit: dict[int, float] = {}
+        for lr, _, _, c, m in self._gaps():
+            deficit[id(lr)] = max(deficit.get(id(lr), -math.inf), m - c.sqnr_db)
+        return sorted(self.layers, key=lambda lr: (-deficit.get(id(lr), -math.inf), -lr.in_features * lr.out_features))
 
     def not_applicable(self) -> list[tuple[str, str, str]]:
         """(layer, format, reason) of every layer a format does not fit, each once."""
