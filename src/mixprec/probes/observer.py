@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..autocast import is_autocast_active
 from .attribution import ModuleTracker
 
 __all__ = ["OpCall", "OpObserver", "LOW_DTYPES", "dtype_name", "is_data_movement"]
@@ -42,13 +43,7 @@ _MOVEMENT = frozenset({
 
 
 def _autocast_on() -> bool:
-    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-        return True
-    try:
-        from ..autocast import is_autocast_active
-    except ImportError:
-        return False
-    return is_autocast_active()
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda") or is_autocast_active()
 
 
 def dtype_name(dt: torch.dtype | None) -> str:
