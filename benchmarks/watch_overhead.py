@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-import mixprec.watching.subsample
+import mixprec.probes.subsample
 from mixprec.precision import resolve_recipe
 from mixprec.train.build import build_run
 from mixprec.train.config import TrainConfig
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--sample-steps", type=int, default=10, help="steps timed for the cost of a sampled step")
     p.add_argument("--sync-steps", type=int, default=20, help="unsampled steps whose syncs are counted")
-    p.add_argument("--sample-elements", type=int, default=mixprec.watching.subsample.DEFAULT_SAMPLE_ELEMENTS,
+    p.add_argument("--sample-elements", type=int, default=mixprec.probes.subsample.DEFAULT_SAMPLE_ELEMENTS,
                    help="the watch's sample_elements (0: sampled steps read every tensor whole)")
     p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
                    help="both loops clip the gradients' norm (clip_grad_norm_) before the step; the watched one "

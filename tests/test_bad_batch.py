@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.doctor import diagnose, find_first_nonfinite
-from mixprec.doctor.advice import recommend
+from mixprec.probes.advice import recommend
 from mixprec.train import fit
 from mixprec.train.baddata import batch_at
 from mixprec.train.build import build_run

@@ -17,8 +17,8 @@ from torch import nn
 from conftest import DEVICES
 from mixprec import hardware
 from mixprec.doctor import DoctorError, diagnose, find_first_nonfinite, precision_map
-from mixprec.doctor.attribution import display_path
-from mixprec.doctor.ranges import Log2Histogram
+from mixprec.probes.attribution import display_path
+from mixprec.probes.ranges import Log2Histogram
 from mixprec.formats import get_format, quantize
 from mixprec.train.models import build_model
 
@@ -163,7 +163,7 @@ def test_init_scale_advice_names_the_runs_initial_scale_not_the_backed_off_one()
     k = report.recommended_log2_scale()
     assert f"at 2^{k} = {2.0**k:g} (--init-scale {2.0**k:g}) instead of 2^16:" in text
     # the before -> after fractions compare the same two scales: the initial one and the recommended one
-    from mixprec.doctor.advice import _pct
+    from mixprec.probes.advice import _pct
 
     init, rec = report.gradient_fractions("fp16", 16), report.gradient_fractions("fp16", k)
     assert f"overflow {_pct(init['overflow'])} -> {_pct(rec['overflow'])}" in text
@@ -540,7 +540,7 @@ def test_a_disk_that_fills_up_while_doctor_writes_is_one_line_naming_the_file(cl
 def test_lost_update_counts_match_an_element_by_element_reference():
     """The monitor counts on the device and reads once; a per-parameter reference with boolean indexing (how it
     used to count) gives the same counts and the same median update/weight ratio, zeros and ties included."""
-    from mixprec.doctor.lost_updates import LostUpdateMonitor
+    from mixprec.probes.lost_updates import LostUpdateMonitor
 
     class Counts:
         def __init__(self):
@@ -595,7 +595,7 @@ class _DictInput(nn.Module):
 def test_the_replays_device_comes_from_the_model_and_from_nested_inputs():
     """Decided once for the watch and the replay: the first non-CPU device among the model's parameters and
     buffers and the input's tensors at any depth (the meta device stands in for a GPU); the CPU otherwise."""
-    from mixprec.doctor.replay import ModelInputs, cuda_devices, step_device
+    from mixprec.probes.replay import ModelInputs, cuda_devices, step_device
 
     meta, cpu = torch.device("meta"), torch.device("cpu")
     nested = ModelInputs(({"x": torch.ones(2), "ids": [torch.ones(1)]},), {})
@@ -612,7 +612,7 @@ def test_a_replay_on_the_cpu_never_writes_a_cuda_generator(monkeypatch):
     """A step recorded with a CUDA RNG state, replayed where the model computes on the CPU (a capture analysed
     on the CPU, a nested input): the CUDA state is not restored anywhere (it would land in the live generator of
     the current CUDA device, outside the fork)."""
-    from mixprec.doctor.replay import ModelInputs, replay_step
+    from mixprec.probes.replay import ModelInputs, replay_step
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a, **k: calls.append(a))
@@ -627,7 +627,7 @@ def test_a_replay_on_the_cpu_never_writes_a_cuda_generator(monkeypatch):
 def test_a_replay_restores_the_steps_rng_on_its_device_and_leaves_the_callers(device):
     """The replay's dropout masks are the recorded step's (its RNG state restored on the model's device, even
     for a nested input), and the caller's generators, CPU and CUDA, are as they were."""
-    from mixprec.doctor.replay import ModelInputs, replay_step
+    from mixprec.probes.replay import ModelInputs, replay_step
 
     torch.manual_seed(0)
     model = _DictInput(nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 4))).to(device)
@@ -653,10 +653,34 @@ def test_a_replay_restores_the_steps_rng_on_its_device_and_leaves_the_callers(de
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_fp32_range_pass_runs_on_the_models_device_for_a_nested_input(device):
+    """The doctor's fp32 pass of a model called with a dict (no top-level tensor) turns off the autocast of the
+    model's device (the activation above fp16's range stays finite) and draws its dropout in a fork of that
+    device's generator (the caller's RNG is as it was)."""
+    from mixprec.probes.ranges import RangeProfiler
+    from mixprec.train.contract import ModelCall, Objective, as_batch
+    from mixprec.train.tasks import Classify
+
+    model = _DictInput(nn.Sequential(Overflowing(), nn.Dropout(0.5))).to(device)
+    x, y = (t.to(device) for t in _batch(gain=10.0))
+    profiler = RangeProfiler(model)
+
+    def states():
+        return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device == "cuda" else [])
+
+    before = states()
+    with torch.autocast(torch.device(device).type, dtype=torch.float16):
+        profiler.observe(Objective(ModelCall(model), Classify()), as_batch(({"x": x}, y)))
+    assert all(torch.equal(a, b) for a, b in zip(states(), before))
+    big = next(lr for lr in profiler.result().layers if lr.name == "inner.0.big")
+    assert big.activations.nonfinite == 0 and big.activations.binade_range()[1] >= 16  # above 65504, in fp32
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_fp32_search_turns_off_the_devices_autocast_for_a_nested_input(device):
     """The fp32 modules run with the autocast of the model's device off (a CUDA model's, not the CPU's), so the
     search finds the one layer that overflows fp16 whatever the input looks like."""
-    from mixprec.doctor.replay import ModelInputs, minimal_fp32_set
+    from mixprec.probes.replay import ModelInputs, minimal_fp32_set
 
     model = _DictInput(Overflowing()).to(device)
     x, y = (t.to(device) for t in _batch(gain=10.0))

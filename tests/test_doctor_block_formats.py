@@ -12,8 +12,8 @@ from torch import nn
 
 from mixprec.blockformats import quantize_blocks, quantize_blocks_with_scales
 from mixprec.doctor import diagnose
-from mixprec.doctor.advice import _block_formats
-from mixprec.doctor.block_formats import (
+from mixprec.probes.advice import _block_formats
+from mixprec.probes.block_formats import (
     OPERANDS,
     WHAT_IF_FORMATS,
     BlockFormatConfig,

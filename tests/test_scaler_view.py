@@ -100,7 +100,7 @@ def test_scale_growth_and_found_inf_follow_the_scalers_public_state(kind):
 
 def test_the_iteration_token_changes_at_a_skipped_update_only(kind):
     """A skipped step calls no optimizer hook: the token is how a watcher tells it from gradient accumulation."""
-    from mixprec.watching.scaler_state import iteration_changed
+    from mixprec.probes.loss_scale import iteration_changed
 
     scaler = _make(kind)
     view = ScalerView(scaler)

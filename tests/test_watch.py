@@ -520,8 +520,8 @@ def _edge_values(n, g, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_subsample_of_a_tensor_under_the_limit_equals_the_whole_histogram(dtype):
-    from mixprec.doctor.ranges import Log2Histogram
-    from mixprec.watching.subsample import HistogramBatch
+    from mixprec.probes.ranges import Log2Histogram
+    from mixprec.probes.ranges import HistogramBatch
 
     g = torch.Generator().manual_seed(0)
     # transposed: non-contiguous too
@@ -536,8 +536,9 @@ def test_subsample_of_a_tensor_under_the_limit_equals_the_whole_histogram(dtype)
 
 
 def test_subsample_of_a_large_tensor_keeps_the_exact_top_binade_and_nonfinite_presence():
-    from mixprec.doctor.ranges import Log2Histogram
-    from mixprec.watching.subsample import HistogramBatch, flat_sample, stride_for
+    from mixprec.probes.ranges import Log2Histogram
+    from mixprec.probes.ranges import HistogramBatch
+    from mixprec.probes.subsample import flat_sample, stride_for
 
     g = torch.Generator().manual_seed(1)
     t = torch.randn(512, 784, generator=g)
@@ -568,8 +569,8 @@ def test_subsample_of_a_large_tensor_keeps_the_exact_top_binade_and_nonfinite_pr
 def test_lost_updates_on_a_subsample_are_the_whole_steps_positions(opt_cls):
     """An elementwise optimizer's shadow step over a subsample gives exactly the subsample of the whole shadow
     step (state included); the lost-update fraction is close to the whole tensor's, a small tensor is whole."""
-    from mixprec.doctor.lost_updates import LostUpdateMonitor
-    from mixprec.watching.subsample import flat_sample, stride_for
+    from mixprec.probes.lost_updates import LostUpdateMonitor
+    from mixprec.probes.subsample import flat_sample, stride_for
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 3)).to(torch.bfloat16)
@@ -693,7 +694,7 @@ def test_the_exact_finite_check_gathers_gradients_from_several_devices(meta_read
 def test_a_sampled_steps_histograms_meet_on_one_device(given):
     """A sampled step's subsamples and extremes are kept on one device for its one ``bincount`` and read: the
     device given (the watch's), else the first tensor's."""
-    from mixprec.watching.subsample import HistogramBatch
+    from mixprec.probes.ranges import HistogramBatch
 
     batch = HistogramBatch(limit=16, device="meta") if given else HistogramBatch(limit=16)
     batch.add("first", torch.randn(8, device="cpu" if given else "meta"))
@@ -706,7 +707,7 @@ def test_a_sampled_steps_histograms_meet_on_one_device(given):
 def test_lost_update_counts_are_made_on_the_device_of_the_stepped_tensors(meta_reads_as_zeros):
     """The shadow step's counts and medians stay on the tensors' device (judged or not), and tensors on two
     devices meet on the accelerator: one read, of a tensor there."""
-    from mixprec.doctor.lost_updates import LayerUpdates, LostUpdateMonitor
+    from mixprec.probes.lost_updates import LayerUpdates, LostUpdateMonitor
 
     monitor = LostUpdateMonitor.__new__(LostUpdateMonitor)
     monitor._pending, monitor.steps = [], 0

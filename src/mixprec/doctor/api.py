@@ -1,36 +1,24 @@
 """Library API: diagnose a model, a batch and a loss function under a precision recipe.
 
-``diagnose(model, batch, loss_fn=None, precision="fp16-mixed")`` trains a *copy* of the model for a few
-steps with the trainer's own step (:func:`mixprec.train.step.train_step`: the recipe's autocast,
-backward, unscale/step) on a run built by the trainer's one build path
-(:func:`mixprec.train.build.build_run`, with the user's batches as its data source), and watches each step.
-The model is called, and its loss taken, by the model contract (:mod:`mixprec.train.contract`) in every
-pass — the step, the fp32 reference pass and the replays — so a batch may be ``(x, y)``, ``(x_1, ..., y)`` or a
-dict, the output a tensor, a tuple or a ``ModelOutput``, and the loss the model's own:
+:func:`diagnose` trains a *copy* of the model for a few steps on a run built by the trainer's one build path
+(:func:`mixprec.train.build.build_run`, the user's batches as its data), with the trainer's own step
+(:func:`mixprec.train.step.train_step`), and runs the probes (:mod:`mixprec.probes`) over each step:
 
-1. step 0 runs under the dispatcher-level observer with the precision-map sink (every op, dtype, module);
-2. before every step, an fp32 pass records per-layer ranges (:mod:`.ranges`) and the true gradients,
-   which the real step's gradients are compared with (gradient elements lost to underflow);
-3. a step whose loss, gradients or weights come out non-finite is replayed on a copy of the pre-step
-   weights under the non-finite watch (:mod:`.nonfinite`, :mod:`.replay`), which names the first op that
-   produced inf/nan; more replays classify it (a loss-scale overflow that a smaller scale avoids, or a
-   fault) and, for the first fault, search the smallest set of modules to keep in fp32;
-4. ``optimizer.step`` is hooked to count lost updates (:mod:`.lost_updates`);
-5. the loss scale, skips and their causes are recorded (:mod:`.scale_history`);
-6. the fp32 pass of the first steps also quantizes every linear layer's GEMM operands in each FP8/FP4
-   format (:mod:`.block_formats`: SQNR, clamped block scales, underflow), a what-if table per layer.
+1. step 0 under the dispatcher-level observer: the precision map;
+2. before every step, an fp32 pass: per-layer ranges and the true gradients (gradient elements lost to
+   underflow), and on the first steps the block-format what-if table;
+3. a step whose loss, gradients or weights come out non-finite is replayed on a copy of the pre-step weights:
+   its first non-finite op, classified (:func:`mixprec.probes.replay.locate`);
+4. ``optimizer.step`` hooked for lost updates; the loss scale, skips and their causes recorded.
 
-The observation costs a lot more than training (an extra fp32 pass and a weight snapshot per step, a shadow
-optimizer step, replays of failed steps, a Python call per op on step 0), which is why it lives here and
-never in ``mixprec train``. :func:`diagnose_run` does the same for any
-:class:`~mixprec.train.build.Run` (``mixprec doctor`` builds one from its flags).
+Every pass calls the model and takes its loss by the model contract (:mod:`mixprec.train.contract`).
+:func:`diagnose_run` does the same for any :class:`~mixprec.train.build.Run` (``mixprec doctor`` builds one).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,6 +28,15 @@ import torch
 from torch import nn
 
 from ..errors import NonFiniteError, UsageError, keywords_checked
+from ..probes.attribution import ModuleTracker
+from ..probes.block_formats import BlockFormatConfig, BlockFormatProbe
+from ..probes.lost_updates import LostUpdateMonitor, optimizer_param_names, same_optimizer
+from ..probes.nonfinite import all_finite
+from ..probes.observer import OpObserver
+from ..probes.precision_map import PrecisionMap, PrecisionMapSink
+from ..probes.ranges import DEFAULT_FORMATS, GradientLoss, RangeProfile, RangeProfiler
+from ..probes.replay import FaultAnalysis, ModelInputs, locate, replay_step, rng_state
+from ..probes.scale_history import ScaleHistory, StepRecord
 from ..scaler import ScalerConfig
 from ..train.build import Run, build_run, probe
 from ..train.config import TrainConfig
@@ -47,72 +44,14 @@ from ..train.contract import Batch, Objective, as_batch, parse_output
 from ..train.data.sources import UserBatches
 from ..train.outputs import check_folder
 from ..train.step import train_step
-from .attribution import ModuleTracker
-from .block_formats import BlockFormatConfig, BlockFormatProbe
-from .lost_updates import LostUpdateMonitor, optimizer_param_names, same_optimizer
-from .nonfinite import NonFiniteEvent
-from .observer import OpObserver
-from .precision_map import PrecisionMap, PrecisionMapSink
-from .ranges import DEFAULT_FORMATS, RangeProfile, RangeProfiler
-from .replay import ModelInputs, ReplayResult, max_finite_scale, minimal_fp32_set, replay_step
-from .report import DoctorReport, GradientLoss
-from .scale_history import ScaleHistory, StepRecord
+from .report import DoctorReport
 
-__all__ = [
-    "diagnose", "diagnose_run", "precision_map", "range_profile", "find_first_nonfinite",
-    "FaultAnalysis", "DoctorError",
-]
+__all__ = ["diagnose", "diagnose_run", "precision_map", "range_profile", "find_first_nonfinite", "FaultAnalysis",
+           "DoctorError"]
 
 
 class DoctorError(UsageError):
     """A diagnose() call that cannot work as asked; the message names the fix."""
-
-
-@dataclasses.dataclass
-class FaultAnalysis:
-    """A step whose loss, gradients or weights went non-finite: its first non-finite op, classified."""
-
-    step: int
-    event: NonFiniteEvent | None
-    """The first op that produced inf/nan when the step was replayed (None: the replay stayed finite)."""
-    classification: str
-    """``scale overflow`` (finite at a smaller loss scale), ``forward overflow``, ``forward nan``,
-    ``backward overflow``, ``backward nan``, ``optimizer step`` (forward and backward finite, the update
-    was not), ``non-finite batch`` (the step's batch held inf/nan: the data, not the model; ``data`` names the
-    tensors), ``non-finite inputs`` (the weights already were) or ``not reproduced``."""
-    loss_scale: float = 1.0
-    max_finite_scale: float | None = None
-    """Scale overflows: the largest power of two at which the same step is finite."""
-    replay: ReplayResult | None = None
-    """Faults: the fp32 replay's minimal module set."""
-    data: tuple[str, ...] = ()
-    """A non-finite batch: its tensors that hold inf/nan, with their counts
-    (:meth:`~mixprec.train.contract.Batch.nonfinite`)."""
-
-    @property
-    def is_fault(self) -> bool:
-        return self.classification not in ("scale overflow", "not reproduced")
-
-    def describe(self, short: bool = False) -> str:
-        s = f"{self.classification}"
-        if not short:
-            s = f"step {self.step}, {s} at loss scale {self.loss_scale:g}"
-        if self.data:
-            s += f": the batch holds inf/nan ({'; '.join(self.data)}) — the data is at fault, not the model"
-        elif self.event is not None:
-            s += f": {self.event.describe()}"
-        elif self.classification == "optimizer step":
-            s += ": forward and backward were finite, the weights after the update were not"
-        if self.max_finite_scale is not None:
-            s += f"; finite at scale <= {self.max_finite_scale:g}"
-        return s
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "classification": self.classification, "loss_scale": self.loss_scale,
-                "event": None if self.event is None else self.event.to_dict(),
-                "max_finite_scale": self.max_finite_scale,
-                "replay": None if self.replay is None else self.replay.to_dict(), "data": list(self.data),
-                "description": self.describe()}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -187,23 +126,9 @@ def _cycle(batches: Any) -> Iterator[Any]:
 # the diagnosis
 # ------------------------------------------------------------------------------------------------------
 
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    # a sum is finite exactly when every term is (an inf or nan term makes it inf or nan); a finite sum
-    # that overflows float32 is rechecked element-wise
-    for t in tensors:
-        if not bool(torch.isfinite(t.detach().sum(dtype=torch.float32))) and not bool(torch.isfinite(t).all()):
-            return False
-    return True
-
-
 def _replay_call(objective: Objective, batch: Batch) -> tuple[Callable, ModelInputs, Any]:
-    """The replays' ``(loss_fn, x, y)`` for one batch: the forward the model contract makes
-    (:class:`~mixprec.doctor.replay.ModelInputs`) and a loss that takes it by the contract's rule."""
+    """The replays' ``(loss_fn, x, y)`` for one batch: the forward the model contract makes (as
+    :class:`~mixprec.probes.replay.ModelInputs`) and a loss that takes it by the contract's rule."""
     args, kwargs = objective.call.arguments(batch)
     return (lambda out, _y: objective.loss(parse_output(out), batch)), ModelInputs(tuple(args), dict(kwargs)), \
         batch.targets
@@ -211,13 +136,9 @@ def _replay_call(objective: Objective, batch: Batch) -> tuple[Callable, ModelInp
 
 def _locate(run: Run, pre_step: nn.Module, batch: Batch, rng: tuple, step: int, scale: float, bad_params: bool,
             *, bisect: bool, search: bool) -> FaultAnalysis:
-    """Find and classify the first non-finite op of a failed step by replaying it on ``pre_step``.
-
-    The replay runs the step's forward and scaled backward on a copy of the weights before the step, with
-    the step's RNG state (same dropout masks) and loss scale, under the non-finite watch. ``bisect``: find
-    the largest finite loss scale for backward overflows; ``search``: the minimal fp32 module set for faults.
-    A batch that already holds inf/nan is the data's fault: it is named, and nothing is replayed.
-    """
+    """The first non-finite op of a failed step, classified: the step's forward and scaled backward replayed on
+    ``pre_step`` (the weights before it) with its RNG state and loss scale (:func:`mixprec.probes.replay.locate`).
+    A batch that already holds inf/nan is the data's fault: it is named, and nothing is replayed."""
     bad = batch.nonfinite()
     if bad:
         return FaultAnalysis(step, None, "non-finite batch", loss_scale=scale, data=tuple(bad))
@@ -226,20 +147,9 @@ def _locate(run: Run, pre_step: nn.Module, batch: Batch, rng: tuple, step: int, 
     base = list(run.recipe.keep_fp32)
     ev = replay_step(pre_step, autocast, loss_fn, x, y, scale=scale, fp32=base, rng=rng)
     if ev is None:
-        kind = "optimizer step" if bad_params else "not reproduced"
-        return FaultAnalysis(step, None, kind, loss_scale=scale)
-    ev.step = step
-    if not ev.inputs_finite:
-        return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
-    if ev.phase == "backward" and scale > 1 and bisect:
-        mfs = max_finite_scale(pre_step, autocast, loss_fn, x, y, scale=scale, fp32=base, rng=rng)
-        if mfs is not None:
-            return FaultAnalysis(step, ev, "scale overflow", loss_scale=scale, max_finite_scale=mfs)
-    kind = "overflow" if ev.output.n_nan == 0 else "nan"
-    analysis = FaultAnalysis(step, ev, f"{ev.phase} {kind}", loss_scale=scale)
-    if search:
-        analysis.replay = minimal_fp32_set(pre_step, autocast, loss_fn, x, y, scale=1.0, base=base, rng=rng)
-    return analysis
+        return FaultAnalysis(step, None, "optimizer step" if bad_params else "not reproduced", loss_scale=scale)
+    return locate(ev, pre_step, autocast, loss_fn, x, y, step=step, scale=scale, fp32=base, rng=rng, bisect=bisect,
+                  search=search)
 
 
 class _Watch:
@@ -274,7 +184,7 @@ def diagnose_run(
         steps: optimizer steps to observe; the run's batches are cycled if there are fewer (a shuffling
             loader is re-shuffled per pass).
         block_formats: the what-if formats of the block-format section (a
-            :class:`~mixprec.doctor.block_formats.BlockFormatConfig`, format names, ``"all"``), or None to skip it.
+            :class:`~mixprec.probes.block_formats.BlockFormatConfig`, format names, ``"all"``), or None to skip it.
         replay: classify non-finite steps and search the minimal fp32 module set (replays a copy).
         max_analyzed: classify at most this many non-finite steps (the rest keep their first op as cause).
         title: extra facts for the report header (model name, dataset...).
@@ -299,7 +209,7 @@ def _observe_step(run: Run, watch: _Watch, step: int, batch: Batch, scale: float
     with watch.blocks.watching():
         ref_grads = watch.profiler.observe(run.objective, batch)
     pre_step = copy.deepcopy(run.model) if len(watch.faults) < max_analyzed else None
-    rng = _rng_state(run.device)
+    rng = rng_state(run.device)
     stopped = False
     observe = step == 0  # the precision map: one step under the dispatcher-level observer
     watch.tracker.new_step()
@@ -312,7 +222,7 @@ def _observe_step(run: Run, watch: _Watch, step: int, batch: Batch, scale: float
             loss_value, skipped, next_scale, stopped = float("nan"), True, scale, True
     if observe:
         watch.pmap = watch.map_sink.result(run.model)
-    bad_params = not skipped and not stopped and not _all_finite(run.model.parameters())
+    bad_params = not skipped and not stopped and not all_finite(run.model.parameters())
     cause = None
     if skipped or stopped or bad_params or not math.isfinite(loss_value):
         cause = "non-finite loss or gradients (not analysed: --steps past the first faults)"
@@ -453,9 +363,9 @@ def _objective(model: nn.Module, data: UserBatches, loss_fn: Callable | None) ->
 
 
 @keywords_checked
-def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *, precision: str = "fp16-mixed",
-                         amp_impl: str = "auto", loss_scale: float = 1.0, replay: bool = True,
-                         device: str | torch.device | None = "auto") -> FaultAnalysis | None:
+def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None = None, *,
+                         precision: str = "fp16-mixed", amp_impl: str = "auto", loss_scale: float = 1.0,
+                         replay: bool = True, device: str | torch.device | None = "auto") -> FaultAnalysis | None:
     """First non-finite op of one forward + ``(loss * loss_scale)`` backward under the recipe, classified.
 
     Returns None when the step is finite. Nothing is trained; ``model`` is not modified.
@@ -463,6 +373,6 @@ def find_first_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable | None 
     run = _user_run(model, batch, loss_fn, precision=precision, amp_impl=amp_impl, device=device)
     first = _first_batch(run)
     with run.recipe.run_context():
-        fa = _locate(run, run.model, first, _rng_state(run.device), 0, loss_scale, False, bisect=replay,
+        fa = _locate(run, run.model, first, rng_state(run.device), 0, loss_scale, False, bisect=replay,
                      search=replay)
     return None if fa.classification == "not reproduced" else fa

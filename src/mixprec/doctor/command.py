@@ -7,7 +7,7 @@ import argparse
 from ..errors import ConfigError, OutputError
 from ..train.args import add_train_arguments, config_from_args
 from ..train.outputs import OutputLock, check_folder
-from .block_formats import WHAT_IF_FORMATS, BlockFormatConfig
+from ..probes.block_formats import WHAT_IF_FORMATS, BlockFormatConfig
 
 __all__ = ["add_parser", "doctor_main"]
 

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..doctor.ranges import DEFAULT_FORMATS
 from ..errors import UsageError
 from ..formats import get_format
+from ..probes.loss_scale import scaler_kind
+from ..probes.ranges import DEFAULT_FORMATS
+from ..probes.subsample import DEFAULT_SAMPLE_ELEMENTS
 from ..validate import is_int, is_real
-from .scaler_state import scaler_kind
-from .subsample import DEFAULT_SAMPLE_ELEMENTS
 
 __all__ = ["WatchConfig", "WatchError", "unwrap_model", "unwrap_optimizer", "check_watch_args"]
 
@@ -50,9 +50,9 @@ class WatchConfig:
     """Measure lost updates on sampled steps (a shadow fp32 optimizer step over copies of the stepped tensors)."""
     sample_elements: int = DEFAULT_SAMPLE_ELEMENTS
     """A sampled step reads a tensor of more elements than this (an activation, a gradient, a stepped tensor)
-    through a fixed strided subsample of about this many (:mod:`.subsample`): histogram fractions and lost-update
-    fractions become estimates, the largest magnitude and whether any value is non-finite stay exact. Tensors
-    of at most this many elements are read whole; 0 reads every tensor whole. Faults are never sampled."""
+    through a fixed strided subsample of about this many (:mod:`mixprec.probes.subsample`): histogram and
+    lost-update fractions become estimates, the largest magnitude and whether any value is non-finite stay exact;
+    0 reads every tensor whole. Faults are never sampled."""
     plots: bool = True
     """Write the PNG plots (with matplotlib): at close, on a trigger, and at samples at most every plot_seconds."""
     plot_seconds: float = 300.0

@@ -1,46 +1,21 @@
-"""The watch: the doctor's checks inside the user's own training loop, through hooks only.
+"""The watch: the probes (:mod:`mixprec.probes`) inside the user's own training loop, through hooks only.
 
-What it hooks
--------------
-* the model's forward (a pre and a post hook on the root module): a training forward (grad enabled, train
-  mode) starts a step or adds a micro-batch to it; the flight recorder keeps its batch, RNG state, autocast
-  state and the gradient backward sends into the output (:mod:`.recorder`);
-* the optimizer's step (``register_step_pre_hook`` / ``register_step_post_hook``): the gradients are final
-  and not applied yet (the check), and the update was applied;
-* the scaler object, read (never called) through :class:`mixprec.scaler_view.ScalerView`
-  (:func:`.scaler_state.read_scaler`).
-Framework callbacks (:mod:`mixprec.integrations`) drive the same events where a hook cannot see them.
+It hooks the model's forward (a pre and a post hook on the root module: a training forward opens a step or adds
+a micro-batch; the flight recorder, :mod:`.recorder`, keeps what a replay needs), the optimizer's step (pre: the
+gradients are final and not applied; post: the update was applied), and reads the scaler through
+:class:`~mixprec.probes.loss_scale.ScalerReader` (never calls it). Framework callbacks (:mod:`mixprec.integrations`)
+drive the same events where a hook cannot see them. A step ends when the optimizer applied it, or when the
+scaler finished the iteration without ``optimizer.step()`` (a skip, seen at the next forward or at close).
 
-A step ends when the optimizer applied it (the post hook), or, with a loss scaler, when the scaler finished
-the iteration without calling ``optimizer.step()`` (a skipped step; seen at the next forward or at close).
+Host reads: every step's numbers stay on the device until the next sampled step reads them in one go. An
+unsampled step reads at most one small tensor of the watch's own: without a loss scaler, the finite flag of
+the gradients and losses in the step pre-hook (:meth:`Watch._check_finite`), before the update can mutate
+anything; with one, nothing (the scaler's own ``found_inf`` decides), except a fused optimizer's ``found_inf``
+and the new scale after a skip. Sampled steps (every ``every``) read the probes and write the reports; triggers
+replay the step. :attr:`Watch.host_reads` counts the reads.
 
-Host reads (syncs) it adds
---------------------------
-Every step's numbers (loss scale, loss, a gradient norm the loop logged) stay on the device, appended to a
-list that is read in one go at the next sampled step. On an *unsampled* step the watch itself reads at most
-one small tensor:
-
-* no loss scaler (bf16, fp32): the finite flag of the step's gradients and loss, in the optimizer's step
-  pre-hook -- every gradient's sum on the device (or, when the loop logged its gradient norm before the step,
-  that norm instead), stacked with the losses, and one read of that small tensor. It is what lets the watch
-  stop a fault before the optimizer step mutates anything. Only a step whose sums read non-finite (an inf or
-  NaN gradient, or finite values whose sum overflows) reads once more, to tell the two apart exactly. Sampled
-  steps take squared norms instead and keep the global L2 norm as the step's ``grad_l2``;
-* GradScaler, ShardedGradScaler or DynamicLossScaler: none. The scaler has read its own ``found_inf`` already
-  and calls ``optimizer.step()`` only when it is finite, so the watch knows a skip without reading anything;
-  only a fused optimizer (``_step_supports_amp_scaling``, which GradScaler steps even when skipping) costs one
-  read of ``found_inf``;
-* a skipped step (rare) reads the new loss scale once, for the collapse trigger.
-
-Sampled steps (every ``every`` steps) read much more (histograms per layer, gradient norms, the lost-update
-shadow step, the pending per-step numbers) and write the reports. Triggers replay the step (:mod:`.recorder`).
-``Watch.host_reads`` counts the reads, and ``tests/test_watch.py`` counts them independently.
-
-Numerics
---------
-Hooks only read: no tensor of the run is written, no RNG is drawn (replays restore the step's RNG state
-inside ``fork_rng``), replays run with the autocast cache off, and the shadow optimizer steps copies. A
-deep copy of the model (the user's or a replay's) gets inert copies of the watch's hooks.
+Numerics are never changed: hooks only read, replays run on deep copies (inert copies of the hooks) with the
+step's RNG state inside ``fork_rng`` and the autocast cache off, and the shadow optimizer step steps copies.
 """
 
 from __future__ import annotations
@@ -54,14 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..doctor.api import FaultAnalysis
-from ..doctor.replay import ModelInputs, step_device
 from ..errors import NonFiniteError
 from ..memory import local_tensor
+from ..probes.loss_scale import ScalerReader, iteration_changed
+from ..probes.ranges import InertHook
+from ..probes.replay import FaultAnalysis, ModelInputs, rng_state, step_device
 from .config import WatchConfig
+from .output import Output
 from .recorder import AutocastState, MicroBatch, localize, save_capture
-from .sample import InertHook, Sampler
-from .scaler_state import ScalerReader, ScalerState, iteration_changed
+from .sample import Sampler
 
 __all__ = ["Watch"]
 
@@ -76,7 +52,7 @@ class _Step:
     index: int
     sampled: bool
     iteration: Any
-    """The scaler's iteration token at the step's first forward (:func:`.scaler_state.iteration_changed`)."""
+    """The scaler's iteration token at the step's first forward (compared by ``iteration_changed``)."""
     scale: torch.Tensor | float
     """The loss scale this step's backward uses (a device copy)."""
     batches: list[MicroBatch] = dataclasses.field(default_factory=list)
@@ -147,8 +123,6 @@ class Watch:
         """fp16 gradients' norms are taken in fp32 (an fp16 norm overflows at 65504)."""
         self.sampler = Sampler(model, optimizer, tuple(config.formats), config.lost_updates, config.sample_elements,
                                device=self.device)
-        from .output import Output
-
         self.output = Output(self)
         self._handles = [
             model.register_forward_pre_hook(InertHook(self._on_forward), with_kwargs=True),
@@ -215,10 +189,6 @@ class Watch:
             self.unsampled_reads += 1
         return t.tolist()
 
-    def _scaler(self) -> ScalerState:
-        """The whole look at the scaler (reports, sampled steps, skips); unsampled steps use ``self.reader``."""
-        return self.reader.state()
-
     # -- events -------------------------------------------------------------------------------------
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not (torch.is_grad_enabled() and module.training):
@@ -226,8 +196,8 @@ class Watch:
         if self._auto and self._open is not None and self._scaler_finished(self._open):
             self.close_step()
         st = self._open or self.open_step()
-        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
-        self._mb = MicroBatch(ModelInputs(tuple(args), dict(kwargs)), rng, AutocastState.now(self.device.type))
+        self._mb = MicroBatch(ModelInputs(tuple(args), dict(kwargs)), rng_state(self.device),
+                              AutocastState.now(self.device.type))
         st.batches.append(self._mb)
         if self._compute_dtype is None:
             self._compute_dtype = self._mb.autocast.low
@@ -247,8 +217,7 @@ class Watch:
             return
         self.before_step(in_step=True)
         if st.sampled and not self.sampler.pre_done and not st.nonfinite:
-            sc = self._scaler()
-            if sc.unscaled or not sc.enabled:
+            if self.reader.unscaled:
                 self.sampler.pre_update(optimizer)  # a fused optimizer's gradients are still scaled: not measured
 
     def _on_post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -265,9 +234,8 @@ class Watch:
     def open_step(self) -> _Step:
         r = self.reader
         sampled = self.step % self.config.every == 0
-        t = r.scale()
-        scale: torch.Tensor | float = t.detach().clone() if t is not None else (
-            self._scaler().init_scale if r.enabled else 1.0)
+        t = r.scale_or_init()
+        scale = t.detach().clone() if isinstance(t, torch.Tensor) else t
         st = self._open = _Step(self.step, sampled, r.iteration(), scale)
         if sampled:
             value = self._read(scale, "sample") if isinstance(scale, torch.Tensor) else scale
@@ -295,26 +263,18 @@ class Watch:
         else:
             self._check_finite(st)
         if st.sampled:
-            sc = self._scaler()
-            self.sampler.before_step(0 if not sc.enabled or sc.unscaled else self._log2(st.scale), st.norms)
-            if not sc.enabled and not st.nonfinite and not self.sampler.pre_done:
+            self.sampler.before_step(0 if r.unscaled else self._log2(st.scale), st.norms)
+            if not r.enabled and not st.nonfinite and not self.sampler.pre_done:
                 self.sampler.pre_update(self.optimizer)
 
     def _check_finite(self, st: _Step) -> None:
-        """The finite flag of a loop without a loss scaler: one pass over the gradients and one read.
+        """The finite flag of a loop without a loss scaler: one pass over the gradients, one read.
 
-        Unsampled steps reduce each gradient to its sum (fp32 accumulation; one kernel each, the cheapest read of
-        the bytes), stacked with the step's losses and read in one go: an inf or NaN anywhere makes its sum
-        non-finite whatever the order of the additions, so finite sums mean finite gradients. A non-finite sum
-        may also be finite values overflowing fp32 (partial sums of opposite signs can even give NaN): such a
-        step (rare) is checked exactly with a second read. Sampled steps take each gradient's squared 2-norm
-        instead (:func:`_squared_norms`), which serves the sample's per-layer norms and the step's ``grad_l2``
-        (summed on the host); a square is never NaN for finite values, so a NaN square is a fault outright.
-
-        A gradient norm tensor the loop handed over before the step (``w.log(grad_norm=...)``, e.g. the return
-        value of ``clip_grad_norm_``) is finite iff the gradients are (up to the same overflow, re-checked
-        exactly): an unsampled step then reads that and the losses and makes no pass over the gradients of its
-        own (not for sharded parameters, whose norm is a DTensor: their own pass keeps the ranks agreeing).
+        Unsampled steps: each gradient's fp32 sum (an inf or NaN anywhere makes it non-finite), stacked with the
+        losses; finite values whose sum overflows are re-checked exactly (a second read, rare). A gradient norm
+        the loop logged before the step (``w.log(grad_norm=...)``) replaces the pass (not for sharded parameters,
+        whose own pass keeps the ranks agreeing). Sampled steps: each gradient's squared 2-norm
+        (:func:`_squared_norms`), which also gives the per-layer norms and ``grad_l2``; a NaN square is a fault.
         """
         losses = st.model_losses + st.logged_losses
         norm = st.grad_norm if not (st.sampled or self._dtensor) and isinstance(st.grad_norm, torch.Tensor) else None
@@ -398,7 +358,7 @@ class Watch:
         self._open = st  # the triggers and the sample still belong to this step
         try:
             if skipped and enabled:
-                self._on_skipped(st, rec, self._scaler())
+                self._on_skipped(st, rec)
             elif st.nonfinite and self.faults and self.faults[-1].step == st.index:
                 rec.cause = self.faults[-1].describe(short=True)
             if st.sampled:
@@ -414,11 +374,12 @@ class Watch:
             st.batches = []
 
     # -- triggers -----------------------------------------------------------------------------------
-    def _on_skipped(self, st: _Step, rec: StepValues, sc: ScalerState) -> None:
+    def _on_skipped(self, st: _Step, rec: StepValues) -> None:
         self._on_nonfinite(st, scaled=True)
         if self.faults and self.faults[-1].step == st.index:
             rec.cause = self.faults[-1].describe(short=True)
-        new_scale = self._read(sc.scale, "skipped-step") if sc.scale is not None else sc.init_scale
+        scale = self.reader.scale_or_init()
+        new_scale = self._read(scale, "skipped-step") if isinstance(scale, torch.Tensor) else scale
         if new_scale < self.config.collapse_below and "collapse" not in self._fired:
             self._trigger("collapse", st, f"the loss scale fell to {new_scale:g}, below "
                                           f"{self.config.collapse_below:g}", raising=True)
@@ -481,9 +442,8 @@ class Watch:
         from the scaler instead (after the loop's last ``update()``).
         """
         if final and self.last is not None and self.last.next_scale is None:
-            sc = self._scaler()
-            self.last.next_scale = sc.scale.detach().clone() if sc.scale is not None else (
-                sc.init_scale if sc.enabled else 1.0)
+            scale = self.reader.scale_or_init()
+            self.last.next_scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else scale
         ready = [r for r in self._pending if r.next_scale is not None]
         if not ready:
             return
@@ -512,10 +472,9 @@ def _scalar(v: Any, device: torch.device) -> torch.Tensor:
 
 
 def _squared_norms(grads: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """``||g||^2`` per gradient: an fp32 CPU gradient as a BLAS dot product with itself (its vector-norm
-    kernel is the slower read of the same bytes), the others by ``torch._foreach_norm`` squared in fp32. A sum of
-    squares overflows where the norm of finite huge values would too (both accumulate in fp32): the caller's
-    exact re-check tells those apart from an inf or NaN; a NaN or inf anywhere makes its square non-finite."""
+    """``||g||^2`` per gradient: an fp32 CPU gradient as a BLAS dot product with itself, the others by
+    ``torch._foreach_norm`` squared in fp32; an inf or NaN makes its square non-finite (finite values may overflow
+    it too: the caller re-checks those exactly)."""
     out: list[torch.Tensor | None] = [None] * len(grads)
     rest = []
     for i, g in enumerate(grads):

@@ -30,12 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..doctor.lost_updates import LayerUpdates, LostUpdates
-from ..doctor.ranges import LayerRanges, Log2Histogram, RangeProfile
-from ..doctor.report import DoctorReport, GradientLoss
-from ..doctor.scale_history import StepRecord
 from ..jsonio import write_json, write_text
-from .report import WatchReport, WatchHistory
+from ..probes.lost_updates import LayerUpdates, LostUpdates
+from ..probes.observer import dtype_name
+from ..probes.ranges import GradientLoss, LayerRanges, RangeProfile
+from ..probes.report import Findings
+from ..probes.scale_history import ScaleHistory, StepRecord
+from .plots import write_plots
+from .report import WatchReport
 
 __all__ = ["Output", "CSV_FIELDS"]
 
@@ -49,7 +51,7 @@ class Output:
         cfg = watch.config
         self.out = None if cfg.out is None else os.path.abspath(os.fspath(cfg.out))
         self.writes = watch.rank == 0 and self.out is not None
-        self.history = WatchHistory()
+        self.history = ScaleHistory(sparse=True)
         self.series: list[dict[str, Any]] = []
         self._csv_new = True
         self._tb = None
@@ -68,7 +70,7 @@ class Output:
             loss = math.nan if v.loss is None else float(v.loss)
             rec = StepRecord(step=v.step, loss=loss, scale=float(v.scale), next_scale=float(v.next_scale),
                              skipped=bool(v.skipped), cause=v.cause)
-            self.history.add_step(rec, v.sampled)
+            self.history.add(rec, v.sampled)
             rows.append([v.step, loss, rec.scale, rec.next_scale, int(v.skipped),
                          "" if v.nonfinite is None else int(v.nonfinite), _num(v.grad_l2), _num(v.grad_norm),
                          int(v.sampled), v.cause or ""])
@@ -112,19 +114,18 @@ class Output:
             profile, lost, triggers, counters, faults = _reduce(w, profile, lost, triggers, counters, faults)
         self._series_from(w.sampler.samples)
         title, spec = self._title(), self._spec()
-        last_scale = self.history.final_scale if self.history.total else float(
-            w._scaler().init_scale if w._scaler().enabled else 1.0)
-        doctor = DoctorReport(title=title, recipe_spec=spec, precision_map=None, ranges=profile,
-                              loss_scale=last_scale if math.isfinite(last_scale) else 1.0,
-                              gradient_loss=GradientLoss(), faults=faults, lost_updates=lost, history=self.history)
+        last_scale = self.history.final_scale if self.history.total else w.reader.init_scale
+        findings = Findings(title=title, recipe_spec=spec, precision_map=None, ranges=profile,
+                            loss_scale=last_scale if math.isfinite(last_scale) else 1.0,
+                            gradient_loss=GradientLoss(), faults=faults, lost_updates=lost, history=self.history)
         unsampled = max(0, w.step - len(w.sampler.samples))
         reads = {"total": sum(w.host_reads.values()), "by_reason": dict(w.host_reads), "unsampled": w.unsampled_reads,
                  "unsampled_steps": unsampled, "per_unsampled_step": _reads_rule(w)}
         info = {"source": w.source, "every": w.config.every, "steps": w.step, "samples": len(w.sampler.samples),
-                "on_fault": w.config.on_fault, "scaler": w._scaler().kind, "world_size": w.world_size,
+                "on_fault": w.config.on_fault, "scaler": w.reader.kind, "world_size": w.world_size,
                 "host_reads": reads, "captures": [t for t in triggers if t.get("capture")],
                 "sampling": _sampling(w), **counters}
-        return WatchReport(doctor=doctor, watch=info, triggers=triggers, samples=w.sampler.samples,
+        return WatchReport(findings=findings, watch=info, triggers=triggers, samples=w.sampler.samples,
                            series=self.series)
 
     def write(self, *, final: bool, collective: bool, plots: bool = False) -> None:
@@ -142,8 +143,6 @@ class Output:
             self._tb.flush()
         cfg = self.watch.config
         if cfg.plots and (final or plots or time.monotonic() - self._last_plot >= cfg.plot_seconds):
-            from .plots import write_plots
-
             write_plots(report, self.out)
             self._last_plot = time.monotonic()
 
@@ -171,19 +170,17 @@ class Output:
 
     def _spec(self) -> dict[str, Any]:
         w = self.watch
-        from ..doctor.observer import dtype_name
-
         dtypes = [p.dtype for p in w.model.parameters()]
         params = max(set(dtypes), key=dtypes.count)
         low = w.compute_dtype or params
         stepped = {id(p) for g in w.optimizer.param_groups for p in g["params"]}
-        return {"compute": dtype_name(low), "params": dtype_name(params), "loss_scaling": w._scaler().enabled,
+        return {"compute": dtype_name(low), "params": dtype_name(params), "loss_scaling": w.reader.enabled,
                 "master_weights": not any(id(p) in stepped for p in w.model.parameters()), "emulated": False,
                 "stochastic_rounding": False}
 
     def _title(self) -> dict[str, Any]:
         w, spec = self.watch, self._spec()
-        scaler = {"torch": type(w.scaler).__name__, "mixprec": "DynamicLossScaler"}.get(w._scaler().kind)
+        scaler = {"torch": type(w.scaler).__name__, "mixprec": "DynamicLossScaler"}.get(w.reader.kind)
         compute = f"{spec['compute']} autocast" if w.compute_dtype is not None else f"{spec['compute']} compute"
         describe = f"{compute}, {spec['params']} weights" + (f", {scaler}" if scaler else ", no loss scaler") + (
             ", optimizer steps separate (master) tensors" if spec["master_weights"] else "")
@@ -207,9 +204,9 @@ def _sampling(w: Any) -> dict[str, Any]:
 
 
 def _reads_rule(w: Any) -> str:
-    if not w._scaler().enabled:
+    if not w.reader.enabled:
         return "1: the finite flag of the gradients and loss, before the optimizer step"
-    if getattr(w.optimizer, "_step_supports_amp_scaling", False) and w._scaler().kind == "torch":
+    if w.reader.fused:
         return "1: found_inf of the fused optimizer's step"
     return "0: the scaler's own found_inf check decides, the watch reads nothing (1 on a skipped step: the new scale)"
 
@@ -225,36 +222,23 @@ def _num(v: Any) -> Any:
 def _reduce(w: Any, profile: RangeProfile, lost: LostUpdates, triggers: list, counters: dict, faults: list) -> tuple:
     """Sum the ranks' histograms and lost-update counts; collect their triggers and fault analyses (in step order,
     rank 0 first within a step), the counters' max and each rank's non-finite count (one all_gather_object)."""
-    mine = {"ranges": {lr.name: (lr.kind, [_hist_state(h) for h in (lr.activations, lr.grad_outputs, lr.grad_params)])
-                       for lr in profile.layers},
-            "lost": [(lu.name, lu.dtype, lu.updated, lu.lost, lu.unchanged, lu.examined, lu.elements)
-                     for lu in lost.layers],
-            "lost_steps": lost.steps, "triggers": triggers, "counters": counters, "faults": faults}
+    mine = {"ranges": profile.layers, "lost": lost.layers, "triggers": triggers, "counters": counters,
+            "faults": faults}
     every: list[Any] = [None] * w.world_size
     dist.all_gather_object(every, mine)
     layers: dict[str, LayerRanges] = {}
     updates: dict[str, LayerUpdates] = {}
     for part in every:
-        for name, (kind, hs) in part["ranges"].items():
-            lr = layers.setdefault(name, LayerRanges(name, kind))
-            for target, h in zip((lr.activations, lr.grad_outputs, lr.grad_params), hs):
-                target.merge(_hist_from(h))
-        for name, dtype, upd, lo, unch, seen, elements in part["lost"]:
-            lu = updates.setdefault(name, LayerUpdates(name, dtype))
-            lu.updated, lu.lost, lu.unchanged = lu.updated + upd, lu.lost + lo, lu.unchanged + unch
-            lu.examined, lu.elements = lu.examined + seen, lu.elements + elements
+        for lr in part["ranges"]:
+            layers.setdefault(lr.name, LayerRanges(lr.name, lr.kind)).merge(lr)
+        for lu in part["lost"]:
+            total = updates.setdefault(lu.name, LayerUpdates(lu.name, lu.dtype))
+            for field in ("updated", "lost", "unchanged", "examined", "elements"):
+                setattr(total, field, getattr(total, field) + getattr(lu, field))
     merged_triggers = [t for part in every for t in part["triggers"]]
     merged_faults = sorted((f for part in every for f in part["faults"]), key=lambda f: f.step)  # stable: by rank
     counters = {k: max(part["counters"][k] for part in every) for k in counters}
     counters["ranks_nonfinite"] = [part["counters"]["nonfinite_steps"] for part in every]
     profile = RangeProfile(layers=list(layers.values()), steps=profile.steps, formats=profile.formats)
-    return profile, LostUpdates(layers=list(updates.values()), steps=lost.steps), merged_triggers, counters, merged_faults
-
-
-def _hist_state(h: Log2Histogram) -> tuple[list[int], int, int]:
-    return h.counts.tolist(), h.zeros, h.nonfinite
-
-
-def _hist_from(state: tuple[list[int], int, int]) -> Log2Histogram:
-    counts, zeros, nonfinite = state
-    return Log2Histogram(torch.tensor(counts, dtype=torch.int64), zeros, nonfinite)
+    lost = LostUpdates(layers=list(updates.values()), steps=lost.steps)
+    return profile, lost, merged_triggers, counters, merged_faults

@@ -1,33 +1,13 @@
 """The flight recorder: what a step needs to be replayed, the replay that localises its fault, and capture.pt.
 
-What is kept of every step (references, no copies)
---------------------------------------------------
-For each forward of the model during a training step (each micro-batch), :class:`MicroBatch` keeps the
-call's arguments (the batch), the CPU (and CUDA) RNG state before it ran (its dropout masks), the autocast
-state it ran under, and a *seed*: the gradient that backward sent into the model's output. The seed makes the
-replay independent of the user's loss function, which the watch never sees: when the model returns its own
-loss (Hugging Face models given labels), the seed is that loss's gradient (the loss scale over the
-accumulation steps); otherwise it is the gradient of each floating output, and the replay's backward is
-``sum(output * seed)``, whose gradient with respect to the output is exactly the seed. Holding it keeps one
-tensor the size of the model's output alive until the step is checked.
-
-The replay (doctor's machinery)
--------------------------------
-The weights are still the failing step's: a no-scaler loop is checked in the optimizer's step pre-hook,
-before the update, and a loss scaler skips the update of a non-finite step. :func:`localize` replays each
-micro-batch of the step on a copy of the model (:func:`mixprec.doctor.replay.replay_step` under the doctor's
-non-finite watch, with the step's RNG state restored inside ``fork_rng``: the caller's RNG is untouched),
-classifies the first non-finite op as the doctor does (a scale overflow that a smaller loss scale avoids,
-``forward``/``backward`` overflow or nan, non-finite inputs), and for a fault searches the smallest set of
-modules to keep in fp32 (:func:`mixprec.doctor.replay.minimal_fp32_set`). Replays run with the autocast
-weight cache off and the ambient autocast disabled around them, so the user's autocast cache is not touched.
-
-capture.pt
-----------
-:func:`save_capture` writes the step's micro-batches, RNG states, seeds, the model's ``state_dict`` (on the
-CPU), the scaler's ``state_dict`` and the analysis, as plain tensors, numbers and strings: it loads with
-``torch.load(path, weights_only=True)``, and :func:`analyze_capture` reruns the replay from it on a model of
-the same class.
+For each forward of a training step (each micro-batch) :class:`MicroBatch` keeps references to the call's
+arguments, the CPU (and CUDA) RNG state before it ran, the autocast state, and the *seed*: the gradient backward
+sent into the model's output. The seed makes the replay independent of the user's loss, which the watch never
+sees: a replay's loss is the model's own loss times the seed, or ``sum(output * seed)``, whose gradient with
+respect to the output is exactly the seed. :func:`localize` replays the micro-batches on copies of the model
+(:mod:`mixprec.probes.replay`; the weights are still the failing step's: the check runs before the update, and a
+scaler skips it) and classifies the first non-finite op. :func:`save_capture` writes the step as plain tensors,
+numbers and strings (``torch.load(path, weights_only=True)``); :func:`analyze_capture` reruns the replay from it.
 """
 
 from __future__ import annotations
@@ -45,10 +25,12 @@ from torch import nn
 
 from ..autocast import autocast as scratch_autocast
 from ..autocast import autocast_dtype, is_autocast_active
-from ..doctor.api import FaultAnalysis
-from ..doctor.observer import dtype_name
-from ..doctor.replay import ModelInputs, max_finite_scale, minimal_fp32_set, replay_step
+from ..jsonio import to_jsonable
 from ..memory import local_tensor
+from ..probes.nonfinite import all_finite
+from ..probes.observer import dtype_name
+from ..probes.replay import FaultAnalysis, ModelInputs, locate, replay_step
+from .config import WatchError
 
 __all__ = ["AutocastState", "MicroBatch", "localize", "save_capture", "load_capture", "analyze_capture",
            "CAPTURE_FORMAT"]
@@ -177,10 +159,6 @@ def _ambient_autocast_off(device_type: str) -> Iterator[None]:
         yield
 
 
-def _nonfinite(ts: list[torch.Tensor | None]) -> bool:
-    return any(t is not None and not bool(torch.isfinite(t).all()) for t in ts)
-
-
 def _seed_fault(batches: list[MicroBatch], step: int, scale: float) -> FaultAnalysis:
     """The model's forward replays finite: the seed (the gradient that reached its output) was not.
 
@@ -188,7 +166,7 @@ def _seed_fault(batches: list[MicroBatch], step: int, scale: float) -> FaultAnal
     from the loss (a scale overflow: the scaler's backoff handles it); otherwise the loss itself was non-finite.
     """
     seeds = [g for mb in batches for g in mb.seed if g is not None]
-    if not any(_nonfinite([g]) for g in seeds):
+    if all_finite(seeds):
         return FaultAnalysis(step, None, "not reproduced", loss_scale=scale)
     if scale > 1 and not any(bool(torch.isnan(g).any()) for g in seeds):
         return FaultAnalysis(step, None, "scale overflow", loss_scale=scale)
@@ -209,21 +187,10 @@ def localize(model: nn.Module, batches: list[MicroBatch], *, step: int, scale: f
                 break
         else:
             return _seed_fault(batches, step, scale)
-        ev.step = step
-        if not ev.inputs_finite:
-            if ev.module is None:  # the seed: what the user's loss sent back into the model
-                return _seed_fault(batches, step, scale)
-            return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
-        args = (model, mb.autocast.context, _seed_loss, mb.inputs, seed)
-        if ev.phase == "backward" and scale > 1 and bisect:
-            mfs = max_finite_scale(*args, scale=scale, rng=mb.rng)
-            if mfs is not None:
-                return FaultAnalysis(step, ev, "scale overflow", loss_scale=scale, max_finite_scale=mfs)
-        analysis = FaultAnalysis(step, ev, f"{ev.phase} {'overflow' if ev.output.n_nan == 0 else 'nan'}",
-                                 loss_scale=scale)
-        if search:
-            analysis.replay = minimal_fp32_set(*args, scale=1.0, rng=mb.rng)
-        return analysis
+        if not ev.inputs_finite and ev.module is None:  # the seed: what the user's loss sent back into the model
+            return _seed_fault(batches, step, scale)
+        return locate(ev, model, mb.autocast.context, _seed_loss, mb.inputs, seed, step=step, scale=scale,
+                      rng=mb.rng, bisect=bisect, search=search)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -254,7 +221,7 @@ def save_capture(path: str, *, model: nn.Module, batches: list[MicroBatch], step
                            "rng_cpu": mb.rng[0], "rng_cuda": mb.rng[1], "autocast": mb.autocast.to_dict(),
                            "seed_kind": mb.seed_kind, "seed": _plain(mb.seed)} for mb in batches],
         "scaler": _plain(scaler.state_dict()) if scaler is not None and scaler.is_enabled() else None,
-        "analysis": None if analysis is None else _plain(_json_safe(analysis.to_dict())),
+        "analysis": None if analysis is None else _plain(to_jsonable(analysis.to_dict())),
     }
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(data, tmp)
@@ -262,18 +229,10 @@ def save_capture(path: str, *, model: nn.Module, batches: list[MicroBatch], step
     return os.path.getsize(path)
 
 
-def _json_safe(o: Any) -> Any:
-    from ..jsonio import to_jsonable
-
-    return to_jsonable(o)
-
-
 def load_capture(path: str) -> dict[str, Any]:
     """A capture as saved (``weights_only=True``: no code runs while loading)."""
     data = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(data, dict) or data.get("format") != CAPTURE_FORMAT:
-        from .config import WatchError
-
         raise WatchError(f"{path} is not a mixprec.watch capture (expected format {CAPTURE_FORMAT})")
     return data
 

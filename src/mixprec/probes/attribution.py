@@ -1,18 +1,11 @@
 """Which module and which phase (forward, backward, optimizer step) an op belongs to.
 
-Forward ops are easy: module forward pre/post hooks keep a stack of qualified module names, and an op
-runs inside the innermost one. Backward ops run inside the autograd engine, long after the modules
-returned, so they are attributed through the autograd graph instead: when a module's forward returns,
-its post hook walks the ``grad_fn`` graph back from the module's outputs and claims every node it
-meets, stopping at the ``grad_fn`` of the module's inputs (made before it ran) and at nodes an inner
-module already claimed (inner post hooks run first). During backward the engine reports the node it is
-executing (``torch._C._current_autograd_node()``), and the node's owner is the module path of every op
-it runs. ``AccumulateGrad`` nodes (writing ``.grad`` of a leaf) belong to the module owning the
-parameter.
-
-The phase is ``backward`` while the engine runs a node, ``step`` for ops after the first backward op
-(unscale, clip, optimizer), and ``forward`` before it. One tracker observes one training step; call
-:meth:`ModuleTracker.new_step` between steps.
+Forward ops run inside the innermost module on a stack kept by forward pre/post hooks. Backward ops are
+attributed through the autograd graph: a module's post hook claims every ``grad_fn`` node between its outputs
+and its inputs (inner modules claim first), and during backward the node the engine runs
+(``torch._C._current_autograd_node()``) names the module; ``AccumulateGrad`` belongs to the parameter's owner.
+The phase is ``backward`` while the engine runs a node, ``step`` after the first backward op, ``forward``
+before it. One tracker observes one step; call :meth:`ModuleTracker.new_step` between steps.
 """
 
 from __future__ import annotations

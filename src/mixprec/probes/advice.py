@@ -1,4 +1,4 @@
-"""Turn a doctor report into recommendations, each with a machine-readable ``kind`` and a sentence.
+"""Recommendations from the findings (:class:`~.report.Findings`), each a ``kind`` and a sentence.
 
 Kinds, most urgent first:
 
@@ -25,6 +25,7 @@ import math
 from typing import Any
 
 from .attribution import display_path
+from .block_formats import SHORT
 
 __all__ = ["recommend", "THRESHOLDS"]
 
@@ -165,7 +166,7 @@ def _lost_updates(report: Any) -> list[dict[str, str]]:
 
 
 def recommend(report: Any) -> list[dict[str, str]]:
-    """Recommendations for a :class:`~mixprec.doctor.report.DoctorReport`, most urgent first."""
+    """Recommendations for a :class:`~.report.Findings`, most urgent first."""
     low = report.low_format
     recs = _faults(report, low)
     have_keep = any(r["kind"] == "keep-fp32" for r in recs)
@@ -188,8 +189,6 @@ def _block_formats(report: Any) -> list[dict[str, str]]:
     bf = getattr(report, "block_formats", None)
     if bf is None:
         return []
-    from .block_formats import SHORT
-
     recs, by_format = [], {}
     for d in bf.flagged():
         by_format.setdefault(d["format"], {}).setdefault(d["layer"], d)  # worst cell per layer, flagged() sorts

@@ -1,28 +1,18 @@
-"""Replay a failing step to explain it: at lower loss scales, and with chosen modules in fp32.
+"""Replay a failing step on a copy of the model to explain it, and classify what it finds (:class:`FaultAnalysis`).
 
-A non-finite value has three usual causes, and each replay below tells one from the others. Replays run
-on a *copy* of the model with the weights of the failing step, the same batch and the recipe's autocast,
-so the run being diagnosed is never disturbed (BatchNorm statistics included).
+Replays run on a deep copy with the failing step's weights, batch, autocast and RNG state, under the non-finite
+watch (:mod:`.nonfinite`), so the observed run is never disturbed:
 
-1. **The loss scale is too large** (fp16 with dynamic scaling): the forward is finite and the backward
-   overflows only because the loss was multiplied by ``S``. The dynamic scaler handles this by skipping
-   the step and halving ``S``. :func:`max_finite_scale` finds the largest power of two ``<= S`` at which
-   the step is finite (bisection over the exponent; finiteness is monotone in ``S`` up to rounding).
-2. **A layer's values leave the low format's range** (an activation above 65504 in fp16, a gradient
-   that explodes in a custom backward): :func:`minimal_fp32_set` runs modules in fp32 until the step is
-   finite. Greedy: replay, take the module of the first non-finite op, add it to the fp32 set, replay
-   again, until finite; then drop every module whose removal keeps the step finite. The result is a
-   1-minimal set (no single module can be dropped), usually the one layer that overflows.
-3. **The values are non-finite even in fp32** (a too-large learning rate, a log of zero): no module set
-   helps, and the replay says so.
+* :func:`replay_step`: the first op that produced inf/nan, or None;
+* :func:`max_finite_scale`: the largest power of two ``<= S`` at which the step is finite (a loss-scale overflow
+  that the scaler's backoff handles; bisection over the exponent);
+* :func:`minimal_fp32_set`: a 1-minimal set of modules whose fp32 execution (:class:`Fp32Modules`: weights and
+  inputs in fp32, both autocasts off inside) makes the step finite -- greedy (add the module of the first
+  non-finite op until finite), then pruned; none when the values are non-finite even in fp32;
+* :func:`locate`: the three above, as the doctor and the watch classify a failed step.
 
-Running a module in fp32 (:class:`Fp32Modules`) means: its parameters and buffers converted to fp32 (on
-the copy), its floating inputs cast up, and autocast disabled inside it -- both ``torch.autocast`` and
-mixprec's scratch autocast, so the same replay works for either mechanism.
-
-Devices: a replay computes on :func:`step_device` (the model's accelerator; its autocast is the one the fp32
-modules turn off, its CUDA generator the one a recorded state is restored into) and forks the generator of
-every CUDA device the model and its inputs touch (:func:`cuda_devices`), so the caller's RNG is left as it was.
+A replay computes on :func:`step_device` (the first accelerator among the model's and the inputs' tensors) and
+forks the generator of every CUDA device they touch (:func:`cuda_devices`): the caller's RNG is left as it was.
 """
 
 from __future__ import annotations
@@ -44,7 +34,7 @@ from .nonfinite import NonFiniteEvent, NonFiniteWatch
 from .observer import OpObserver
 
 __all__ = ["Fp32Modules", "ModelInputs", "replay_step", "max_finite_scale", "minimal_fp32_set", "ReplayResult",
-           "step_device", "cuda_devices"]
+           "FaultAnalysis", "locate", "rng_state", "step_device", "cuda_devices"]
 
 
 @dataclasses.dataclass
@@ -73,6 +63,11 @@ def step_device(model: nn.Module, x: Any = ()) -> torch.device:
 def cuda_devices(model: nn.Module, x: Any = ()) -> list[torch.device]:
     """Every CUDA device the model's tensors and ``x``'s are on: the generators a replay forks."""
     return list(dict.fromkeys(t.device for t in _tensors(model, x) if t.device.type == "cuda"))
+
+
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The RNG state :func:`replay_step` restores: the CPU generator's, and on a CUDA device that device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
 def _forward(model: nn.Module, x: Any) -> Any:
@@ -227,3 +222,73 @@ def minimal_fp32_set(
                 chosen = rest
     names = ", ".join(display_path(m) for m in chosen)
     return ReplayResult(chosen, trials, f"the step is finite with {names} in fp32")
+
+
+@dataclasses.dataclass
+class FaultAnalysis:
+    """A step whose loss, gradients or weights went non-finite: its first non-finite op, classified."""
+
+    step: int
+    event: NonFiniteEvent | None
+    """The first op that produced inf/nan when the step was replayed (None: the replay stayed finite)."""
+    classification: str
+    """``scale overflow`` (finite at a smaller loss scale), ``forward overflow``, ``forward nan``,
+    ``backward overflow``, ``backward nan``, ``optimizer step`` (forward and backward finite, the update
+    was not), ``non-finite batch`` (the step's batch held inf/nan: the data, not the model; ``data`` names the
+    tensors), ``non-finite inputs`` (the weights already were) or ``not reproduced``."""
+    loss_scale: float = 1.0
+    max_finite_scale: float | None = None
+    """Scale overflows: the largest power of two at which the same step is finite."""
+    replay: ReplayResult | None = None
+    """Faults: the fp32 replay's minimal module set."""
+    data: tuple[str, ...] = ()
+    """A non-finite batch: its tensors that hold inf/nan, with their counts
+    (:meth:`~mixprec.train.contract.Batch.nonfinite`)."""
+
+    @property
+    def is_fault(self) -> bool:
+        return self.classification not in ("scale overflow", "not reproduced")
+
+    def describe(self, short: bool = False) -> str:
+        s = f"{self.classification}"
+        if not short:
+            s = f"step {self.step}, {s} at loss scale {self.loss_scale:g}"
+        if self.data:
+            s += f": the batch holds inf/nan ({'; '.join(self.data)}) — the data is at fault, not the model"
+        elif self.event is not None:
+            s += f": {self.event.describe()}"
+        elif self.classification == "optimizer step":
+            s += ": forward and backward were finite, the weights after the update were not"
+        if self.max_finite_scale is not None:
+            s += f"; finite at scale <= {self.max_finite_scale:g}"
+        return s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "classification": self.classification, "loss_scale": self.loss_scale,
+                "event": None if self.event is None else self.event.to_dict(),
+                "max_finite_scale": self.max_finite_scale,
+                "replay": None if self.replay is None else self.replay.to_dict(), "data": list(self.data),
+                "description": self.describe()}
+
+
+def locate(ev: NonFiniteEvent, model: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager],
+           loss_fn: Callable, x: Any, y: Any, *, step: int, scale: float, fp32: Iterable[str] = (),
+           rng: tuple | None = None, bisect: bool = True, search: bool = True) -> FaultAnalysis:
+    """Classify ``ev``, the first non-finite op :func:`replay_step` found for these arguments.
+
+    ``bisect``: a backward overflow at a scale above 1 that a smaller power of two avoids is a ``scale overflow``
+    (:func:`max_finite_scale`); ``search``: for any other fault, the minimal fp32 module set at scale 1 (``fp32``:
+    modules already kept in fp32, part of every replay).
+    """
+    ev.step = step
+    if not ev.inputs_finite:
+        return FaultAnalysis(step, ev, "non-finite inputs", loss_scale=scale)
+    fp32 = list(fp32)
+    if ev.phase == "backward" and scale > 1 and bisect:
+        mfs = max_finite_scale(model, autocast, loss_fn, x, y, scale=scale, fp32=fp32, rng=rng)
+        if mfs is not None:
+            return FaultAnalysis(step, ev, "scale overflow", loss_scale=scale, max_finite_scale=mfs)
+    analysis = FaultAnalysis(step, ev, f"{ev.phase} {ev.kind}", loss_scale=scale)
+    if search:
+        analysis.replay = minimal_fp32_set(model, autocast, loss_fn, x, y, scale=1.0, base=fp32, rng=rng)
+    return analysis

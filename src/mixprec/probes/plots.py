@@ -1,27 +1,26 @@
-"""PNG plots of a doctor report (matplotlib's Agg canvas; no global backend is set).
+"""PNG plots of the probes' findings (matplotlib's Agg canvas, no global backend; written atomically).
 
-* ``ranges_activations.png`` / ``ranges_gradients.png``: one row per layer, one column per binade, colour =
-  share of the layer's non-zero values in that binade; vertical lines mark each format's limits (largest
-  value, smallest normal, smallest subnormal). Gradients are drawn as stored at the current loss scale.
-* ``loss_scale.png``: the loss scale per step (log2), skipped steps marked, the loss on a second axis.
-* ``lost_updates.png``: lost-update fraction per layer.
-* ``block_formats.png``: the block-format what-if table as a heatmap: one row per (layer, tensor), one column
-  per format, colour = SQNR per dot product in dB (grey: n/a or nothing measured), flagged cells outlined.
+* :func:`range_heatmaps`: one row per layer, one column per binade, colour = share of the layer's non-zero values
+  there, with each format's limits (max, smallest normal, smallest subnormal) drawn in;
+* :func:`loss_scale_plot`: log2 loss scale per step, skipped steps marked by cause, the loss on a second axis;
+* :func:`lost_updates_plot`: the lost-update fraction per layer;
+* :func:`block_formats_plot`: the block-format what-if table as a heatmap of SQNR per dot product.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any
 
 import numpy as np
 
 from ..jsonio import write_figure
 from .attribution import display_path
+from .block_formats import SHORT
 from .ranges import BIN_MIN, Log2Histogram
+from .report import Findings
 
-__all__ = ["write_plots", "range_heatmaps"]
+__all__ = ["figure", "range_heatmaps", "loss_scale_plot", "lost_updates_plot", "block_formats_plot"]
 
 _LIMITS = {  # format: (color, log2 max, log2 smallest normal, log2 smallest subnormal)
     "fp16": ("tab:red", math.log2(65504), -14, -24),
@@ -32,7 +31,7 @@ _LIMITS = {  # format: (color, log2 max, log2 smallest normal, log2 smallest sub
 _STYLES = (("-", "max"), ("-.", "smallest normal"), (":", "smallest subnormal"))
 
 
-def _figure(w: float, h: float):
+def figure(w: float, h: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -60,7 +59,7 @@ def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int
             idx = e - shift - BIN_MIN
             if 0 <= idx < len(c):
                 grid[i, j] = c[idx] / tot
-    fig = _figure(max(8.0, 0.11 * len(cols) + 3), max(3.2, 0.32 * len(hists) + 2.4))
+    fig = figure(max(8.0, 0.11 * len(cols) + 3), max(3.2, 0.32 * len(hists) + 2.4))
     ax = fig.add_subplot(1, 1, 1)
     masked = np.ma.masked_where(grid == 0, grid)
     from matplotlib.colors import LogNorm
@@ -90,12 +89,12 @@ def _heatmap(path: str, names: list[str], hists: list[Log2Histogram], shift: int
     return path
 
 
-def range_heatmaps(report: Any, out_dir: str, head: str) -> list:
+def range_heatmaps(findings: Findings, out_dir: str, head: str) -> list:
     """The two range heatmaps (activations; gradients as stored, at the loss scale) as deferred draws, each
-    returning its path or None; :func:`write_plots` and ``mixprec.watch``'s plots both draw them."""
-    layers = report.ranges.layers
+    returning its path or None."""
+    layers = findings.ranges.layers
     names = [f"{display_path(lr.name)} ({lr.kind})" for lr in layers]
-    k = report.log2_scale
+    k = findings.log2_scale
     return [
         lambda: _heatmap(os.path.join(out_dir, "ranges_activations.png"), names, [lr.activations for lr in layers],
                          0, f"{head}: activation magnitudes per layer vs format limits"),
@@ -104,65 +103,48 @@ def range_heatmaps(report: Any, out_dir: str, head: str) -> list:
     ]
 
 
-def write_plots(report: Any, out_dir: str, *, written: list[str] | None = None) -> list[str]:
-    """Write the PNGs into ``out_dir``; returns their paths (none if matplotlib is missing).
-
-    ``written`` (if given) gets each path as soon as its file is complete, so after a failed write
-    (:class:`~mixprec.errors.OutputError`) it says which plots are there."""
-    written = [] if written is None else written
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return []
-    t = report.title
-    head = f"{t.get('recipe')} on {t.get('model')}"
-    plots = [
-        *range_heatmaps(report, out_dir, head),
-        lambda: _loss_scale_plot(os.path.join(out_dir, "loss_scale.png"), report, head),
-        lambda: _lost_updates_plot(os.path.join(out_dir, "lost_updates.png"), report, head),
-        lambda: _block_formats_plot(os.path.join(out_dir, "block_formats.png"), report, head),
-    ]
-    paths = []
-    for draw in plots:
-        path = draw()
-        if path:
-            paths.append(path)
-            written.append(path)
-    return paths
+_SKIPS = {"loss-scale overflow": "tab:orange", "fault": "tab:red", "other": "tab:purple"}
 
 
-def _loss_scale_plot(path: str, report: Any, head: str) -> str | None:
-    recs = report.history.records
+def _cause_kind(cause: str | None) -> str:
+    if not cause:
+        return "other"
+    return "loss-scale overflow" if cause.startswith("scale overflow") else "fault"
+
+
+def loss_scale_plot(path: str, findings: Findings, head: str) -> str | None:
+    recs = findings.history.records
     if not recs:
         return None
-    fig = _figure(7, 3.2)
+    fig = figure(7.5, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     steps = [r.step for r in recs]
-    scaled = report.recipe_spec.get("loss_scaling", False)
     ax.step(steps, [math.log2(max(r.scale, 1e-30)) for r in recs], where="post", label="log2 loss scale")
-    sk = [r for r in recs if r.skipped]
-    if sk:
-        ax.scatter([r.step for r in sk], [math.log2(max(r.scale, 1e-30)) for r in sk], color="tab:red",
-                   marker="x", zorder=3, label="skipped step")
+    for kind, color in _SKIPS.items():
+        sk = [r for r in recs if r.skipped and _cause_kind(r.cause) == kind]
+        if sk:
+            ax.scatter([r.step for r in sk], [math.log2(max(r.scale, 1e-30)) for r in sk], color=color, marker="x",
+                       zorder=3, label=f"skipped: {kind}")
     ax.set_xlabel("step")
+    scaled = findings.recipe_spec.get("loss_scaling", False)
     ax.set_ylabel("log2 loss scale" + ("" if scaled else " (no loss scaling: 0)"))
     ax2 = ax.twinx()
-    ax2.plot(steps, [r.loss for r in recs], color="tab:gray", alpha=0.7, label="loss")
+    ax2.plot(steps, [r.loss for r in recs], color="tab:gray", alpha=0.6, label="loss")
     ax2.set_ylabel("loss")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
-    ax.set_title(f"{head}: loss scale and loss", fontsize=9)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=7)
+    ax.set_title(f"{head}: loss scale, skipped steps by cause", fontsize=9)
     fig.tight_layout()
     write_figure(fig, path)
     return path
 
 
-def _lost_updates_plot(path: str, report: Any, head: str) -> str | None:
-    lu = report.lost_updates.layers
+def lost_updates_plot(path: str, findings: Findings, head: str) -> str | None:
+    lu = findings.lost_updates.layers
     if not lu:
         return None
-    fig = _figure(7, max(2.5, 0.3 * len(lu) + 1.2))
+    fig = figure(7, max(2.5, 0.3 * len(lu) + 1.2))
     ax = fig.add_subplot(1, 1, 1)
     ax.barh([f"{display_path(x.name)} [{x.dtype}]" for x in lu], [x.lost_fraction for x in lu], color="tab:orange")
     ax.set_xlim(0, 1)
@@ -175,14 +157,12 @@ def _lost_updates_plot(path: str, report: Any, head: str) -> str | None:
     return path
 
 
-def _block_formats_plot(path: str, report: Any, head: str) -> str | None:
-    bf = getattr(report, "block_formats", None)
+def block_formats_plot(path: str, findings: Findings, head: str) -> str | None:
+    bf = findings.block_formats
     if bf is None or not bf.layers:
         return None
     import matplotlib
     from matplotlib.patches import Rectangle
-
-    from .block_formats import SHORT
 
     fmts, layers = bf.config.formats, bf.worst_first()
     flagged = {(d["layer"], d["format"], d["tensor"]) for d in bf.flagged()}
@@ -191,7 +171,7 @@ def _block_formats_plot(path: str, report: Any, head: str) -> str | None:
     grid = np.array([[c.sqnr_db if c.status == "ok" else np.nan for c in r] for r in cells], dtype=float)
     top = np.nanmax(grid) if np.isfinite(grid).any() else 40.0
     grid = np.where([[c.status == "exact" for c in r] for r in cells], top, grid)  # exact: as good as the best
-    fig = _figure(max(6.0, 0.9 * len(fmts) + 2.5), max(2.5, 0.24 * len(rows) + 1.4))
+    fig = figure(max(6.0, 0.9 * len(fmts) + 2.5), max(2.5, 0.24 * len(rows) + 1.4))
     ax = fig.add_subplot(1, 1, 1)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
     im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, interpolation="nearest")

@@ -1,40 +1,15 @@
 """Lost updates: parameter updates that were non-zero but rounded away, ``low(w + Δ) == w``.
 
-A weight stored in bf16 has 8 significant bits: adding ``Δ`` to ``w`` changes nothing when
-``|Δ| < ulp(w) / 2``, about ``|w| * 2**-9``. With a small learning rate (or late in training, when
-gradients are small) most updates of a bf16-true model vanish, every step, and the loss stalls without any
-error. Master weights fix it (the optimizer steps an fp32 copy, where the same ``Δ`` survives, and the
-model gets the rounded copy); stochastic rounding fixes it in expectation.
+:class:`LostUpdateMonitor` hooks ``optimizer.step`` (or is driven through :meth:`~LostUpdateMonitor.before_step` /
+:meth:`~LostUpdateMonitor.after_step`), so it sees the tensors the optimizer steps (low-precision weights, fp32
+masters). Before the step it runs a *shadow* step -- the same optimizer class and hyper-parameters over fp32
+copies of the tensors, gradients and state -- whose result minus ``w`` is the intended update ``Δ``; ``w + Δ`` is
+computed exactly (float64) and rounded to the stored dtype. The post hook also counts the elements the real step
+left unchanged, as a cross-check. Counts stay on the device until one host read per step.
 
-How it is measured
-------------------
-:class:`LostUpdateMonitor` hooks ``optimizer.step`` (``register_step_pre_hook``/``post_hook``), so it sees
-exactly the tensors the recipe's optimizer steps: the low-precision parameters for ``bf16-true``, the fp32
-master copies for the ``*-master`` recipes, the fp32 parameters for ``*-mixed``. Before the step it runs a
-*shadow* step: the same optimizer class and hyper-parameters over fp32 copies of the tensors, their
-gradients and a deep copy of the optimizer state. Its result minus ``w`` is the intended update ``Δ``,
-computed at full precision whatever the recipe. Then ``w + Δ`` is computed exactly (float64) and rounded
-to the stored dtype; where that gives ``w`` back while ``Δ != 0``, the update is lost. The post hook also
-counts the elements the real step left unchanged, as a cross-check.
-
-The update-to-weight ratio, and which tensors it is judged on
---------------------------------------------------------------
-Per step and tensor the monitor also records the median of ``|Δ| / |w|`` over the non-zero elements: a
-ratio above 1 means a typical step moves a weight by more than its own size, the sign of a learning rate
-far too large. That reading assumes ``w`` has a scale of its own. A tensor that *starts at zero* (timm
-zero-initialises the last BatchNorm gamma of each ResNet block, transformers zero-initialise output
-projections and biases, LayerScale starts at 1e-5..1e-6) has none: after ``t`` steps it is the sum of its
-own ``t`` updates, so ``|Δ| / |w|`` is about ``1/t`` (or ``|g_t| / |g_0|`` with SGD) *whatever the learning
-rate* -- it measures the step count and the gradient's growth, not the learning rate.
-
-Rule: a tensor is judged only if its RMS ``||w|| / sqrt(numel)`` at the first step the monitor sees is at
-least :data:`RATIO_FLOOR` (1e-3); the others are listed in :attr:`LayerUpdates.unjudged`. The floor sits
-far below every init that gives a weight a scale: PyTorch's default ``nn.Linear``/``ConvNd`` init has
-RMS ``1/sqrt(3 * fan_in)`` (>= 1e-3 up to fan_in ~ 3e5), GPT-2/BERT use std 0.02 (0.02/sqrt(2 * layers)
-for residual projections: >= 1e-3 up to 200 layers), norm gammas 1; and above the "start at ~0" inits
-(exactly 0, or LayerScale's 1e-5). It is judged at the start, not per step, because a zero-initialised
-tensor is past any floor after a few updates, and is still made of nothing but its updates. Skipping a
-tensor loses little: a learning rate that is really too large shows on every tensor with a scale.
+The median update-to-weight ratio ``|Δ| / |w|`` (above 1: the learning rate is far too large) is judged only on
+tensors whose RMS at the first step is at least :data:`RATIO_FLOOR`: a zero-initialised tensor is the sum of its
+own updates, so its ratio measures the step count, not the learning rate.
 """
 
 from __future__ import annotations
@@ -52,6 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..memory import local_tensor
 from .observer import dtype_name
+from .subsample import flat_sample, stride_for
 
 __all__ = ["LayerUpdates", "LostUpdates", "LostUpdateMonitor", "RATIO_FLOOR", "optimizer_param_names",
            "same_optimizer"]
@@ -159,10 +135,9 @@ scalars: stepping a subsample of a tensor gives exactly the subsample of the who
 class LostUpdateMonitor:
     """Measures lost updates on every ``optimizer.step()`` while active (``with monitor:``).
 
-    ``max_elements``: measure a tensor of more elements on a fixed strided subsample of about that many
-    (:func:`mixprec.watching.subsample.stride_for`; the watch's sampled steps), for the optimizers in
-    ``_ELEMENTWISE`` only (the shadow step of a subsample is then exactly the subsample of the shadow step);
-    None (the doctor) measures every element. ``LayerUpdates.examined`` says how many were.
+    ``max_elements``: measure a tensor of more elements on its strided subsample (:mod:`.subsample`), for the
+    optimizers in ``_ELEMENTWISE`` only (the shadow step of a subsample is then exactly the subsample of the
+    shadow step); None measures every element. ``LayerUpdates.examined`` says how many were.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], *,
@@ -216,8 +191,6 @@ class LostUpdateMonitor:
                                                                           torch.Tensor, int]]:
         """The shadow step over fp32 copies of each tensor's subsample, its gradient's and its state's (the
         same positions); scalar state (``step``) is copied."""
-        from ..watching.subsample import flat_sample, stride_for
-
         groups, rows = [], []
         for g in opt.param_groups:
             shadow = []
@@ -298,13 +271,9 @@ class LostUpdateMonitor:
         self.steps += 1
 
     def _counts(self) -> torch.Tensor:
-        """Per pending tensor ``(updated, lost, unchanged, median ratio)`` (float64 rows), without a host read.
-
-        Every count and median stays on the device until the caller's one read: a sampled step of the watch
-        pays one host sync, not four per parameter (no boolean indexing either: nanmedian over the moved,
-        non-zero weights gives the same lower median as indexing them out). Each row is made on its tensor's
-        device; the rows are gathered on the first accelerator among them (a model over several devices).
-        """
+        """Per pending tensor ``(updated, lost, unchanged, median ratio)`` as float64 rows, made on its tensor's
+        device and gathered on the first accelerator among them; no host read, no boolean indexing (nanmedian
+        over the moved, non-zero weights is the same lower median)."""
         rows = []
         for p, before, delta, _, judged in self._pending:
             moved = delta != 0

@@ -1,22 +1,16 @@
 """First non-finite: the first op of a step whose output holds an inf or a NaN.
 
-``torch.autograd.detect_anomaly`` only checks backward and names the autograd node; module hooks only see
-module outputs, after the damage has travelled through the module. :class:`NonFiniteWatch` is a sink of the
-dispatcher-level :class:`~mixprec.doctor.observer.OpObserver`: it checks the outputs of every arithmetic
-op and every cast, in forward, backward and optimizer step, and records the first one that is not finite,
-with its module path (backward ops included, via the autograd graph), the op, the autograd node, and the
-dtype, shape and range of each input. Inputs that are all finite mean *this* op created the problem:
-an fp16 overflow shows up as the ``addmm`` that produced 7e4 (native fp16), or as the ``_to_copy`` that
-rounded an fp32 result to fp16 (emulated fp16), inside the same module.
-
-Checking costs one reduction per op output plus a host sync, so the doctor does not watch every step: it
-replays a step under the watch only when the step's loss, gradients or weights came out non-finite.
+:class:`NonFiniteWatch` is a sink of :class:`~.observer.OpObserver`: it checks the outputs of every arithmetic op
+and every cast, in forward, backward and optimizer step, and records the first one that is not finite, with its
+module path, the op, the autograd node, and the dtype, shape and range of each input (all finite inputs: this op
+created the problem). It costs a reduction and a host read per op, so it runs only in replays of failed steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,7 +18,7 @@ import torch
 from .attribution import display_path
 from .observer import OpCall, OpObserver, dtype_name, is_data_movement
 
-__all__ = ["TensorInfo", "NonFiniteEvent", "NonFiniteWatch", "tensor_info"]
+__all__ = ["TensorInfo", "NonFiniteEvent", "NonFiniteWatch", "tensor_info", "all_finite"]
 
 _CHECK_MOVEMENT = frozenset({"_to_copy", "copy_"})  # the data-movement ops that can overflow (casts)
 
@@ -125,10 +119,14 @@ class NonFiniteEvent:
         return d
 
 
-def _finite(t: torch.Tensor) -> bool:
-    # one cheap reduction: the sum is finite exactly when every element is, unless finite values overflow
-    # the float32 sum, which the element-wise check then settles
-    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite: one sum per tensor (finite exactly when every element
+    is, unless finite values overflow the float32 sum, which the element-wise check then settles)."""
+    for t in tensors:
+        t = t.detach()
+        if not bool(torch.isfinite(t.sum(dtype=torch.float32))) and not bool(torch.isfinite(t).all()):
+            return False
+    return True
 
 
 class NonFiniteWatch:
@@ -146,7 +144,7 @@ class NonFiniteWatch:
         if is_data_movement(call.func) and call.name not in _CHECK_MOVEMENT:
             return
         for o in call.out_tensors:
-            if o.is_floating_point() and o.numel() and not _finite(o):
+            if o.is_floating_point() and o.numel() and not all_finite([o]):
                 self.first = NonFiniteEvent(
                     phase=call.phase,
                     module=call.module,

@@ -1,21 +1,12 @@
-"""Observe every ATen op of a training step at the dispatcher level.
+"""Observe every ATen op of a step at the dispatcher level (:class:`OpObserver`, a ``TorchDispatchMode``).
 
-:class:`OpObserver` is a ``TorchDispatchMode``. The Python dispatch key sits *below* Autocast and
-Autograd, so the observer sees the ops that actually run: the ``_to_copy`` casts ``torch.autocast``
-inserts, the low-precision ``addmm`` after them, every backward kernel, and the optimizer's foreach ops.
-That is why the same observer works for PyTorch's native autocast and for mixprec's scratch autocast
-(a ``TorchFunctionMode`` above the dispatcher): both end up dispatching the same ATen ops.
-
-For each op the observer builds an :class:`OpCall` (op name, phase, module path from the
-:class:`~mixprec.doctor.attribution.ModuleTracker`, the arguments and outputs) and hands it to its sinks
-(the precision map, the non-finite watch). It also keeps two facts per tensor, in weak dictionaries
-(nothing is kept alive):
-
-* the op that produced it, so a report can say "the fp16 cast of the output of ``addmm``";
-* for emulated low precision (mixprec's ``emulate=True``: operands rounded with ``x.to(fp16).to(fp32)``,
-  arithmetic in fp32), the low dtype whose values an fp32 tensor carries. The mark is set on the upcast of
-  a low-precision tensor and follows views, so an fp32 ``addmm`` whose floating inputs all carry fp16
-  values is reported as ``fp16 (emulated)``.
+The Python dispatch key sits below Autocast and Autograd, so the observer sees the ops that really run -- the
+casts autocast inserts, the low-precision kernels after them, every backward kernel, the optimizer's foreach ops
+-- for ``torch.autocast`` and mixprec's scratch autocast alike. Each op becomes an :class:`OpCall` (name, phase,
+module path from :class:`~.attribution.ModuleTracker`, arguments, outputs) handed to the sinks (the precision
+map, the non-finite watch). Per tensor, in weak dictionaries, it keeps the op that produced it and, for emulated
+low precision (fp32 arithmetic on values rounded to fp16/bf16), the low dtype an fp32 tensor carries: set on the
+upcast of a low-precision tensor, followed through views.
 """
 
 from __future__ import annotations
@@ -30,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..autocast import is_autocast_active
 from .attribution import ModuleTracker
 
 __all__ = ["OpCall", "OpObserver", "LOW_DTYPES", "dtype_name", "is_data_movement"]
@@ -51,13 +43,7 @@ _MOVEMENT = frozenset({
 
 
 def _autocast_on() -> bool:
-    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-        return True
-    try:
-        from ..autocast import is_autocast_active
-    except ImportError:
-        return False
-    return is_autocast_active()
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda") or is_autocast_active()
 
 
 def dtype_name(dt: torch.dtype | None) -> str:

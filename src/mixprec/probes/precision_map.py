@@ -1,17 +1,11 @@
 """Precision map: every op of one training step, with its dtypes, module, count, FLOPs and bytes cast.
 
-Built from the dispatcher-level :class:`~mixprec.doctor.observer.OpObserver`, so it shows what really
-ran, whichever autocast produced it: an ``addmm`` listed as ``bf16`` ran a bf16 kernel; ``_to_copy
-fp32->bf16`` rows are the casts autocast inserted (the weight-cast cache shows up as *fewer* of them); an
-``fp16 (emulated)`` op computed in fp32 on operands rounded to fp16 (mixprec's emulation on CPUs without
-fast fp16). FLOPs come from :func:`mixprec.flops.op_flops`, the formulas bench's MFU counts with
-(PyTorch's ``torch.utils.flop_counter`` for matmuls, convolutions and attention, plus mixprec's for the CPU
-attention kernel and fused LSTM/GRU/RNN layers), so both count the same total for the same model and
-batch; elementwise ops count zero FLOPs, which is what the summary "share of FLOPs in low precision" needs.
-A layer with parameters that ran but that no formula knows is listed in ``PrecisionMap.uncounted`` (and
-the report), so a share that leaves it out says so. "Kept in fp32" lists the forward ops inside the
-autocast region that did arithmetic in fp32: the ops the cast policy protects (losses, and softmax and
-norms where the policy says so) and the ones it merely lets through (residual adds meeting an fp32 operand).
+Built by :class:`PrecisionMapSink` from :class:`~.observer.OpObserver`, so it shows what ran whichever autocast
+produced it: ``_to_copy fp32->bf16`` rows are the casts autocast inserted; ``fp16 (emulated)`` marks fp32
+arithmetic on operands and results rounded to fp16. FLOPs come from :func:`mixprec.flops.op_flops` (the counter
+bench's MFU uses; elementwise ops count zero); a layer with parameters that no formula knows is listed in
+``PrecisionMap.uncounted``. "Kept in fp32" lists the forward ops inside the autocast region that did arithmetic
+in fp32.
 """
 
 from __future__ import annotations

@@ -1,65 +1,23 @@
-"""Block formats, what-if: every linear layer's GEMM operands quantized in every FP8/FP4 format.
+"""Block-format probe, what-if: every linear layer's GEMM operands quantized in every FP8/FP4 format.
 
-What is measured
-----------------
-During the doctor's fp32 reference pass (:mod:`.ranges`: true magnitudes, before any format could clip
-them) a forward hook on every linear layer (``nn.Linear`` and its subclasses such as ``Fp8Linear``,
-mixprec's ``Fp8AdaptedLinear``, a registered linear class such as Hugging Face's ``Conv1D``, or any module
-with a ``weight`` of shape ``(out_features, in_features)``) takes the layer's input ``x`` (``N x in``, ``N``
-the tokens: the batch times any sequence dimensions) and weight ``W`` (``out x in``), and a hook on its output
-the gradient ``dy`` (``N x out``). A linear layer runs three GEMMs, and each quantizes its two operands
-along the dimension it reduces over, so there are six operands:
+During the doctor's fp32 pass (:mod:`.ranges`) a forward hook on each linear layer (``nn.Linear`` and
+subclasses, ``Fp8AdaptedLinear``, a registered linear class such as Hugging Face's ``Conv1D``, any module with
+an ``(out_features, in_features)`` weight) takes ``x`` (``N x in``) and ``W``, a tensor hook the gradient ``dy``.
+The three GEMMs quantize six operands, each along the dimension it reduces (:data:`OPERANDS`, :data:`AXIS`):
+forward ``x @ W^T`` (x, W along in_features), grad_input ``dy @ W`` (dy, W along out_features), grad_weight
+``dy^T @ x`` (dy, x along the tokens). Each is quantized in each format -- per-tensor fp8 exactly as
+``fp8-mixed`` (:func:`mixprec.fp8.fp8_scale`), every :mod:`mixprec.blockformats` format with its default scale
+rule -- and compared with its fp32 values:
 
-============ ===================== ================================= =================
-GEMM         computes              operand, quantized along          key
-============ ===================== ================================= =================
-forward      ``y = x @ W^T``       ``x`` and ``W`` along in_features ``x/forward``, ``w/forward``
-grad_input   ``dx = dy @ W``       ``dy`` and ``W`` along out_features ``dy/grad_input``, ``w/grad_input``
-grad_weight  ``dW = dy^T @ x``     ``dy`` and ``x`` along the tokens ``dy/grad_weight``, ``x/grad_weight``
-============ ===================== ================================= =================
+* ``sqnr_db``: SQNR per dot product, ``-10 log10(mean_r(|x_r - q(x_r)|^2 / |x_r|^2))`` over the non-zero rows
+  (what a typical output element sees); ``tensor_sqnr_db``: the whole tensor's (dominated by its largest values);
+* ``scale_clamped``: the fraction of non-zero blocks whose scale hit its format's limit (:func:`scale_clamped`);
+* ``underflow`` / ``subnormal``: the fractions of non-zero elements that quantize to zero / to a subnormal.
 
-Each operand is quantized in each format -- the per-tensor ``fp8_e4m3`` and ``fp8_e5m2`` exactly as
-``fp8-mixed`` does (:func:`mixprec.fp8.fp8_scale`: one power-of-two scale per tensor, then the FP8 cast), and
-every block format of :mod:`mixprec.blockformats` with its default scale rule (MX: FLOOR; rowwise and
-1x128: power-of-two scales; NVFP4 with its per-tensor scale) -- and compared with its fp32 values:
-
-* **SQNR per dot product** (``sqnr_db``, the table's number): ``-10 log10(mean_r(|x_r - q(x_r)|^2 /
-  |x_r|^2))`` in dB, the mean over the operand's non-zero rows ``x_r`` -- the vectors one output element's
-  dot product reduces over -- of their relative noise power, pooled over the measured steps (``exact`` when
-  nothing was lost, ``zero`` for an all-zero operand). It is what a typical output element of the GEMM
-  sees. The whole-tensor SQNR ``10 log10(sum x^2 / sum (x - q(x))^2)`` (``tensor_sqnr_db``, what torchao's
-  ``compute_error`` reports) is in doctor.json too, but it is dominated by the largest values: a weight with
-  one huge outlier keeps a high tensor SQNR under NVFP4 or per-tensor e4m3 while every row without the
-  outlier loses most of its values (its block scales clamp, or its values fall to e4m3's subnormals),
-  which the per-dot-product SQNR shows;
-* **scale clamped**: the fraction of non-zero blocks whose scale hit the limit of its format, so the
-  block's elements do not span the element format's range. MX (e8m0): the FLOOR scale
-  ``floor(log2 amax) - emax`` outside ``[-127, 127]`` (tiny blocks: ``amax < 2**(emax - 127)``, e.g. below
-  ``2**-125`` for MXFP4, ``2**-119`` for MXFP8 e4m3). NVFP4 (e4m3 block scales): the block scale
-  ``amax / 6 / t`` below e4m3's smallest normal ``2**-6``, i.e. a block more than 28672x below the tensor's
-  amax (the tensor scale ``t`` maps the largest block to 448, so the upper limit is never reached). Rowwise
-  (fp32): amax below torchao's floor of 1e-12. 1x128 (fp32): ``448 / amax`` overflows float32. Per-tensor
-  fp8: the exponent of ``fp8_max / amax`` outside fp8.py's ``[-126, 126]``. A per-tensor format has one
-  "block": the tensor;
-* **underflow**: the fraction of non-zero elements that quantize to zero; **subnormal**: that land on a
-  subnormal of the element format (``0 < |q| < 2**emin``: e4m3 ``2**-6``, e5m2 ``2**-14``, e2m1 ``1``).
-
-An operand whose reduced dimension is not a multiple of the format's block size is ``n/a`` with the
-reason (recipes skip such layers; nothing is padded): in/out features are the layer's, the tokens are the
-batch's, checked each step. A layer's row in the report shows, per tensor (``x``, ``w``, ``dy``), the
-worse of its two GEMMs, ``n/a`` if either does not fit, and is flagged when it is more than
-``flag_db`` below the median of the layers for that tensor and format (the layers it loses anything in;
-with two, their mean): the evidence for a layer filter.
-
-Cost
-----
-Only the first ``steps`` observed steps are measured. An operand of more than ``max_elements`` values is
-sampled: ``R = max(1, max_elements // K)`` evenly spaced rows (``K`` the reduced dimension; rows are kept
-whole, so blocks are too), plus the row holding the operand's largest magnitude, which sets the operand's
-amax, so the per-tensor scales (NVFP4's ``t``, fp8's) are the full tensor's and each sampled row quantizes
-exactly as it would in the full tensor; that extra row itself is not counted. Everything is computed with
-torch ops on the operand's device and accumulated in device tensors; the only host transfer is one copy
-in :meth:`BlockFormatProbe.result`.
+An operand whose reduced dimension is not a multiple of the block size is ``n/a``. A layer is flagged when its
+SQNR is more than ``flag_db`` below the layers' median for that tensor and format. Operands of more than
+``max_elements`` values are measured on whole sampled rows (:func:`.subsample.sample_rows`); everything is
+accumulated in device tensors and read with one host copy in :meth:`BlockFormatProbe.result`.
 """
 
 from __future__ import annotations
@@ -87,6 +45,7 @@ from ..formats import get_format
 from ..fp8 import _EXP_LIMIT, Fp8AdaptedLinear, _adapter_for, fp8_scale
 from ..validate import positive, positive_int
 from .attribution import display_path
+from .subsample import sample_rows
 
 __all__ = ["BlockFormatConfig", "BlockFormatProbe", "BlockFormatProfile", "LayerBlockStats", "Cell",
            "WHAT_IF_FORMATS", "TENSOR_FORMATS", "OPERANDS", "operand_stats", "scale_clamped", "linear_layers"]
@@ -197,22 +156,11 @@ def block_size(fmt: str, length: int) -> int:
     return length if fmt in _FP8_DTYPES else (get_block_format(fmt).block_size or length)
 
 
-def _sample(m: torch.Tensor, max_elements: int) -> tuple[torch.Tensor, int]:
-    """(rows to quantize, how many of them count): see "Cost" in the module docstring."""
-    rows, k = m.shape
-    r = max(1, max_elements // max(k, 1))
-    if rows <= r:
-        return m, rows
-    idx = torch.arange(r, device=m.device) * rows // r
-    top = m.abs().amax(dim=1).argmax().view(1)
-    return m.index_select(0, torch.cat([idx, top])), r
-
-
 def operand_stats(m: torch.Tensor, fmt: str, *, max_elements: int = 2**15) -> torch.Tensor:
     """Float64 sums named by ``_STATS`` (signal, noise, nonzero, underflow, subnormal, blocks, clamped,
     nonfinite, rows, row_noise) of the 2-D operand ``m`` in ``fmt``, quantized along ``m``'s last dimension
     (which must fit the block size), ``m`` sampled as the module docstring says."""
-    return _stats(*_sample(m.detach().float(), max_elements), fmt)
+    return _stats(*sample_rows(m.detach().float(), max_elements), fmt)
 
 
 @torch.no_grad()
@@ -339,28 +287,28 @@ class BlockFormatProfile:
                 out.setdefault(f, {})[t] = statistics.median(vals) if vals else None
         return out
 
-    def flagged(self) -> list[dict[str, Any]]:
-        """Cells more than ``flag_db`` below the model's median for their format and tensor, worst first."""
-        med, out = self.medians(), []
+    def _gaps(self) -> Iterator[tuple[LayerBlockStats, str, str, Cell, float]]:
+        """(layer, format, tensor, cell, median) of every lossy cell whose format and tensor have a median."""
+        med = self.medians()
         for lr in self.layers:
             for f in self.config.formats:
                 for t in ("x", "w", "dy"):
-                    c, m = lr.tensor_cell(t, f), med[f][t]
-                    if c.status == "ok" and m is not None and c.sqnr_db < m - self.config.flag_db:
-                        out.append({"layer": lr.name, "format": f, "tensor": t, "gemm": c.gemm,
-                                    "sqnr_db": c.sqnr_db, "median_db": m, "below_db": m - c.sqnr_db})
+                    c = lr.tensor_cell(t, f)
+                    if c.status == "ok" and med[f][t] is not None:
+                        yield lr, f, t, c, med[f][t]
+
+    def flagged(self) -> list[dict[str, Any]]:
+        """Cells more than ``flag_db`` below the model's median for their format and tensor, worst first."""
+        out = [{"layer": lr.name, "format": f, "tensor": t, "gemm": c.gemm, "sqnr_db": c.sqnr_db, "median_db": m,
+                "below_db": m - c.sqnr_db} for lr, f, t, c, m in self._gaps() if c.sqnr_db < m - self.config.flag_db]
         return sorted(out, key=lambda d: -d["below_db"])
 
     def worst_first(self) -> list[LayerBlockStats]:
         """Layers by how far their worst cell falls below the median (most first), then widest first."""
-        med = self.medians()
-
-        def deficit(lr: LayerBlockStats) -> float:
-            gaps = [med[f][t] - c.sqnr_db for f in self.config.formats for t in ("x", "w", "dy")
-                    if (c := lr.tensor_cell(t, f)).status == "ok" and med[f][t] is not None]
-            return max(gaps, default=-math.inf)
-
-        return sorted(self.layers, key=lambda lr: (-deficit(lr), -lr.in_features * lr.out_features))
+        deficit: dict[int, float] = {}
+        for lr, _, _, c, m in self._gaps():
+            deficit[id(lr)] = max(deficit.get(id(lr), -math.inf), m - c.sqnr_db)
+        return sorted(self.layers, key=lambda lr: (-deficit.get(id(lr), -math.inf), -lr.in_features * lr.out_features))
 
     def not_applicable(self) -> list[tuple[str, str, str]]:
         """(layer, format, reason) of every layer a format does not fit, each once."""
@@ -510,7 +458,7 @@ class BlockFormatProbe:
                 lay.na.setdefault(key, f"{axis} {k} is not a multiple of {bs}")
                 continue
             if rows is None:
-                rows, n = _sample(m.detach().float(), self.config.max_elements)
+                rows, n = sample_rows(m.detach().float(), self.config.max_elements)
             s = _stats(rows, n, f)
             lay.acc[key] = s if key not in lay.acc else lay.acc[key] + s
 
