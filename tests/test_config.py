@@ -42,12 +42,13 @@ def test_dict_round_trip_is_exact_and_json_shaped():
 
 
 # what main wrote at d16a38d (see tests/fixtures/README.md); its loss was the default of then, cross-entropy,
-# stored by name (today's default is auto: the model's own loss, else the task's)
+# stored by name (today's default is auto: the model's own loss, else the task's); its compile was a bool, false:
+# off (today's default is auto)
 FIXTURE_CONFIG = TrainConfig(model=ModelConfig(name="cnn", channels=8, loss="cross-entropy"),
                              data=DataConfig(synthetic_shape=(1, 8, 8)),
                              recipe=RecipeConfig(precision="fp16-mixed", scaler=ScalerConfig(growth_interval=7),
                                                  keep_fp32=("head",)),
-                             optim=OptimConfig(lr=0.5))
+                             optim=OptimConfig(lr=0.5), run=RunConfig(compile="off"))
 
 
 @pytest.mark.parametrize("name", ["main_d16a38d_config_flat.json", "main_d16a38d_config_nested.json"])

@@ -26,6 +26,8 @@ import dataclasses
 import os
 from typing import Any
 
+import torch
+
 from .. import hardware
 from ..errors import CheckpointError, UsageError
 from ..precision import build_recipe
@@ -127,7 +129,10 @@ def _check(path: str | os.PathLike, stored: TrainConfig, stored_mech: dict[str, 
 
 
 def _resolved_compile(config: TrainConfig) -> str:
-    recipe = build_recipe(config.recipe, device=hardware.resolve_device(config.run.device), seed=config.run.seed)
+    """``--compile auto`` as it resolves for ``config``'s recipe on its device (a device this machine lacks, as a
+    checkpoint's may be, is asked as a target)."""
+    device = hardware.resolve_device("auto") if config.run.device == "auto" else torch.device(config.run.device)
+    recipe = build_recipe(config.recipe, device=device, seed=config.run.seed, for_target=True)
     return "on" if recipe.compiles(config.run.compile)[0] else "off"
 
 
