@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec import fp8
+from mixprec.lowp import fp8
 from mixprec.train.models import build_model
 
 VARIANTS = ("fp32", "bf16", "fp8", "fp8-ref")

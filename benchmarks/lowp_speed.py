@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.precision import RecipeConfig, build_recipe
-from mixprec.quant_kernels import set_fused_quant
+from mixprec.lowp.quant import set_fused_quant
 from mixprec.train.models import build_model
 
 DEFAULT_VARIANTS = "bf16-mixed,fp8-mixed,fp8-rowwise,mxfp8,mxfp4,nvfp4"

@@ -20,7 +20,7 @@ from mixprec import hardware
 from mixprec.autocast import autocast, autocast_dtype, is_autocast_active
 from mixprec.autocast.cpp_composites import cross_entropy_loss
 from mixprec.autocast.frame import STATE
-from mixprec.policy import CastKind, CastPolicy, default_policy
+from mixprec.autocast.policy import CastKind, CastPolicy, default_policy
 
 LOWS = [torch.bfloat16, torch.float16]
 LOW_IDS = ["bf16", "fp16"]

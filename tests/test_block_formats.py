@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mixprec import formats
-from mixprec.blockformats import (
+from mixprec.lowp.blockformats import (
     BLOCK_FORMATS,
     ELEMENT_FORMATS,
     BlockFormat,
@@ -300,7 +300,7 @@ def test_table_entries() -> None:
 
 def test_reexported_from_formats_and_torchao_never_imported() -> None:
     assert formats.quantize_blocks is quantize_blocks and formats.BLOCK_FORMATS is BLOCK_FORMATS
-    for mod in ("blockformats.py", "formats.py"):
+    for mod in ("lowp/blockformats.py", "formats.py"):
         tree = ast.parse((Path(formats.__file__).parent / mod).read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.blockformats import quantize_blocks, quantize_blocks_with_scales
+from mixprec.lowp.blockformats import quantize_blocks, quantize_blocks_with_scales
 from mixprec.doctor import diagnose
 from mixprec.probes.advice import _block_formats
 from mixprec.probes.block_formats import (
@@ -23,7 +23,7 @@ from mixprec.probes.block_formats import (
     scale_clamped,
 )
 from mixprec.errors import ConfigError
-from mixprec.fp8 import E4M3, E5M2, to_fp8
+from mixprec.lowp.fp8 import E4M3, E5M2, to_fp8
 from mixprec.jsonio import to_jsonable
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mixprec import fp8, hardware
+from mixprec import hardware
+from mixprec.lowp import fp8
 from mixprec.autocast import autocast
 from mixprec.formats import quantize
-from mixprec.fp8 import E4M3, E5M2, Fp8Linear, convert_to_fp8, fp8_linear, fp8_scale, plan_fp8_conversion, to_fp8
+from mixprec.lowp.fp8 import E4M3, E5M2, Fp8Linear, convert_to_fp8, fp8_linear, fp8_scale, plan_fp8_conversion, to_fp8
 
 # SQNR floors (dB) against fp32, with ~2.5 dB margin under what Gaussian data measures (seeds 0-2):
 # one operand rounded to e4m3 (3 mantissa bits) 31.5, to e5m2 (2 bits) 25.5; the forward GEMM has two
@@ -300,7 +301,7 @@ def test_convert_swaps_exactly_the_eligible_layers_and_reports_the_rest(caplog):
     torch.manual_seed(0)
     model = _Net()
     params = {n: p for n, p in model.named_parameters()}
-    with caplog.at_level(logging.INFO, logger="mixprec.fp8"):
+    with caplog.at_level(logging.INFO, logger="mixprec.lowp.fp8"):
         plan = plan_fp8_conversion(model)
         out = convert_to_fp8(model)
     assert out is model

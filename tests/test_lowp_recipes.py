@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mixprec.blockformats import quantize_blocks, quantize_blocks_with_scales
-from mixprec.blocklinear import BlockLinear, block_linear, hadamard_matrix, quantize_operand
+from mixprec.lowp.blockformats import quantize_blocks, quantize_blocks_with_scales
+from mixprec.lowp.block import BlockLinear, block_linear, hadamard_matrix, quantize_operand
 from mixprec.errors import RecipeError
-from mixprec.fp8 import plan_fp8_conversion
-from mixprec.gemm_recipes import LINEAR_RECIPES, linear_recipe
+from mixprec.lowp.fp8 import plan_fp8_conversion
+from mixprec.lowp.recipes import LINEAR_RECIPES, linear_recipe
 from mixprec.precision import RecipeConfig, build_recipe
 
 BF16 = torch.bfloat16
@@ -183,7 +183,7 @@ def test_scratch_and_torchao_losses_agree_within_the_stated_tolerance(torchao, p
 def test_nvfp4_operands_equal_torchaos_nvfp4_tensor(torchao, axis):
     """torchao has no NVFP4 training layer: each GEMM's operand is compared with its NVFP4Tensor instead
     (elements times block scales, and the per-tensor scale)."""
-    from mixprec.fp8_impls import quiet_torchao_import
+    from mixprec.lowp.impls import quiet_torchao_import
 
     with quiet_torchao_import():
         from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
@@ -201,7 +201,7 @@ def test_nvfp4_operands_equal_torchaos_nvfp4_tensor(torchao, axis):
 
 @pytest.mark.parametrize("axis", [0, 1])
 def test_mxfp4_operands_equal_torchaos_to_mx(torchao, axis):
-    from mixprec.fp8_impls import quiet_torchao_import
+    from mixprec.lowp.impls import quiet_torchao_import
 
     with quiet_torchao_import():
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -225,7 +225,7 @@ def test_the_hadamard_matrix_is_orthonormal_with_random_signs():
 def test_rht_keeps_dw_and_spreads_outliers_before_quantisation():
     """(H dy)^T (H x) = dy^T x (H orthonormal along tokens), and a 16-token block with one outlier comes out of
     H with its energy spread: the block's max/rms ratio (what costs its other values bits) falls from 4 to ~1."""
-    from mixprec.blocklinear import _rht_rows
+    from mixprec.lowp.block import _rht_rows
 
     g = torch.Generator().manual_seed(0)
     x, dy = torch.randn(64, 48, generator=g), torch.randn(64, 32, generator=g) * 1e-3
@@ -246,7 +246,7 @@ def test_rht_keeps_dw_and_spreads_outliers_before_quantisation():
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_neighbouring_e2m1_values():
-    from mixprec.blocklinear import _round_e2m1_stochastic
+    from mixprec.lowp.block import _round_e2m1_stochastic
 
     y = torch.tensor([0.1, 0.3, 0.75, 1.2, 2.5, 3.3, 4.5, 5.9, -1.7, 6.0, 0.0]).repeat(20000, 1)
     q = _round_e2m1_stochastic(y, torch.Generator().manual_seed(0))
@@ -323,7 +323,7 @@ def test_tokens_are_padded_to_the_block_with_zero_rows_exactly(name):
     (dict(precision="fp8-rowwise", fp8_impl="nope"), "unknown --fp8-impl"),
 ])
 def test_impossible_options_are_refused_naming_the_flag(config, words, monkeypatch):
-    from mixprec import fp8_impls
+    from mixprec.lowp import impls as fp8_impls
 
     monkeypatch.setattr(fp8_impls, "torchao_available", lambda: True)  # the refusal does not hinge on the install
     with pytest.raises(RecipeError, match=words):
@@ -331,7 +331,7 @@ def test_impossible_options_are_refused_naming_the_flag(config, words, monkeypat
 
 
 def test_torchao_missing_is_a_one_line_error(monkeypatch):
-    from mixprec import fp8_impls
+    from mixprec.lowp import impls as fp8_impls
 
     monkeypatch.setattr(fp8_impls, "torchao_available", lambda: False)
     with pytest.raises(RecipeError, match=r"pip install 'mixprec\[fp8\]'"):
@@ -340,7 +340,8 @@ def test_torchao_missing_is_a_one_line_error(monkeypatch):
 
 
 def test_auto_picks_torchao_only_where_the_gpu_has_units_for_the_format(monkeypatch):
-    from mixprec import fp8_impls, hardware
+    from mixprec import hardware
+    from mixprec.lowp import impls as fp8_impls
 
     monkeypatch.setattr(fp8_impls, "torchao_available", lambda: True)
     h100 = {"tensorwise", "rowwise"}

@@ -87,7 +87,7 @@ def test_autocast_weight_copies_are_their_own_category():
 
 
 def test_fp8_layer_saves_weight_and_scales_as_fp8_buffers():
-    from mixprec.fp8 import Fp8Linear
+    from mixprec.lowp.fp8 import Fp8Linear
 
     m = Fp8Linear(32, 16)
     x = torch.randn(8, 32, requires_grad=True)

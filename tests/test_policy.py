@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec.policy import CastKind, CastPolicy, default_policy
+from mixprec.autocast.policy import CastKind, CastPolicy, default_policy
 
 
 def _registered(dispatch_key: str, *, overloads: bool = False) -> set[str]:

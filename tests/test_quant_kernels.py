@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec import blocklinear, fp8, quant_kernels
-from mixprec.blockformats import ELEMENT_FORMATS, _round_elements
+from mixprec.lowp import block as blocklinear
+from mixprec.lowp import fp8
+from mixprec.lowp import quant as quant_kernels
+from mixprec.lowp.blockformats import ELEMENT_FORMATS, _round_elements
 from mixprec.errors import ConfigError
 
 FORMATS = {"e4m3": (4, -6, 3), "e5m2": (3, -14, 2), "e2m1": (2, 0, 1)}
@@ -156,7 +158,7 @@ def test_a_failed_compile_falls_back_to_the_eager_values_once(fresh_state, monke
     x = _special((64, 128), torch.float32)
     with quant_kernels.set_fused_quant("off"):
         want = blocklinear._fast_values(x, "mxfp8", 1, "rceil"), fp8.to_fp8_as_bf16(x, fp8.E4M3)
-    with caplog.at_level("INFO", logger="mixprec.quant_kernels"), quant_kernels.set_fused_quant("on"):
+    with caplog.at_level("INFO", logger="mixprec.lowp.quant"), quant_kernels.set_fused_quant("on"):
         got = blocklinear._fast_values(x, "mxfp8", 1, "rceil"), fp8.to_fp8_as_bf16(x, fp8.E4M3)
     assert quant_kernels._state["broken"]
     assert _same(got[0][0], want[0][0]) and _same(got[1][0], want[1][0]) and _same(got[1][1], want[1][1])

@@ -30,8 +30,8 @@ from torch import nn
 
 from mixprec import hardware
 from mixprec.autocast import autocast_dtype, is_autocast_active
-from mixprec.blocklinear import BlockLinear
-from mixprec.fp8 import Fp8Linear
+from mixprec.lowp.block import BlockLinear
+from mixprec.lowp.fp8 import Fp8Linear
 from mixprec.precision import AMP_IMPLS, RECIPES
 from mixprec.train.build import build_run
 from mixprec.train.config import TrainConfig

@@ -17,7 +17,7 @@ Pieces:
 
 - :mod:`mixprec.formats` — fp32, tf32, bf16, fp16, fp8 e4m3/e5m2: range, precision, and ``quantize`` with
   round-to-nearest-even (bit-identical to PyTorch's casts) or unbiased stochastic rounding.
-- :mod:`mixprec.policy` / :mod:`mixprec.autocast` — which ops run low, which stay fp32, which promote; a
+- :mod:`mixprec.autocast` (:mod:`~mixprec.autocast.policy`: which ops run low, which stay fp32, which promote) — a
   from-scratch autocast (a ``TorchFunctionMode``) whose per-op dtypes match ``torch.autocast``, with
   per-module fp32 overrides and fp16 emulation for CPUs.
 - :mod:`mixprec.scaler` — :class:`DynamicLossScaler`: GradScaler-exact by default, plus hysteresis,
@@ -40,7 +40,7 @@ from .autocast import autocast, autocast_dtype, is_autocast_active
 from .formats import FORMATS, Format, get_format, quantize
 from .master import MasterWeights
 from .memory import MemoryReport, SavedTensorTracker, static_memory
-from .policy import CastKind, CastPolicy, default_policy
+from .autocast.policy import CastKind, CastPolicy, default_policy
 from .precision import RECIPES, Recipe, RecipeConfig, ScalerConfig, StepResult, build_recipe, resolve_recipe
 from .scaler import DynamicLossScaler
 from .scaler_view import ScalerView

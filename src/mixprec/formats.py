@@ -88,7 +88,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blockformats import (
+from .lowp.blockformats import (
     BLOCK_FORMATS,
     BlockFormat,
     BlockQuantized,

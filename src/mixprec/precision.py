@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from . import hardware, recipe_text
-from .blocklinear import BlockLinear
 from .errors import NonFiniteError, RecipeError, check_keywords
-from .fp8_impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
-from .gemm_recipes import linear_recipe
+from .lowp.block import BlockLinear
+from .lowp.impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
+from .lowp.recipes import linear_recipe
 from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism, slow_dtypes
 from .recipes import ALIASES, RECIPES, RecipeSpec, dtype_name, resolve_recipe
 from .scaler import ScalerConfig

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from .errors import RecipeError
-from .gemm_recipes import LINEAR_RECIPES
+from .lowp.recipes import LINEAR_RECIPES
 
 __all__ = ["RECIPES", "ALIASES", "RecipeSpec", "resolve_recipe", "dtype_name"]
 

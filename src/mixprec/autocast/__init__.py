@@ -1,4 +1,4 @@
-"""A from-scratch autocast: op-by-op casting driven by a :class:`~mixprec.policy.CastPolicy`, as ``torch.autocast``.
+"""A from-scratch autocast: op-by-op casting driven by a :class:`~.policy.CastPolicy`, as ``torch.autocast``.
 
 Ops on the policy's *low* list (matmul, linear, conv, bmm, attention) get their floating inputs cast to bf16/fp16
 (fp32 accumulation: one rounding of each operand and of the result); *fp32*-list ops (losses; on CUDA also

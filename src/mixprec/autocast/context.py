@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.policy import LOW_DTYPES, CastPolicy, default_policy
+from .policy import LOW_DTYPES, CastPolicy, default_policy
 
 from .frame import STATE, Frame, clear_cache, frame_for
 from .hooks import ForwardHooks
@@ -74,7 +74,7 @@ def _resolve_policy(dtype: torch.dtype, device_type: str | torch.device | None,
         return default_policy(device_type or _infer_device_type(model), dtype)
     if not isinstance(policy, CastPolicy):
         raise TypeError(
-            f"autocast(policy={policy!r}): expected a mixprec.policy.CastPolicy, e.g. "
+            f"autocast(policy={policy!r}): expected a mixprec.CastPolicy, e.g. "
             f"default_policy('cpu')"
         )
     if device_type is not None and device_type != policy.device_type:

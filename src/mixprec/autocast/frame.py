@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mixprec.policy import CastKind, CastPolicy
+from .policy import CastKind, CastPolicy
 
 from . import rounded
 from .casts import F32

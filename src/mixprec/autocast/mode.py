@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec.policy import CastKind
+from .policy import CastKind
 
 from . import composites
 from .casts import F32, iter_tensors, map_args, map_tensors

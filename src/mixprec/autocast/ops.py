@@ -1,4 +1,4 @@
-"""Python call -> ATen op name: the key under which a :class:`~mixprec.policy.CastPolicy` lists an op.
+"""Python call -> ATen op name: the key under which a :class:`~mixprec.autocast.policy.CastPolicy` lists an op.
 
 Most calls share the ATen name (``F.linear`` -> ``linear``). The rest are renamed here, by a fixed name
 (``F.cross_entropy`` -> ``cross_entropy_loss``) or by a function of the call's arguments (``F.pad(mode="reflect")``

@@ -223,7 +223,7 @@ def recipe_for_target(recipe_config, target: Target) -> tuple[Recipe, Callable[[
         if not recipe.spec.autocast:
             return contextlib.nullcontext()
         from ..autocast import autocast
-        from ..policy import default_policy
+        from ..autocast.policy import default_policy
 
         policy = dc.replace(default_policy("cuda", recipe.spec.compute_dtype), device_type="cpu")
         return autocast(recipe.spec.compute_dtype, policy=policy, emulate=False, keep_fp32=recipe.keep_fp32,
@@ -265,7 +265,7 @@ def trace_step(
     make_optimizer: Callable, loss_fn: Callable | None, default_loss: Callable, clip_grad_norm: float | None,
 ) -> StepTrace:
     """Trace one steady-state training step of one recipe; without a ``fake_mode`` it runs for real on the CPU."""
-    from ..fp8 import planned_gemm_path
+    from ..lowp.fp8 import planned_gemm_path
     from ..train.attention import planned_device
 
     recipe, autocast_for, fp8_path = recipe_for_target(recipe_config, target)
@@ -321,7 +321,7 @@ def _replayed_scales(rec: StepRecorder, fake: bool) -> Iterator[None]:
     if not fake:
         yield
         return
-    from .. import fp8
+    from ..lowp import fp8
 
     real = fp8._device_scale
     kinds: dict[tuple, list[OpRecord]] = {}

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blockformats import (
+from ..lowp.blockformats import (
     _NVFP4_MIN_TENSOR_SCALE,
     _ROWWISE_EPS,
     BLOCK_FORMATS,
@@ -42,7 +42,7 @@ from ..blockformats import (
 )
 from ..errors import ConfigError
 from ..formats import get_format
-from ..fp8 import _EXP_LIMIT, Fp8AdaptedLinear, _adapter_for, fp8_scale
+from ..lowp.fp8 import _EXP_LIMIT, Fp8AdaptedLinear, _adapter_for, fp8_scale
 from ..validate import positive, positive_int
 from .attribution import display_path
 from .subsample import sample_rows

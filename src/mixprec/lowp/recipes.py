@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .errors import RecipeError
+from ..errors import RecipeError
 
 __all__ = ["OPERAND_FORMATS", "LinearRecipe", "LINEAR_RECIPES", "linear_recipe"]
 

@@ -49,7 +49,7 @@ import threading
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["MIN_COMPILE_NUMEL", "MIN_OPERAND_NUMEL", "apply_scaled", "block_amax", "fp8_tensorwise",
            "fused_quant_mode", "layer_size", "mx_values", "scaled_float", "set_fused_quant"]

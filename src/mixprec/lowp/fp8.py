@@ -122,10 +122,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import hardware, quant_kernels
+from .. import hardware
+from . import quant as quant_kernels
 from .gemm_context import no_autocast as _no_autocast
 from .gemm_context import output_dtype as _output_dtype
-from .memory import FP8_ROLE_ATTR
+from ..memory import FP8_ROLE_ATTR
 
 __all__ = [
     "E4M3",
@@ -497,7 +498,7 @@ class Fp8AdaptedLinear(nn.Module):
         w = self.adapter.weight_as_linear(self.weight)
         if self.recipe is None:
             return fp8_linear(x, w, self.bias, emulate=self.emulate)
-        from .blocklinear import block_linear
+        from .block import block_linear
 
         return block_linear(x, w, self.bias, self.recipe, emulate=self.emulate, generator=self._generator)
 
@@ -542,7 +543,7 @@ def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, 
 
 
 def _converted_types() -> tuple[type, ...]:
-    from .blocklinear import BlockLinear
+    from .block import BlockLinear
 
     return Fp8Linear, Fp8AdaptedLinear, BlockLinear
 
@@ -573,7 +574,7 @@ def _to_fp8_module(m: nn.Module, emulate: bool | None, recipe=None, fqn: str = "
     if recipe is None:
         return Fp8Linear.from_linear(m, emulate=emulate) if adapter is None else Fp8AdaptedLinear(m, adapter,
                                                                                                     emulate=emulate)
-    from .blocklinear import BlockLinear, layer_seed
+    from .block import BlockLinear, layer_seed
 
     seed = layer_seed(seed, fqn)
     if adapter is None:

@@ -52,10 +52,11 @@ import functools
 import torch
 from torch import nn
 
-from . import hardware, quant_kernels
+from .. import hardware
+from . import quant as quant_kernels
 from .blockformats import ELEMENT_FORMATS, mx_scale_exponent, quantize_blocks, quantize_blocks_with_scales
 from .gemm_context import no_autocast, output_dtype
-from .gemm_recipes import LinearRecipe
+from .recipes import LinearRecipe
 
 __all__ = ["BlockLinear", "block_linear", "quantize_operand", "hadamard_matrix"]
 

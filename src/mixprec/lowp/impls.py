@@ -33,9 +33,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from . import hardware
-from .errors import RecipeError
-from .gemm_recipes import LinearRecipe
+from .. import hardware
+from ..errors import RecipeError
+from .recipes import LinearRecipe
 
 __all__ = ["Fp8Impl", "ScratchFp8", "TorchaoFp8", "FP8_IMPLS", "FP8_IMPL_CHOICES", "auto_fp8_impl",
            "torchao_available", "quiet_torchao_import"]

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from .autocast import autocast, autocast_dtype, is_autocast_active
+from ..autocast import autocast, autocast_dtype, is_autocast_active
 
 __all__ = ["no_autocast", "output_dtype"]
 
