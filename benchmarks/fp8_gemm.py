@@ -4,7 +4,7 @@ What is compared (same weights, same batch, forward + backward; ``--what step`` 
 
 - ``fp32``: the plain layer / MLP;
 - ``bf16``: the same under ``torch.autocast("cpu", torch.bfloat16)`` (what the bf16-mixed recipe runs);
-- ``fp8``: the fp8-mixed recipe's model -- :func:`mixprec.fp8.convert_to_fp8` under the same bf16 autocast --
+- ``fp8``: the fp8-mixed recipe's model -- :func:`mixprec.lowp.convert.convert_to_fp8` under the same bf16 autocast --
   with today's emulation (FP8 values as bf16, bf16 GEMMs with fp32 accumulation);
 - ``fp8-ref``: the same model on the former emulation (FP8 dtype casts, fp32 GEMMs), which the tests keep as
   the reference the new path must match.
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.lowp import fp8
+from mixprec.lowp.convert import convert_to_fp8
 from mixprec.train.models import build_model
 
 VARIANTS = ("fp32", "bf16", "fp8", "fp8-ref")
@@ -53,8 +54,8 @@ def _models(what: str) -> dict[str, nn.Module]:
         base: nn.Module = nn.Linear(784, 512)
     else:
         base = build_model("mlp", input_shape=(1, 28, 28), num_classes=10, width=512, depth=2)
-    fp8_model = fp8.convert_to_fp8(copy.deepcopy(base), emulate=True)
-    ref_model = fp8.convert_to_fp8(copy.deepcopy(base), emulate=True)
+    fp8_model = convert_to_fp8(copy.deepcopy(base), emulate=True)
+    ref_model = convert_to_fp8(copy.deepcopy(base), emulate=True)
     for m in ref_model.modules():
         if type(m) is fp8.Fp8Linear:
             m.__class__ = _ReferenceFp8Linear

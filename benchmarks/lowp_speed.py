@@ -7,7 +7,7 @@ by round (rotating the order, so drift in machine load hits all alike); each rou
 variant after warm-up, and the table reports the median step time and the median over rounds of the per-round
 ratio to the first variant (bf16-mixed). A variant is ``RECIPE`` or ``RECIPE:FP8_IMPL`` (``fp8-rowwise:torchao``:
 torchao's emulated layers, if installed), optionally ``@auto``/``@on``/``@off``: the fused (``torch.compile``'d)
-operand quantisation of :mod:`mixprec.quant_kernels` for that variant (default ``--fused-quant``), so
+operand quantisation of :mod:`mixprec.lowp.quant` for that variant (default ``--fused-quant``), so
 ``fp8-mixed@off,fp8-mixed@on`` is an A/B of the eager and the fused paths. The table's ``warm-up`` column is
 the first steps' time, which holds the compiles of the fused kernels (cached on disk by Inductor across runs).
 
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--fused-quant", choices=("auto", "on", "off"), default=None,
-                   help="fused operand quantisation of variants without @MODE (mixprec.quant_kernels; default: "
+                   help="fused operand quantisation of variants without @MODE (mixprec.lowp.quant; default: "
                         "$MIXPREC_FUSED_QUANT, else auto)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: elapsed time (a quiet machine); cpu: this process's CPU time, steadier on a loaded "

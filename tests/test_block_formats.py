@@ -1,4 +1,4 @@
-"""Tests for mixprec.blockformats (block-scaled FP8/FP4).
+"""Tests for the block-scaled FP8/FP4 formats of mixprec.formats.
 
 Tiers: bit-exact (rtol=0, atol=0; signed zeros compared, NaN matches NaN) against torchao 0.18's own
 implementations -- ``to_mx``/``to_dtype`` (FLOOR and RCEIL), ``NVFP4Tensor.to_nvfp4`` and float8 rowwise
@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mixprec import formats
-from mixprec.lowp.blockformats import (
+from mixprec.formats import (
     BLOCK_FORMATS,
     ELEMENT_FORMATS,
     BlockFormat,
@@ -300,7 +300,7 @@ def test_table_entries() -> None:
 
 def test_reexported_from_formats_and_torchao_never_imported() -> None:
     assert formats.quantize_blocks is quantize_blocks and formats.BLOCK_FORMATS is BLOCK_FORMATS
-    for mod in ("lowp/blockformats.py", "formats.py"):
+    for mod in ("formats.py",):
         tree = ast.parse((Path(formats.__file__).parent / mod).read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

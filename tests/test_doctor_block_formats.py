@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.lowp.blockformats import quantize_blocks, quantize_blocks_with_scales
+from mixprec.formats import quantize_blocks, quantize_blocks_with_scales
 from mixprec.doctor import diagnose
 from mixprec.probes.advice import _block_formats
 from mixprec.probes.block_formats import (
@@ -23,7 +23,7 @@ from mixprec.probes.block_formats import (
     scale_clamped,
 )
 from mixprec.errors import ConfigError
-from mixprec.lowp.fp8 import E4M3, E5M2, to_fp8
+from mixprec.lowp.quant import E4M3, E5M2, to_fp8
 from mixprec.jsonio import to_jsonable
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,7 +32,7 @@ ALL = dict(max_elements=2**30)  # no sampling
 
 
 def _direct(x: torch.Tensor, fmt: str, axis: int = -1) -> torch.Tensor:
-    """``x`` as ``fmt`` holds it, computed without the doctor: quantize_blocks, or fp8.py's per-tensor to_fp8."""
+    """``x`` as ``fmt`` holds it, computed without the doctor: quantize_blocks, or lowp/quant.py's per-tensor to_fp8."""
     if fmt in ("fp8_e4m3", "fp8_e5m2"):
         q, inv = to_fp8(x, E4M3 if fmt == "fp8_e4m3" else E5M2)
         return q.float() * inv

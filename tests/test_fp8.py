@@ -13,10 +13,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from mixprec import hardware
-from mixprec.lowp import fp8
 from mixprec.autocast import autocast
 from mixprec.formats import quantize
-from mixprec.lowp.fp8 import E4M3, E5M2, Fp8Linear, convert_to_fp8, fp8_linear, fp8_scale, plan_fp8_conversion, to_fp8
+from mixprec.lowp import convert, fp8, quant
+from mixprec.lowp.convert import convert_to_fp8, plan_fp8_conversion
+from mixprec.lowp.fp8 import Fp8Linear, fp8_linear
+from mixprec.lowp.quant import E4M3, E5M2, fp8_scale, to_fp8
 
 # SQNR floors (dB) against fp32, with ~2.5 dB margin under what Gaussian data measures (seeds 0-2):
 # one operand rounded to e4m3 (3 mantissa bits) 31.5, to e5m2 (2 bits) 25.5; the forward GEMM has two
@@ -144,7 +146,7 @@ def _same_values(q_bf16, q8):
 @pytest.mark.parametrize("shift", [0, -20, 30, -135])  # -135: fp32 subnormal inputs, the scale clamps at 2**126
 def test_emulated_operands_equal_the_fp8_casts_on_the_grid_and_its_ties(dtype, shift):
     t = _grid_and_ties(dtype) * 2.0**shift
-    q, inv = fp8.to_fp8_as_bf16(t, dtype)
+    q, inv = quant.to_fp8_as_bf16(t, dtype)
     q8, inv8 = to_fp8(t, dtype)
     assert q.dtype == torch.bfloat16 and torch.equal(inv, inv8)
     assert _same_values(q, q8)
@@ -159,12 +161,12 @@ def test_emulated_operands_equal_the_fp8_casts_on_random_tensors(dtype, seed):
     wide = torch.randn(4096, generator=g) * 2.0 ** torch.randint(-40, 40, (4096,), generator=g).float()
     for t in (torch.randn(257, 129, generator=g), wide, torch.randn(64, 80, generator=g).bfloat16() * 1e-3,
               torch.zeros(8, 16), torch.randn(33, generator=g) * 1e-30):
-        q, inv = fp8.to_fp8_as_bf16(t, dtype)
+        q, inv = quant.to_fp8_as_bf16(t, dtype)
         q8, inv8 = to_fp8(t, dtype)
         assert torch.equal(inv, inv8) and _same_values(q, q8), t.dtype
     bad = torch.randn(16, 32, generator=g)
     bad[3, 4] = float("inf")
-    q, inv = fp8.to_fp8_as_bf16(bad, dtype)
+    q, inv = quant.to_fp8_as_bf16(bad, dtype)
     assert torch.isnan(q).all() and torch.isnan(inv)  # as the cast path: NaN everywhere, never saturation
 
 
@@ -173,7 +175,7 @@ def test_host_and_device_scales_agree():
                       torch.tensor([0.0, 448.0, 57344.0, 448.00003, 1e-38, 1e-45, 3e38, float("inf"), float("nan")])])
     for dtype in (E4M3, E5M2):
         host = torch.stack([fp8_scale(a, dtype) for a in amax])
-        device = torch.stack([fp8._device_scale(a, dtype) for a in amax])
+        device = torch.stack([quant._device_scale(a, dtype) for a in amax])
         assert torch.equal(host.isnan(), device.isnan()) and torch.equal(host.nan_to_num(), device.nan_to_num())
 
 
@@ -231,15 +233,15 @@ def test_sqnr_floors_of_the_operands_the_output_and_each_gradient(seed):
     torch.testing.assert_close(db, db_ref, rtol=1e-5, atol=0)
 
 
-_REAL_SCALE = fp8.fp8_scale
+_REAL_SCALE = quant.fp8_scale
 
 
 def _inverted_scale(monkeypatch):
-    monkeypatch.setattr(fp8, "fp8_scale", lambda amax, dtype: 1.0 / _REAL_SCALE(amax, dtype))
+    monkeypatch.setattr(quant, "fp8_scale", lambda amax, dtype: 1.0 / _REAL_SCALE(amax, dtype))
 
 
 def _unscaled_e4m3_everywhere(monkeypatch):
-    monkeypatch.setattr(fp8, "fp8_scale", lambda amax, dtype: torch.ones((), device=amax.device))
+    monkeypatch.setattr(quant, "fp8_scale", lambda amax, dtype: torch.ones((), device=amax.device))
     monkeypatch.setattr(fp8, "E5M2", E4M3)
 
 
@@ -301,7 +303,7 @@ def test_convert_swaps_exactly_the_eligible_layers_and_reports_the_rest(caplog):
     torch.manual_seed(0)
     model = _Net()
     params = {n: p for n, p in model.named_parameters()}
-    with caplog.at_level(logging.INFO, logger="mixprec.lowp.fp8"):
+    with caplog.at_level(logging.INFO, logger="mixprec.lowp.convert"):
         plan = plan_fp8_conversion(model)
         out = convert_to_fp8(model)
     assert out is model
@@ -381,7 +383,7 @@ def test_hf_conv1d_layers_are_converted_with_their_stored_layout_and_numerics():
     assert dict(plan.skipped).keys() == {"odd"} and "multiples of 16" in dict(plan.skipped)["odd"]
     convert_to_fp8(model, emulate=True)
     fc = model.c_fc
-    assert type(fc) is fp8.Fp8AdaptedLinear and (fc.in_features, fc.out_features) == (32, 128)
+    assert type(fc) is convert.Fp8AdaptedLinear and (fc.in_features, fc.out_features) == (32, 128)
     assert (fc.nf, fc.nx) == (128, 32) and type(model.odd) is Conv1D
     assert dict(model.named_parameters()) == params  # the same Parameter objects, stored (in, out)
     assert list(model.state_dict()) == list(plain.state_dict())
@@ -419,15 +421,15 @@ def test_register_linear_adapter_teaches_convert_a_new_layer_class():
 
     model = nn.Sequential(Packed(), nn.ReLU())
     assert plan_fp8_conversion(model).converted == ()
-    adapter = fp8.register_linear_adapter(Packed, torch.t)
+    adapter = convert.register_linear_adapter(Packed, torch.t)
     try:
         convert_to_fp8(model, emulate=True)
-        assert type(model[0]) is fp8.Fp8AdaptedLinear and model[0].out_features == 48
+        assert type(model[0]) is convert.Fp8AdaptedLinear and model[0].out_features == 48
         x = torch.randn(8, 32)
         ref = fp8_linear(x, model[0].weight.t().contiguous(), None, emulate=True)
         torch.testing.assert_close(model(x), F.relu(ref), rtol=0, atol=0)
     finally:
-        fp8.unregister_linear_adapter(adapter)
+        convert.unregister_linear_adapter(adapter)
     assert plan_fp8_conversion(nn.Sequential(Packed())).converted == ()
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from mixprec.autocast import autocast as mixprec_autocast
 from mixprec.errors import UsageError
-from mixprec.lowp.fp8 import plan_fp8_conversion
+from mixprec.lowp.convert import plan_fp8_conversion
 from mixprec.train.gpt import GPT, lm_loss
 from mixprec.train.models import ModelError
 from mixprec.train.data import TextWindowLoader, load_text_corpus

@@ -1,6 +1,6 @@
 """The block-scaled linear recipes (fp8-rowwise, mxfp8, mxfp4, nvfp4) and --fp8-impl, in tiers:
 
-- each GEMM's operands are the block formats' values (bit-exact against :mod:`mixprec.blockformats`, itself
+- each GEMM's operands are the block formats' values (bit-exact against :func:`mixprec.formats.quantize_blocks`, itself
   bit-exact against torchao), along the dimension the GEMM reduces;
 - scratch against torchao's emulated training on CPU: the same losses step for step -- bit-identical where
   both round the same way, a stated tolerance where the GEMM's accumulation or the bias gradient's rounding
@@ -21,10 +21,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mixprec.lowp.blockformats import quantize_blocks, quantize_blocks_with_scales
-from mixprec.lowp.block import BlockLinear, block_linear, hadamard_matrix, quantize_operand
+from mixprec.formats import quantize_blocks, quantize_blocks_with_scales
+from mixprec.lowp.block import BlockLinear, block_linear, hadamard_matrix
 from mixprec.errors import RecipeError
-from mixprec.lowp.fp8 import plan_fp8_conversion
+from mixprec.lowp.convert import plan_fp8_conversion
+from mixprec.lowp.quant import quantize_operand
 from mixprec.lowp.recipes import LINEAR_RECIPES, linear_recipe
 from mixprec.precision import RecipeConfig, build_recipe
 
@@ -246,7 +247,7 @@ def test_rht_keeps_dw_and_spreads_outliers_before_quantisation():
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_neighbouring_e2m1_values():
-    from mixprec.lowp.block import _round_e2m1_stochastic
+    from mixprec.lowp.quant import _round_e2m1_stochastic
 
     y = torch.tensor([0.1, 0.3, 0.75, 1.2, 2.5, 3.3, 4.5, 5.9, -1.7, 6.0, 0.0]).repeat(20000, 1)
     q = _round_e2m1_stochastic(y, torch.Generator().manual_seed(0))

@@ -254,7 +254,7 @@ def test_replayed_fp8_scales_give_the_trace_of_running_them(monkeypatch):
     memory."""
     import contextlib
 
-    import mixprec.lowp.fp8 as fp8
+    import mixprec.lowp.quant as fp8
     import mixprec.planning.trace as T
     from mixprec.planning.api import Planner
     from mixprec.train.config import TrainConfig

@@ -19,7 +19,7 @@ def _registered(dispatch_key: str, *, overloads: bool = False) -> set[str]:
     return names if overloads else {n.split(".")[0] for n in names}
 
 
-# Listed on purpose although torch registers no AutocastCPU kernel under that name (the reasons are in policy.py).
+# Listed on purpose although torch registers no AutocastCPU kernel under that name (the reasons are in autocast/policy.py).
 CPU_EXTRAS = {"einsum", "inner", "linalg_multi_dot", "chain_matmul", "lstm"}
 
 
@@ -79,7 +79,7 @@ KIND_OF_CATEGORY = {
     "lower_precision_fp": CastKind.LOW, "fp32": CastKind.FP32, "fp32_set_opt_dtype": CastKind.FP32_OUT,
     "fp32_append_dtype": CastKind.FP32_OUT, "promote": CastKind.PROMOTE, "banned": CastKind.BANNED,
 }
-# What the CUDA policy lists beyond AutocastCUDA's kernels, and why (policy.py has the details)
+# What the CUDA policy lists beyond AutocastCUDA's kernels, and why (autocast/policy.py has the details)
 CUDA_POLICY_EXTRAS = {
     # nn.LSTM/GRU/RNN reach _cudnn_rnn, which cudnn/AutocastRNN.cpp registers under the same key
     "lstm": CastKind.LOW, "gru": CastKind.LOW, "rnn_tanh": CastKind.LOW, "rnn_relu": CastKind.LOW,

@@ -1,9 +1,10 @@
-"""Tests for mixprec.quant_kernels: the fused (torch.compile'd) operand quantisation gives the eager path's
-values bit for bit, and stays out of the way where it must (small operands, off, no compiler).
+"""Tests for mixprec.lowp.quant: the grid rounding every quantiser shares equals round-to-nearest-even (PyTorch's
+FP8 casts; e2m1: an oracle here), the compiled operand quantisation gives the eager path's values bit for bit,
+and it stays out of the way where it must (small operands, off, no compiler).
 
 Tiers: bit-exact (int16 views of the bf16 values: signed zeros and NaN payloads compared) everywhere. The
-rounding formula is checked eagerly (cheap: the same IEEE operations the compiled loop runs); the compiled
-kernels themselves only in the slow tier (each compile takes seconds).
+rounding is checked eagerly (cheap: the same IEEE operations the compiled loop runs); the compiled kernels
+themselves only in the slow tier (each compile takes seconds).
 """
 
 from __future__ import annotations
@@ -11,26 +12,37 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec.lowp import block as blocklinear
-from mixprec.lowp import fp8
-from mixprec.lowp import quant as quant_kernels
-from mixprec.lowp.blockformats import ELEMENT_FORMATS, _round_elements
 from mixprec.errors import ConfigError
+from mixprec.formats import ELEMENT_FORMATS, round_to_grid
+from mixprec.lowp import quant as quant_kernels
+from mixprec.lowp.quant import E4M3, E5M2, quantize_operand, to_fp8_as_bf16
 
 FORMATS = {"e4m3": (4, -6, 3), "e5m2": (3, -14, 2), "e2m1": (2, 0, 1)}
 """Element format: (significant bits, smallest normal exponent, mantissa bits)."""
 
 
+def _rne(y: torch.Tensor, name: str) -> torch.Tensor:
+    """The oracle: PyTorch's FP8 cast; for e2m1 (no cast) ``round(y / 2**k) * 2**k`` with ``2**k`` the format's
+    spacing at ``y`` (both scalings exact, ``torch.round`` half to even)."""
+    el = ELEMENT_FORMATS[name]
+    if el.torch_dtype is not None:
+        return y.to(el.torch_dtype).float()
+    _, e = torch.frexp(y.abs())
+    k = (torch.clamp(e - 1, min=el.emin, max=el.emax) - el.mantissa_bits).double()
+    return torch.copysign(torch.round(y.double() * torch.exp2(-k)) * torch.exp2(k), y.double()).float()
+
+
 def _reference(v: torch.Tensor, name: str) -> torch.Tensor:
-    """The FP8 casts (e2m1: blockformats' own RNE), with -0 as +0: both fused and eager paths give +0."""
-    q = _round_elements(v, ELEMENT_FORMATS[name]).to(torch.bfloat16)
+    """The oracle in bf16, with -0 as +0: the quantisers give +0."""
+    q = _rne(v, name).to(torch.bfloat16)
     return torch.where(q == 0, torch.zeros_like(q), q)
 
 
-def _eager_round(v: torch.Tensor, name: str) -> torch.Tensor:
-    sig, emin, mbits = FORMATS[name]
-    one = torch.ones(())
-    return quant_kernels._scaled_round(v, one, one, quant_kernels._grid(None, sig, emin, mbits, v.device))
+def _rounded(v: torch.Tensor, name: str, how: str) -> torch.Tensor:
+    """round_to_grid's eager formulation (the magic number, in place) or its compiled one (Veltkamp's split,
+    here run eagerly: the same IEEE operations the compiled loop runs)."""
+    el = ELEMENT_FORMATS[name]
+    return round_to_grid(v.clone(), el if how == "magic" else torch.tensor(el.split)).to(torch.bfloat16)
 
 
 def _binade_values(low_bits: tuple[int, ...] | None) -> torch.Tensor:
@@ -41,7 +53,7 @@ def _binade_values(low_bits: tuple[int, ...] | None) -> torch.Tensor:
     return torch.cat([hi | b for b in low_bits]).view(torch.float32)
 
 
-def _check_rounding(name: str, x: torch.Tensor, binades: str = "all") -> None:
+def _check_rounding(name: str, x: torch.Tensor, how: str, binades: str = "all") -> None:
     _, emin, mbits = FORMATS[name]
     el = ELEMENT_FORMATS[name]
     ks = (range(emin - mbits - 1, el.emax + 1) if binades == "all"  # from below the subnormals to the largest
@@ -50,21 +62,23 @@ def _check_rounding(name: str, x: torch.Tensor, binades: str = "all") -> None:
         v = x * 2.0**k
         v = v[v <= el.max]
         for s in (v, -v):
-            got, want = _eager_round(s, name), _reference(s, name)
+            got, want = _rounded(s, name, how), _reference(s, name)
             bad = got.view(torch.int16) != want.view(torch.int16)
             assert not bad.any(), (name, k, s[bad][:4], got[bad][:4], want[bad][:4])
 
 
+@pytest.mark.parametrize("how", ["magic", "split"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_the_veltkamp_rounding_equals_rne_on_ties_and_their_neighbours(name):
+def test_the_grid_rounding_equals_rne_on_ties_and_their_neighbours(name, how):
     # ties of every element format sit on fp32 patterns with low 12 bits zero; +-1 ulp around them too
-    _check_rounding(name, _binade_values((0, 1, 0xFFF, 0x800)))
+    _check_rounding(name, _binade_values((0, 1, 0xFFF, 0x800)), how)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["magic", "split"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_the_veltkamp_rounding_equals_rne_on_every_fp32_value_of_a_binade(name):
-    _check_rounding(name, _binade_values(None), binades="edges")  # the rest: powers of two apart, exactly
+def test_the_grid_rounding_equals_rne_on_every_fp32_value_of_a_binade(name, how):
+    _check_rounding(name, _binade_values(None), how, binades="edges")  # the rest: powers of two apart, exactly
 
 
 def _special(shape, dtype, seed=0):
@@ -105,18 +119,18 @@ def test_the_compiled_kernels_give_the_eager_values(fresh_state):
             for axis in (0, 1):
                 for rule in (("rceil", "floor") if fmt.startswith("mx") else ("rceil",)):  # MX alone has two
                     with quant_kernels.set_fused_quant("off"):
-                        want = blocklinear._fast_values(x, fmt, axis, rule)
+                        want = quantize_operand(x, fmt, axis, scale_rule=rule)
                     with quant_kernels.set_fused_quant("on"):
-                        got = blocklinear._fast_values(x, fmt, axis, rule)
+                        got = quantize_operand(x, fmt, axis, scale_rule=rule)
                     if quant_kernels._state["broken"]:
                         pytest.skip("torch.compile is unavailable here (no C compiler or Inductor)")
                     assert _same(got[0], want[0]) and _same(got[1], want[1]), (x.dtype, x.shape, fmt, axis, rule)
-        for dtype in (fp8.E4M3, fp8.E5M2):
+        for dtype in (E4M3, E5M2):
             for t in (x, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) * 1e-30, torch.zeros_like(x)):
                 with quant_kernels.set_fused_quant("off"):
-                    want = fp8.to_fp8_as_bf16(t, dtype)
+                    want = to_fp8_as_bf16(t, dtype)
                 with quant_kernels.set_fused_quant("on"):
-                    got = fp8.to_fp8_as_bf16(t, dtype)
+                    got = to_fp8_as_bf16(t, dtype)
                 assert _same(got[0], want[0]) and _same(got[1], want[1]), (t.dtype, dtype)
     out, s = torch.randn(64, 96).bfloat16(), torch.tensor(2.0**-7)
     with quant_kernels.set_fused_quant("on"):
@@ -125,17 +139,19 @@ def test_the_compiled_kernels_give_the_eager_values(fresh_state):
 
 def test_auto_fuses_the_operands_of_large_cpu_layers_only_and_off_never(fresh_state):
     small, large = torch.zeros(64, 64), torch.empty((quant_kernels.MIN_COMPILE_NUMEL,), device="meta")
-    assert not quant_kernels._wanted(small, "k")
-    assert not quant_kernels._wanted(large, "k")  # not a CPU tensor
+    assert not quant_kernels._wanted(small)
+    assert not quant_kernels._wanted(large)  # not a CPU tensor
     with quant_kernels.layer_size(quant_kernels.MIN_COMPILE_NUMEL):  # an operand of a large layer
-        assert quant_kernels._wanted(small, "k")
-        assert not quant_kernels._wanted(torch.zeros(8, 8), "k")  # too small to be worth a call
+        assert quant_kernels._wanted(small)
+        assert not quant_kernels._wanted(torch.zeros(8, 8))  # too small to be worth a call
+        with quant_kernels.set_fused_quant("off"):
+            assert not quant_kernels._wanted(small)
+            to_fp8_as_bf16(small, E4M3)
+    assert quant_kernels._state["fns"] == {}  # nothing compiled
     with quant_kernels.layer_size(quant_kernels.MIN_COMPILE_NUMEL - 1):
-        assert not quant_kernels._wanted(torch.zeros(quant_kernels.MIN_COMPILE_NUMEL), "k")
-    with quant_kernels.set_fused_quant("off"):
-        assert quant_kernels.fp8_tensorwise(torch.zeros(1 << 18), fp8_max=448.0, sig=4, emin=-6, mbits=3) is None
+        assert not quant_kernels._wanted(torch.zeros(quant_kernels.MIN_COMPILE_NUMEL))
     with quant_kernels.set_fused_quant("on"):
-        assert quant_kernels._wanted(small, "k")
+        assert quant_kernels._wanted(small)
     assert quant_kernels.fused_quant_mode() == "auto"
 
 
@@ -157,9 +173,9 @@ def test_a_failed_compile_falls_back_to_the_eager_values_once(fresh_state, monke
     monkeypatch.setattr(torch, "compile", broken_compile)
     x = _special((64, 128), torch.float32)
     with quant_kernels.set_fused_quant("off"):
-        want = blocklinear._fast_values(x, "mxfp8", 1, "rceil"), fp8.to_fp8_as_bf16(x, fp8.E4M3)
+        want = quantize_operand(x, "mxfp8", 1, scale_rule="rceil"), to_fp8_as_bf16(x, E4M3)
     with caplog.at_level("INFO", logger="mixprec.lowp.quant"), quant_kernels.set_fused_quant("on"):
-        got = blocklinear._fast_values(x, "mxfp8", 1, "rceil"), fp8.to_fp8_as_bf16(x, fp8.E4M3)
+        got = quantize_operand(x, "mxfp8", 1, scale_rule="rceil"), to_fp8_as_bf16(x, E4M3)
     assert quant_kernels._state["broken"]
     assert _same(got[0][0], want[0][0]) and _same(got[1][0], want[1][0]) and _same(got[1][1], want[1][1])
     assert [r.getMessage() for r in caplog.records].count(

@@ -12,7 +12,7 @@ and checks what actually happened against the table below, written from the docu
 - fp32 master weights: the optimizer steps fp32 copies, not the model's parameters;
 - loss scaling: the gradient backward produced is ``init_scale`` times the one the optimizer stepped;
 - FP8/FP4 layers exactly where the recipe converts them, of the class that runs its GEMMs
-  (:class:`mixprec.fp8.Fp8Linear` per tensor, :class:`mixprec.blocklinear.BlockLinear` for the block-scaled
+  (:class:`mixprec.lowp.fp8.Fp8Linear` per tensor, :class:`mixprec.lowp.block.BlockLinear` for the block-scaled
   recipes; torchao's layers under ``--fp8-impl torchao``), and the formats each GEMM quantises to.
 
 What ``--amp-impl auto`` picks depends on the CPU (fast fp16 kernels or not): the expectation is derived

@@ -90,7 +90,7 @@ class RecipeConfig:
             raise RecipeError(f"unknown --mx-scale-rule {self.mx_scale_rule!r}; choose rceil or floor")
 
     def linear_options(self) -> dict[str, Any]:
-        """The low-precision linear options as :func:`mixprec.gemm_recipes.linear_recipe` takes them."""
+        """The low-precision linear options as :func:`mixprec.lowp.recipes.linear_recipe` takes them."""
         return dict(wgrad_hp=self.wgrad_hp, mx_scale_rule=self.mx_scale_rule, hadamard=self.fp4_hadamard,
                     stochastic_rounding=self.fp4_stochastic_rounding)
 
@@ -177,7 +177,7 @@ class Recipe:
         self.world_size = world_size
         self._seed = seed
         self._model: nn.Module | None = None
-        self.fp8_conversion = None  # mixprec.fp8.Fp8Conversion once convert_module has run (fp8 recipes)
+        self.fp8_conversion = None  # mixprec.lowp.convert.Fp8Conversion once convert_module has run (fp8 recipes)
         self.master = None  # mixprec.master.MasterWeights when spec.master_weights (or bf16-true + SR)
         self.scaler = mechanism.make_scaler()
         """Disabled without loss scaling; read its state through :class:`mixprec.scaler_view.ScalerView`."""

@@ -15,7 +15,7 @@
 | mxfp4         | MXFP4 GEMMs+bf16 | fp32   | no           | params are the master   |
 | nvfp4         | NVFP4 GEMMs+bf16 | fp32   | no           | params are the master   |
 
-The low-precision recipes name a linear recipe (``fp8``; :mod:`mixprec.gemm_recipes` has that table). A
+The low-precision recipes name a linear recipe (``fp8``; :mod:`mixprec.lowp.recipes` has that table). A
 :class:`RecipeSpec` refuses, when built, a combination no mechanism can train; :class:`mixprec.precision.Recipe`
 turns a spec into hooks for a device and a mechanism.
 """

@@ -1,24 +1,20 @@
-"""Whose code runs a low-precision linear recipe: mixprec's own layers, or torchao's (``--fp8-impl``).
+"""Whose code runs a low-precision linear recipe (``--fp8-impl``): mixprec's own layers, or torchao's.
 
-The recipe (:mod:`mixprec.gemm_recipes`) says which operand is quantised in which format; an
-:class:`Fp8Impl` turns a model's eligible linear layers into layers that do it, on one device:
+An :class:`Fp8Impl` turns a model's eligible linear layers into layers that run the recipe (:mod:`.recipes`) on
+one device:
 
-- :class:`ScratchFp8` (``scratch``): :mod:`mixprec.fp8` (per tensor) and :mod:`mixprec.blocklinear`
-  (rowwise, MX, NVFP4). Every recipe on every device, emulated exactly where the device has no kernels
-  (real per-tensor FP8 on CUDA 8.9+, real rowwise FP8 on 9.0+).
-- :class:`TorchaoFp8` (``torchao``): torchao's training layers -- ``Float8Linear`` for ``tensorwise``
-  (power-of-two scales, as mixprec's recipe defines it), ``rowwise`` and ``rowwise_with_gw_hp``;
-  ``MXFP8Linear`` for ``mxfp8`` -- with ``emulate=True`` / ``KernelPreference.EMULATED`` where the GPU has
-  no units for the format (so it also trains on a CPU, slowly). torchao 0.18 has no NVFP4 or MXFP4
-  training layer (its NVFP4 training is Triton-only and not a module), so those recipes are refused. It
-  needs ``torch.autocast`` (``--amp-impl native``): its layers cast under the native autocast only.
-  torchao is optional (``pip install mixprec[fp8]``) and imported lazily, with its import-time warnings
-  (extensions it cannot load, pytree deprecations) kept out of mixprec's output.
+- :class:`ScratchFp8` (``scratch``): :mod:`.fp8` (per tensor) and :mod:`.block` (rowwise, MX, NVFP4); every
+  recipe on every device, emulated exactly where the device has no kernels (real per-tensor FP8 on CUDA 8.9+,
+  real rowwise FP8 on 9.0+).
+- :class:`TorchaoFp8` (``torchao``): torchao's ``Float8Linear`` for ``tensorwise`` (with power-of-two scales,
+  as mixprec's recipe defines it), ``rowwise`` and ``rowwise_with_gw_hp``, and ``MXFP8Linear`` for ``mxfp8``
+  (:mod:`.torchao_layers`), emulated where the GPU has no units for the format. torchao has no NVFP4 or MXFP4
+  training layer, so those are refused; its layers cast under ``torch.autocast`` only (``--amp-impl native``).
+  torchao is optional (``pip install mixprec[fp8]``) and imported lazily, its import-time warnings kept out of
+  mixprec's output.
 
-``--fp8-impl auto`` (:func:`auto_fp8_impl`) picks torchao where the GPU has units for the recipe's formats
-(:func:`mixprec.hardware.has_lowp_units`: H100/H200 have FP8 but no MX/NVFP4 units, B200 has both), torchao
-is installed and has the recipe; scratch otherwise (every CPU). Real kernels are untested here: the
-sessions that wrote this had no GPU.
+``--fp8-impl auto`` (:func:`auto_fp8_impl`): torchao where the GPU has units for the recipe's formats
+(:func:`mixprec.hardware.has_lowp_units`), torchao is installed and has the recipe; scratch otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from torch import nn
 
 from .. import hardware
 from ..errors import RecipeError
+from .convert import Fp8Conversion, convert_to_fp8, plan_fp8_conversion
 from .recipes import LinearRecipe
 
 __all__ = ["Fp8Impl", "ScratchFp8", "TorchaoFp8", "FP8_IMPLS", "FP8_IMPL_CHOICES", "auto_fp8_impl",
@@ -90,9 +87,7 @@ class Fp8Impl:
         raise NotImplementedError
 
     def plan(self, model: nn.Module):
-        """The :class:`~mixprec.fp8.Fp8Conversion` :meth:`convert` will carry out."""
-        from .fp8 import plan_fp8_conversion
-
+        """The :class:`~mixprec.lowp.convert.Fp8Conversion` :meth:`convert` will carry out."""
         return plan_fp8_conversion(model, recipe=self.recipe)
 
     def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
@@ -101,7 +96,7 @@ class Fp8Impl:
 
 
 class ScratchFp8(Fp8Impl):
-    """mixprec's layers: :class:`~mixprec.fp8.Fp8Linear` (per tensor), :class:`~mixprec.blocklinear.BlockLinear`."""
+    """mixprec's layers: :class:`~mixprec.lowp.fp8.Fp8Linear` (per tensor), :class:`~mixprec.lowp.block.BlockLinear`."""
 
     name = "scratch"
     words = "mixprec's scratch layers"
@@ -113,8 +108,6 @@ class ScratchFp8(Fp8Impl):
         return r.name == "rowwise" and not r.wgrad_hp and hardware.has_lowp_units("rowwise", self.device)
 
     def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
-        from .fp8 import convert_to_fp8
-
         plan = self.plan(model)
         return convert_to_fp8(model, recipe=self.recipe, seed=self.seed), plan
 
@@ -149,8 +142,6 @@ class TorchaoFp8(Fp8Impl):
         return hardware.has_lowp_units(self.recipe.name, self.device)
 
     def plan(self, model: nn.Module):
-        from .fp8 import Fp8Conversion
-
         plan = super().plan(model)  # torchao swaps nn.Linear only: adapted classes (HF Conv1D) stay as they are
         keep = tuple(n for n in plan.converted if type(model.get_submodule(n)) is nn.Linear)
         left = tuple((n, "torchao converts nn.Linear only") for n in plan.converted if n not in keep)
@@ -195,7 +186,7 @@ FP8_IMPL_CHOICES: tuple[str, ...] = ("auto", *FP8_IMPLS)
 def auto_fp8_impl(recipe: LinearRecipe, device: torch.device) -> str:
     """``--fp8-impl auto``: torchao where the GPU has units for the recipe's formats, torchao is installed and
     has the recipe; scratch otherwise."""
-    if (recipe.name in _TORCHAO_RECIPES and recipe.scale_rule != "floor" and hardware.has_lowp_units(recipe.name, device)
-            and torchao_available()):
+    if (recipe.name in _TORCHAO_RECIPES and recipe.scale_rule != "floor"
+            and hardware.has_lowp_units(recipe.name, device) and torchao_available()):
         return TorchaoFp8.name
     return ScratchFp8.name

@@ -1,42 +1,24 @@
-"""Fused quantisation of the emulated low-precision GEMM operands (:mod:`mixprec.fp8`, :mod:`mixprec.blocklinear`).
+"""Every quantiser of the low-precision GEMM operands, eager and compiled from the same functions.
 
-An emulated FP8/FP4 operand is ``round(clamp(t * m, -max, max)) * s`` in bf16, with ``m`` and ``s`` powers of two
-(or NVFP4's block factors) per tensor, row or block. Eagerly that is about ten elementwise passes over the
-operand, each a kernel launch and a trip through memory; on a CPU with fast bf16 GEMMs they cost more than
-the GEMM. Here each is one ``torch.compile``'d call where that pays: :func:`fp8_tensorwise` (per-tensor FP8:
-amax, scale and rounding) and :func:`mx_values` (MX: block amax, e8m0 scales and rounding) in one call,
-rowwise FP8 and NVFP4 as :func:`block_amax` then :func:`apply_scaled` with the caller's scale rule between
-them, and :func:`scaled_float` (a bf16 GEMM result unscaled into fp32). Each returns None where it does not
-compile, and the caller runs its eager path.
+An emulated operand is ``round(clamp(t * m, -max, max)) * s`` in **bf16**, with ``m`` and ``s`` a scale rule's
+multiplier and decode scale per tensor, row or block: :func:`~mixprec.formats.abs_max`, the rule
+(:func:`tensor_scale` per tensor, :mod:`mixprec.formats`' block rules), :func:`~mixprec.formats.round_to_grid`,
+then ``s`` multiplied in on the way to bf16. The values equal the formats' own (:func:`to_fp8` casts,
+:func:`~mixprec.formats.quantize_blocks`) wherever bf16 holds ``q * s`` (module docstring of :mod:`.block`), a
+value rounding to zero aside (+0 here). Entry points: :func:`to_fp8` / :func:`to_fp8_as_bf16` (per-tensor FP8,
+:mod:`.fp8`), :func:`quantize_operand` (the block recipes' operands, :mod:`.block`), :func:`scaled_float`.
 
-Same values, bit for bit
-------------------------
-The compiled chain rounds with Veltkamp's split instead of the eager path's exponent-bit "magic number"
-(bit casts are slow in Inductor's vectorised CPU code): for ``|v| >= 2**emin`` (the element format's
-normal range) and ``p`` its significant bits, ``c = v * (2**(24 - p) + 1)``, ``hi = c - (c - v)`` is ``v``
-rounded to ``p`` bits, ties to even; below ``2**emin`` (the format's subnormals, a fixed spacing
-``2**(emin - mbits)``) ``(v + C) - C`` with ``C = 1.5 * 2**(emin - mbits + 23)`` rounds to that spacing.
-Both equal the magic-number rounding on every fp32 input (tests: every fp32 value of a binade, both
-signs, each element format, and the subnormal range); a value that rounds to zero gives +0, as before.
-Only correctly rounded IEEE operations are used (multiply, divide, add, subtract, compare, min/max) and
-integer bit operations, which Inductor's C++ code keeps as written (it compiles without unsafe math or
-floating-point contraction). The per-tensor and MX scales in the graph repeat :func:`mixprec.fp8.fp8_scale`
-and :func:`mixprec.blockformats.mx_scale_exponent` with bit operations; rowwise scales (``log2``/``exp2``)
-and NVFP4's (an e4m3 cast) stay with the caller, eager. Tests compare every path with the eager one on
-random, zero, tiny, huge, subnormal, inf and NaN inputs.
-
-When it compiles
-----------------
-``MIXPREC_FUSED_QUANT`` (environment, read at first use) or :func:`set_fused_quant` picks ``auto`` (the
-default), ``on`` or ``off``. ``auto`` runs compiled on CPU only, for the operands of linear layers of at
-least :data:`MIN_COMPILE_NUMEL` weights (:mod:`mixprec.fp8` and :mod:`mixprec.blocklinear` say which layer
-through :func:`layer_size`): each kernel (per-tensor FP8, MX along rows or columns, ...; fp32 or bf16
-input) compiles once and takes any shape. A compile takes seconds -- tens for the first in a process on a
-small busy machine, far less when Inductor's on-disk cache already holds the kernel -- which a few hundred
-steps of a layer that large repay; tests and small models stay eager and never compile. ``on`` compiles
-every operand on any device; ``off`` never compiles. Inside a ``torch.compile``'d model (traced anyway), on
-fake tensors (``mixprec plan``), and after a compile fails (no C compiler, no Inductor) the eager path
-runs; a failure is logged once at INFO.
+Compiled
+--------
+``MIXPREC_FUSED_QUANT`` (environment, read at first use) or :func:`set_fused_quant`: ``auto`` (default), ``on``
+or ``off``. Where it applies, the kernels below -- :func:`torch.compile` of the functions the eager path calls,
+the format's constants passed as tensors so that one graph serves every format -- replace about ten elementwise
+passes by one or two: per-tensor FP8 and MX in one call (amax, scale and rounding), rowwise and NVFP4 as the
+block amax, their scale rule run eagerly (its ``log2``/e4m3 cast stay out of the graph), then the rounding.
+``auto`` compiles on CPU only, for operands of at least :data:`MIN_OPERAND_NUMEL` elements of linear layers of
+at least :data:`MIN_COMPILE_NUMEL` weights (:func:`layer_size`), so tests and small models never compile;
+``on`` compiles every operand on any device; ``off`` never. Inside a ``torch.compile``'d model, on fake tensors
+(``mixprec plan``) and after a failed compile (logged once at INFO) the eager path runs.
 """
 
 from __future__ import annotations
@@ -46,15 +28,36 @@ import logging
 import math
 import os
 import threading
+import types
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import ConfigError
+from ..formats import (
+    ELEMENT_FORMATS,
+    ElementFormat,
+    abs_max,
+    mx_scales,
+    nvfp4_scales,
+    pow2,
+    quantize_blocks,
+    round_to_grid,
+    rowwise_scales,
+)
 
-__all__ = ["MIN_COMPILE_NUMEL", "MIN_OPERAND_NUMEL", "apply_scaled", "block_amax", "fp8_tensorwise",
-           "fused_quant_mode", "layer_size", "mx_values", "scaled_float", "set_fused_quant"]
+__all__ = ["E4M3", "E5M2", "MIN_COMPILE_NUMEL", "MIN_OPERAND_NUMEL", "fp8_scale", "fused_quant_mode", "layer_size",
+           "quantize_operand", "scaled_float", "set_fused_quant", "tensor_scale", "to_fp8", "to_fp8_as_bf16"]
 
 log = logging.getLogger(__name__)
+
+E4M3 = torch.float8_e4m3fn
+"""Forward operands (x, W): 3 mantissa bits, max 448."""
+E5M2 = torch.float8_e5m2
+"""Gradient operand (dy): 2 mantissa bits, max 57344."""
+_FP8 = {E4M3: ELEMENT_FORMATS["e4m3"], E5M2: ELEMENT_FORMATS["e5m2"]}
+_EXP_LIMIT = 126  # |log2 scale| <= 126: the scale and its inverse are both normal fp32
+_BF16 = torch.bfloat16
 
 MIN_COMPILE_NUMEL = 1 << 19
 """``auto`` fuses the operands of linear layers with at least this many weights (1024 x 512)."""
@@ -62,13 +65,206 @@ MIN_OPERAND_NUMEL = 1 << 12
 """... and of those, operands of at least this many elements (smaller ones cost more in the call than eagerly)."""
 _MODES = ("auto", "on", "off")
 _ENV = "MIXPREC_FUSED_QUANT"
-_state = {"mode": None, "env": None, "broken": False, "fns": {}, "grids": {}}
+_state = {"mode": None, "env": None, "broken": False, "fns": {}, "consts": {}}
 _LOCAL = threading.local()
 
 
+# -------------------------------------------------------------------------------------- per-tensor FP8 scale
+
+
+def tensor_scale(amax: torch.Tensor, fp8_max) -> torch.Tensor:
+    """fp8-mixed's per-tensor scale: ``2**floor(log2(fp8_max / amax))``, the exponent clamped to [-126, 126] (the
+    scale and its inverse are normal fp32), as float32; NaN for a non-finite amax, ``2**126`` for 0. The ratio is
+    float64 (an fp32 ``448 / amax`` overflows below amax ~1e-36) and ``frexp`` reads its exponent exactly."""
+    ratio = fp8_max / amax.double().clamp(min=2.0**-1000)
+    _, e = torch.frexp(ratio)  # ratio = m * 2**e, 0.5 <= m < 1, so floor(log2(ratio)) = e - 1 exactly
+    scale = pow2((e - 1).clamp(-_EXP_LIMIT, _EXP_LIMIT), torch.float64)
+    return torch.where(torch.isfinite(amax), scale, torch.nan).float()
+
+
+def fp8_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`tensor_scale` as a 0-dim fp32 tensor. On CPU the exponent is computed on the host (reading a CPU
+    scalar costs nothing; a dozen 0-dim ops cost a small layer's GEMM), elsewhere on the device (no host sync)."""
+    if amax.device.type == "cpu" and not _is_fake(amax):
+        a = float(amax)
+        if not math.isfinite(a):
+            return torch.tensor(math.nan)
+        _, e = math.frexp(_FP8[fp8_dtype].max / max(a, 2.0**-1000))
+        return torch.tensor(2.0 ** min(max(e - 1, -_EXP_LIMIT), _EXP_LIMIT), dtype=torch.float32)
+    return _device_scale(amax, fp8_dtype)  # also fake tensors (mixprec plan): they cannot be read on the host
+
+
+def _device_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    return tensor_scale(amax, _FP8[fp8_dtype].max)  # a function of its own: mixprec plan replays its ops
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeTensor)  # mixprec plan's tensors
+
+
+# ------------------------------------------------------------------------------------------- the quantisers
+
+
+def to_fp8(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-tensor scaling: ``(fp8 tensor, fp32 inverse scale)``; ``fp8.float() * inv_scale``
+    dequantizes, and the cast to FP8 (RNE) is the only rounding."""
+    t32 = t.detach().float()
+    scale = fp8_scale(abs_max(t32), fp8_dtype)
+    return (t32 * scale).to(fp8_dtype), scale.reciprocal()
+
+
+def to_fp8_as_bf16(t: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`to_fp8` with the FP8 values as bf16 (exact), computed without the FP8 dtype (on CPU its casts are
+    slower than the GEMM they feed): ``q == to_fp8(t)[0].to(torch.bfloat16)`` as values (+0 for -0)."""
+    def scales(amax):
+        scale = fp8_scale(amax, fp8_dtype)
+        return scale, None, scale.reciprocal()
+
+    return _quantise(t.detach(), None, _FP8[fp8_dtype], scales, "_k_tensorwise", clamp=False)
+
+
+def quantize_operand(t: torch.Tensor, fmt: str, axis: int, *, scale_rule: str | None = None,
+                     stochastic: bool = False, generator: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A GEMM operand in ``fmt`` (a key of :data:`mixprec.lowp.recipes.OPERAND_FORMATS`) quantised along
+    ``axis`` (the reduced dimension): ``(bf16 values with the block scales folded in, the scale the GEMM's
+    output is multiplied by, or None)`` -- the second is NVFP4's per-tensor scale. ``stochastic``: NVFP4 with
+    stochastically rounded elements."""
+    t = t.detach()
+    if fmt == "bf16":
+        return t.to(_BF16), None
+    if fmt == "e5m2-tensor":
+        raise ValueError("per-tensor e5m2 operands are mixprec.lowp.fp8's (the tensorwise recipe), not a block format")
+    if fmt == "e4m3-tensor":  # torchao's tensorwise rule with power-of-two scales: its rowwise rule, one row
+        return quantize_blocks(t.reshape(1, -1), "fp8_e4m3_rowwise", axis=1).reshape(t.shape).to(_BF16), None
+    if fmt == "nvfp4" and stochastic:
+        return _nvfp4_stochastic(t, axis, generator)
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():  # a transposed view: quantise the
+        q, ts = quantize_operand(t.t(), fmt, 1 - axis, scale_rule=scale_rule)  # stored tensor along the other axis
+        return q.t(), ts
+    ax = axis % t.dim()
+    el = ELEMENT_FORMATS["e2m1" if fmt in ("mxfp4", "nvfp4") else "e4m3"]
+    block = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}.get(fmt, t.shape[ax])  # e4m3-row: the whole axis
+    shape = (math.prod(t.shape[:ax]) * (t.shape[ax] // block), block, math.prod(t.shape[ax + 1:]))
+    if fmt == "nvfp4":
+        return _quantise(t, shape, el, nvfp4_scales)
+    if fmt == "e4m3-row":
+        return _quantise(t, shape, el, lambda amax: rowwise_scales(amax, el.max))
+    floor = scale_rule == "floor"
+    return _quantise(t, shape, el, lambda amax: mx_scales(amax, el.max, el.emax, floor), "_k_mx", floor=floor)
+
+
+def _round_e2m1_stochastic(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``y`` (within +-6) rounded to e2m1 stochastically: up with probability (y - lo) / (hi - lo)."""
+    a = y.abs()
+    _, e = torch.frexp(a)
+    k = torch.clamp(e - 1, min=0, max=2) - 1  # log2 of e2m1's spacing at a: 0.5 below 2, then 1, then 2
+    step = torch.ldexp(torch.ones_like(a), k)
+    u = torch.rand(a.shape, generator=generator, device=a.device)
+    q = torch.clamp(torch.floor(a / step + u) * step, max=6.0)
+    return torch.copysign(q, y)
+
+
+def _nvfp4_stochastic(t: torch.Tensor, axis: int, generator: torch.Generator | None):
+    """NVFP4 along ``axis`` with stochastically rounded elements: (block values ``q * s`` in bf16, tensor scale)."""
+    rows = t.float().movedim(axis, -1)
+    blocks = rows.reshape(*rows.shape[:-1], rows.shape[-1] // 16, 16)
+    m, s, ts = nvfp4_scales(abs_max(blocks, -1))
+    q = _round_e2m1_stochastic(torch.clamp(blocks * m.unsqueeze(-1), -6.0, 6.0), generator)
+    return (q * s.unsqueeze(-1)).reshape(rows.shape).movedim(-1, axis).to(_BF16), ts
+
+
+# ------------------------------------------------------------- one path, eager or compiled (the same functions)
+
+
+def _values(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor | None, vmax, grid, v=None, magic=None) -> torch.Tensor:
+    """bf16 ``round(clamp(x * m, -vmax, vmax)) * s`` for fp32 ``x`` (``vmax`` None: no clamp; ``s`` None: 1) on
+    ``grid`` (:func:`~mixprec.formats.round_to_grid`). ``v``, ``magic``: fp32 and int32 work tensors shaped like
+    ``x`` (None: new ones)."""
+    v = torch.mul(x, m, out=v)
+    if vmax is not None:
+        v.clamp_(-vmax, vmax)
+    q = round_to_grid(v, grid, magic)
+    if s is None:
+        return q.to(_BF16)
+    return torch.mul(q, s, out=torch.empty(q.shape, dtype=_BF16, device=q.device))  # one pass to bf16
+
+
+def _quantise(t: torch.Tensor, shape: tuple[int, int, int] | None, el: ElementFormat, scales,
+              kernel: str | None = None, *, floor: bool = False, clamp: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``t`` quantised: ``(bf16 values, the GEMM output's scale or None)``. ``shape``: ``t`` viewed as (A, B, C)
+    with blocks of B along dim 1, or None for one scale per tensor. ``scales``: the amax, (A, 1, C) or one, ->
+    ``(m, s or None, the output's scale or None)``, run eagerly -- between the compiled amax and rounding unless
+    ``kernel`` computes it in the graph."""
+    if t.is_contiguous() and _wanted(t):
+        x, (fk, ik) = t.view(shape or -1), _consts(el, t.device, floor)
+        if kernel is not None:
+            got = _run(kernel, x, fk, ik)
+            if got is not None:
+                return got[0].view(t.shape), (got[1].reciprocal() if shape is None else None)
+        else:
+            amax = _run("_k_amax", x)
+            m, s, out = scales(amax) if amax is not None else (None, None, None)
+            q = None if amax is None else _run("_k_round", x, m, s, fk, ik)
+            if q is not None:
+                return q.view(t.shape), out
+    v, magic = _work_buffers(shape or t.shape, t.device, _is_fake(t))
+    if shape is None:  # one block: the tensor in its own shape, no views
+        x = t if t.dtype == torch.float32 and t.is_contiguous() else v.copy_(t)
+    else:
+        x = t.view(shape) if t.dtype == torch.float32 and t.is_contiguous() else v.view(t.shape).copy_(t).view(shape)
+    m, s, out = scales(abs_max(x, () if shape is None else 1, keepdim=shape is not None))
+    q = _values(x, m, s, el.max if clamp else None, el, v, magic)
+    return q if shape is None else q.view(t.shape), out
+
+
+# The compiled kernels: x (A, B, C) with blocks along dim 1 (_k_tensorwise: x flat); fk = the element format's
+# [max, *split] (fp32), ik = [emax, FLOOR?] (int32). m and s are outputs of _k_mx so that Inductor stores them
+# once per block instead of recomputing them for every element.
+
+
+def _k_amax(x):
+    return abs_max(x.float(), 1, keepdim=True)
+
+
+def _k_round(x, m, s, fk, ik):
+    return _values(x.float(), m, s, fk[0], fk[1:])
+
+
+def _k_mx(x, fk, ik):
+    a = x.float()
+    m, s, _ = mx_scales(abs_max(a, 1, keepdim=True), fk[0], ik[0], ik[1] != 0)
+    return _values(a, m, s, fk[0], fk[1:]), m, s
+
+
+def _k_tensorwise(x, fk, ik):  # returns the scale, not its reciprocal: that, in the graph, doubles its time
+    a = x.float()
+    scale = tensor_scale(abs_max(a), fk[0])
+    return _values(a, scale, None, None, fk[1:]), scale
+
+
+def _k_scaled_float(x, s):
+    return x.float() * s
+
+
+_KERNELS = {f.__name__: f for f in (_k_amax, _k_round, _k_mx, _k_tensorwise, _k_scaled_float)}
+
+
+def scaled_float(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+    """float32 ``x * s`` of a contiguous ``x`` and a 0-dim float32 ``s`` in one compiled pass (the eager
+    ``x.float().mul_(s)`` is two), or None where it is not compiled."""
+    if not _wanted(x):
+        return None
+    got = _run("_k_scaled_float", x.view(-1), s.reshape(()))
+    return None if got is None else got.view(x.shape)
+
+
+# ------------------------------------------------------------------------------------------ when to compile
+
+
 def fused_quant_mode() -> str:
-    """The current mode: :func:`set_fused_quant`'s, else ``$MIXPREC_FUSED_QUANT`` (read at first use), else
-    ``auto``."""
+    """:func:`set_fused_quant`'s mode, else ``$MIXPREC_FUSED_QUANT`` (read at first use), else ``auto``."""
     mode = _state["mode"] or _state.get("env")
     if mode is None:
         mode = os.environ.get(_ENV, "auto").strip().lower() or "auto"
@@ -76,18 +272,6 @@ def fused_quant_mode() -> str:
             raise ConfigError(f"{_ENV}={mode!r}: choose one of {', '.join(_MODES)} (or unset it: auto)")
         _state["env"] = mode
     return mode
-
-
-@contextlib.contextmanager
-def layer_size(numel: int):
-    """Operands quantised in this block belong to a linear layer of ``numel`` weights (``auto``'s criterion: the
-    layer's size, not the operand's, so every operand of a large layer is fused and none of a small one)."""
-    prev = getattr(_LOCAL, "size", None)
-    _LOCAL.size = numel
-    try:
-        yield
-    finally:
-        _LOCAL.size = prev
 
 
 @contextlib.contextmanager
@@ -103,10 +287,20 @@ def set_fused_quant(mode: str | None):
         _state["mode"] = prev
 
 
-def _wanted(t: torch.Tensor, kind: str) -> bool:
-    """Whether to run kernel ``kind`` compiled on ``t``. ``auto``: on CPU, inside a layer of at least
-    :data:`MIN_COMPILE_NUMEL` weights (:func:`layer_size`; outside one, ``t`` itself), for operands of at
-    least :data:`MIN_OPERAND_NUMEL` elements."""
+@contextlib.contextmanager
+def layer_size(numel: int):
+    """Operands quantised in this block belong to a linear layer of ``numel`` weights (``auto`` decides by the
+    layer's size, so every operand of a large layer is fused and none of a small one)."""
+    prev = getattr(_LOCAL, "size", None)
+    _LOCAL.size = numel
+    try:
+        yield
+    finally:
+        _LOCAL.size = prev
+
+
+def _wanted(t: torch.Tensor) -> bool:
+    """Whether to run compiled on ``t`` (module docstring)."""
     if _state["broken"] or torch.compiler.is_compiling():
         return False
     mode = fused_quant_mode()
@@ -117,144 +311,27 @@ def _wanted(t: torch.Tensor, kind: str) -> bool:
         size = getattr(_LOCAL, "size", None)
         if t.device.type != "cpu" or n < MIN_OPERAND_NUMEL or (n if size is None else size) < MIN_COMPILE_NUMEL:
             return False
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return not isinstance(t, FakeTensor)
+    return not _is_fake(t)
 
 
-def _scaled_round(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``round(clamp(x * m, -vmax, vmax)) * s`` in bf16 on the element grid ``k`` describes (:func:`_grid`).
-
-    The format's constants are a tensor, not Python numbers, so every format shares one compiled graph per
-    input dtype (Dynamo recompiles for each new Python constant, and stops compiling a function after a
-    handful of variants); the three layouts are three functions (:data:`_KERNELS`) for the same reason."""
-    v = torch.clamp(x.float() * m, -k[0], k[0])
-    c = v * k[1]
-    hi = c - (c - v)
-    lo = (v + k[2]) - k[2]
-    q = torch.where(torch.abs(v) < k[3], lo, hi)
-    return (q * s).to(torch.bfloat16)
-
-
-def _round_tensor(x, m, s, k):  # x (N,), m and s 0-dim: one scale per tensor
-    return _scaled_round(x, m, s, k)
-
-
-def _round_rows(x, m, s, k):  # x (A, B), m and s (A, 1): blocks along the last, contiguous dimension
-    return _scaled_round(x, m, s, k)
-
-
-def _round_cols(x, m, s, k):  # x (A, B, C), m and s (A, 1, C): blocks along a strided dimension
-    return _scaled_round(x, m, s, k)
-
-
-def _amax_along(b: torch.Tensor, dim: int) -> torch.Tensor:
-    b = b.float()
-    return torch.maximum(b.amax(dim), b.amin(dim).neg())
-
-
-def _amax_tensor(b):  # (N,) -> 0-dim
-    return _amax_along(b, 0)
-
-
-def _amax_rows(b):  # (A, B) -> (A,)
-    return _amax_along(b, 1)
-
-
-def _amax_cols(b):  # (A, B, C) -> (A, C)
-    return _amax_along(b, 1)
-
-
-def _tensor_scale(amax: torch.Tensor, fp8_max: torch.Tensor) -> torch.Tensor:
-    """:func:`mixprec.fp8.fp8_scale` in the graph: ``2**floor(log2(fp8_max / amax))``, exponent clamped to
-    [-126, 126], NaN for a non-finite amax. The float64 ratio's exponent field is its exact floor(log2) (the
-    ratio is a normal float64, or inf for amax 0, which the clamp turns into 2**126 as the host rule does)."""
-    ratio = fp8_max.double() / amax.double()
-    e = torch.clamp(((ratio.view(torch.int64) >> 52) & 0x7FF) - 1023, -126, 126)
-    scale = ((e + 127) << 23).to(torch.int32).view(torch.float32)
-    return torch.where(torch.isfinite(amax), scale, torch.nan)
-
-
-def _fp8_tensor(x, k):  # x (N,): per-tensor FP8, the scale computed in the graph -> (bf16 values, scale)
-    a = x.float()
-    scale = _tensor_scale(torch.maximum(a.amax(), a.amin().neg()), k[0])
-    return _scaled_round(a, scale, torch.ones_like(scale), k), scale  # scale an output: stored once (_mx)
-
-
-def _pow2(k: torch.Tensor) -> torch.Tensor:
-    """Exact float32 ``2**k`` for integer ``k`` in [-127, 127] (:func:`mixprec.blocklinear._pow2`)."""
-    k = k.to(torch.int32)
-    return torch.where(k >= -126, (k + 127) << 23, torch.full_like(k, 1 << 22)).view(torch.float32)
-
-
-def _mx_exponent(amax: torch.Tensor, el_max: torch.Tensor, emax: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """:func:`mixprec.blockformats.mx_scale_exponent` with the element format and rule as tensors."""
-    k_floor = ((amax.view(torch.int32) >> 23) & 0xFF) - 127 - emax
-    d = amax / el_max
-    bits = d.view(torch.int32)
-    k_rceil = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    k_rceil = torch.where(bits < (1 << 23), torch.where(bits > (1 << 22), -126, -127), k_rceil)
-    return torch.clamp(torch.where(floor, k_floor, k_rceil), -127, 127)
-
-
-def _mx(x: torch.Tensor, k: torch.Tensor, kint: torch.Tensor) -> torch.Tensor:
-    """MX values along dim 1 of ``x`` (one block): amax, the e8m0 scale, scale-round-unscale -> (bf16 values, m, s).
-
-    ``m`` and ``s`` are returned so that Inductor stores them once per block: a graph output is realized,
-    where an intermediate is recomputed inline for every element that reads it (a dozen integer ops per
-    element instead of per block)."""
-    a = x.float()
-    amax = torch.maximum(a.amax(1, keepdim=True), a.amin(1, keepdim=True).neg())
-    e = _mx_exponent(amax, k[0], kint[0], kint[1] != 0)
-    nan = torch.isnan(amax)
-    m = torch.where(nan, torch.nan, _pow2(-e))
-    s = torch.where(nan, torch.nan, _pow2(e))
-    return _scaled_round(a, m, s, k), m, s
-
-
-def _mx_rows(x, k, kint):  # x (A, 32): blocks along the last, contiguous dimension
-    return _mx(x, k, kint)
-
-
-def _mx_cols(x, k, kint):  # x (A, 32, C): blocks along a strided dimension
-    return _mx(x, k, kint)
-
-
-def _scaled_float(x, s):  # x (N,), s 0-dim -> float32 x * s
-    return x.float() * s
-
-
-_KERNELS = {f.__name__: f for f in (_round_tensor, _round_rows, _round_cols, _amax_tensor, _amax_rows, _amax_cols,
-                                    _fp8_tensor, _mx_rows, _mx_cols, _scaled_float)}
-
-
-
-def _grid(vmax: float | None, sig: int, emin: int, mbits: int, device: torch.device) -> torch.Tensor:
-    """float32 ``[vmax, 2**(24 - sig) + 1, 1.5 * 2**(emin - mbits + 23), 2**emin]`` (module docstring), cached."""
-    key = (vmax, sig, emin, mbits, device)
-    got = _state["grids"].get(key)
+def _consts(el: ElementFormat, device: torch.device, floor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (el.name, floor, device)
+    got = _state["consts"].get(key)
     if got is None:
-        got = _state["grids"][key] = torch.tensor(
-            [math.inf if vmax is None else vmax, 2.0 ** (24 - sig) + 1, 1.5 * 2.0 ** (emin - mbits + 23), 2.0**emin],
-            dtype=torch.float32, device=device)
+        got = _state["consts"][key] = (torch.tensor([el.max, *el.split], device=device),
+                                       torch.tensor([el.emax, int(floor)], dtype=torch.int32, device=device))
     return got
 
 
-def _layout(t: torch.Tensor, dim: int) -> tuple[str, tuple[int, ...]]:
-    """Which kernel family a contiguous ``t`` blocked along ``dim`` takes, and the shape it is viewed as."""
-    a, b, c = math.prod(t.shape[:dim]), t.shape[dim], math.prod(t.shape[dim + 1:])
-    if a == 1 and c == 1:
-        return "tensor", (b,)
-    if c == 1:
-        return "rows", (a, b)
-    return "cols", (a, b, c)
-
-
 def _run(name: str, *args):
+    x = args[0]
+    key = name if x.dim() != 3 else f"{name}_{int(x.shape[0] == 1)}{int(x.shape[2] == 1)}"
     try:
-        fn = _state["fns"].get(name)
-        if fn is None:
-            fn = _state["fns"][name] = torch.compile(_KERNELS[name], dynamic=True)
+        fn = _state["fns"].get(key)
+        if fn is None:  # each layout (blocks along rows, along columns, the whole tensor) compiles a copy with a
+            k = _KERNELS[name]  # code object of its own: Dynamo's limit on recompiles is per code object
+            fn = types.FunctionType(k.__code__.replace(co_name=key), k.__globals__, key)
+            fn = _state["fns"][key] = torch.compile(fn, dynamic=True)
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - any compile failure (no compiler, no Inductor): eager from now on
         _state["broken"] = True
@@ -263,65 +340,25 @@ def _run(name: str, *args):
         return None
 
 
-def apply_scaled(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor | None, vmax: float | None, *, sig: int,
-                 emin: int, mbits: int, dim: int) -> torch.Tensor | None:
-    """The bf16 operand ``round(clamp(x * m, -vmax, vmax)) * s`` (``vmax`` None: no clamp) on the grid of an
-    element format with ``sig`` significant bits, ``mbits`` mantissa bits and smallest normal exponent
-    ``emin``, in one compiled pass -- or None where it is not compiled (the caller's eager path then runs).
-    ``x`` is contiguous; ``m`` and ``s`` are 0-dim or shaped like ``x`` with ``dim`` (the block's elements)
-    of size 1. ``x * m`` is one fp32 product per element, as in the eager paths."""
-    kind, shape = _layout(x, dim)
-    if not _wanted(x, "round_" + kind):
-        return None
-    k = _grid(vmax, sig, emin, mbits, x.device)
-    ms = () if kind == "tensor" else (shape[0], 1, *shape[2:])
-    s = torch.ones((), device=x.device) if s is None else s
-    q = _run(f"_round_{kind}", x.view(shape), m.reshape(ms), s.reshape(ms), k)
-    return None if q is None else q.view(x.shape)
+_WORK = threading.local()
 
 
-def block_amax(b: torch.Tensor, dim: int) -> torch.Tensor | None:
-    """float32 ``max |b|`` along ``dim`` of a contiguous ``b`` in one compiled pass (NaN where any is NaN; the
-    result has ``b``'s shape without ``dim``), or None where it is not compiled."""
-    kind, shape = _layout(b, dim)
-    if not _wanted(b, "amax_" + kind):
-        return None
-    amax = _run(f"_amax_{kind}", b.view(shape))
-    return None if amax is None else amax.view((*b.shape[:dim], *b.shape[dim + 1:]))
-
-
-def fp8_tensorwise(t: torch.Tensor, *, fp8_max: float, sig: int, emin: int, mbits: int
-                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`mixprec.fp8.to_fp8_as_bf16` of a contiguous ``t`` (the format given by its largest value,
-    significant bits, smallest normal exponent and mantissa bits) as one compiled call: ``(bf16 values,
-    fp32 inverse scale)``, or None where it is not compiled."""
-    if not _wanted(t, "fp8_tensor"):
-        return None
-    got = _run("_fp8_tensor", t.view(-1), _grid(fp8_max, sig, emin, mbits, t.device))
-    return None if got is None else (got[0].view(t.shape), torch.reciprocal(got[1]))
-
-
-def mx_values(t: torch.Tensor, dim: int, *, block: int, el_max: float, emax: int, sig: int, emin: int, mbits: int,
-              floor: bool) -> torch.Tensor | None:
-    """An MX operand (:func:`mixprec.blocklinear.quantize_operand`: bf16 values, the e8m0 scales folded in) of
-    a contiguous ``t`` with blocks of ``block`` along ``dim``, as one compiled call (amax, scales and rounding
-    in the graph; ``floor``: the FLOOR rule, else RCEIL), or None where it is not compiled."""
-    b = t.view(*t.shape[:dim], t.shape[dim] // block, block, *t.shape[dim + 1:])
-    kind, shape = _layout(b, dim + 1)
-    if kind == "tensor":
-        kind, shape = "rows", (1, block)
-    if not _wanted(t, "mx_" + kind):
-        return None
-    k = _grid(el_max, sig, emin, mbits, t.device)
-    kint = torch.tensor([emax, int(floor)], dtype=torch.int32, device=t.device)
-    got = _run(f"_mx_{kind}", b.view(shape), k, kint)
-    return None if got is None else got[0].view(t.shape)
-
-
-def scaled_float(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
-    """float32 ``x * s`` of a contiguous ``x`` and a 0-dim float32 ``s`` in one compiled pass (the eager
-    ``x.float().mul_(s)`` is two), or None where it is not compiled."""
-    if not _wanted(x, "scaled_float"):
-        return None
-    got = _run("_scaled_float", x.view(-1), s.reshape(()))
-    return None if got is None else got.view(x.shape)
+def _work_buffers(shape: tuple[int, ...], device: torch.device, fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 and int32 work tensors of ``shape``. On CPU, views of one per-thread buffer reused across calls
+    (glibc returns freed blocks this large to the OS, and fresh ones page-fault on first touch, which can cost
+    more than the arithmetic): 8 bytes per element of the largest operand seen. Other devices have caching
+    allocators."""
+    if device.type != "cpu" or fake:  # fake tensors (mixprec plan): the real buffers cannot take them
+        return torch.empty(shape, device=device), torch.empty(shape, dtype=torch.int32, device=device)
+    views = _WORK.__dict__.setdefault("views", {})
+    got = views.get(shape)
+    if got is None:
+        n = math.prod(shape)
+        store = _WORK.__dict__.get("store")
+        if store is None or store.shape[1] < n:
+            store = _WORK.store = torch.empty(2, n, dtype=torch.int32)
+            views.clear()
+        if len(views) > 64:  # many shapes (variable lengths): keep the cache small
+            views.clear()
+        got = views[shape] = (store[0, :n].view(torch.float32).view(shape), store[1, :n].view(shape))
+    return got

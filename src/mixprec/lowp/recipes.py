@@ -11,8 +11,8 @@ block format cuts into blocks::
 
 So a block-scaled recipe quantises ``W`` twice (along K forward, along N for ``dx``) and ``x`` and ``dy``
 twice each: the same tensor has different scales in the two GEMMs it feeds. The table below is the one
-place that says which formats each recipe uses; :mod:`mixprec.blocklinear` runs it (scratch) and
-:mod:`mixprec.fp8_impls` maps it to torchao's configs (native).
+place that says which formats each recipe uses; :mod:`.fp8` and :mod:`.block` run it (scratch) and
+:mod:`.impls` maps it to torchao's layers.
 
 ============================ =============== ==================== ===================== ==================
 recipe (``--precision``)     output: x, W    grad_input: dy, W    grad_weight: dy, x    defined by
@@ -35,15 +35,15 @@ Every recipe keeps the bias add, the bias gradient, activations, norms and the l
 precision (bf16 under autocast), and the fp32 parameters are the master copy: only GEMM operands are
 quantised, afresh at every call. rowwise scales are powers of two (torchao's
 ``round_scales_to_power_of_2=True``); per-tensor scales of ``fp8-mixed`` are too (mixprec's rule; torchao's
-"tensorwise" default is an unrounded fp32 scale, :mod:`mixprec.fp8_impls` asks torchao for power-of-two
-scales so the recipe means the same under both). Gradients are e4m3 in rowwise and MX recipes (torchao's
+"tensorwise" default is an unrounded fp32 scale, :mod:`.impls` asks torchao for power-of-two scales so the
+recipe means the same under both). Gradients are e4m3 in rowwise and MX recipes (torchao's
 choice: the per-row/per-block scale supplies the range e5m2 bought per tensor).
 
 Options (``RecipeConfig``/train flags; refused where a recipe has no such variant):
 
 * ``--wgrad-hp``: the weight-gradient GEMM in bf16 on the unquantised ``dy`` and ``x`` (torchao's
   ``rowwise_with_gw_hp``, which also makes ``W`` per-tensor in ``grad_input``; MXFP8's
-  ``wgrad_with_hp``). Costs the fast kernel for a third of the FLOPs; buys the most accurate ``dW``.
+  ``wgrad_with_hp``): the most accurate ``dW``, at the cost of the fast kernel for a third of the FLOPs.
 * ``--mx-scale-rule floor|rceil`` (MX recipes): RCEIL (the default; NVIDIA hardware and torchao's MXFP8
   training) or the OCP spec's FLOOR (can saturate a block's largest element).
 * ``--fp4-hadamard`` (``nvfp4``): a random Hadamard transform (RHT) of the weight-gradient GEMM's inputs, as

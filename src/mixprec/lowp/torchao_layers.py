@@ -1,5 +1,5 @@
-"""torchao's training layers as :class:`mixprec.fp8_impls.TorchaoFp8` uses them (imports torchao: import this
-module lazily, inside :func:`mixprec.fp8_impls.quiet_torchao_import`)."""
+"""torchao's training layers as :class:`mixprec.lowp.impls.TorchaoFp8` uses them (imports torchao: import this
+module lazily, inside :func:`mixprec.lowp.impls.quiet_torchao_import`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class PaddedMXFP8Linear(MXFP8Linear):
     them with ``torch.mm``, which needs one dtype: a bf16 activation times the fp32 master weight fails, and
     the CPU autocast does not step in. So the input is given in the weight's dtype (bf16 -> fp32 is exact;
     the quantisation sees the same values) and the output is cast to the autocast dtype: an fp32 GEMM on
-    the exact MXFP8 values, rounded once, as :mod:`mixprec.blocklinear`'s ``reference`` mode; the bias is added
+    the exact MXFP8 values, rounded once, as :mod:`mixprec.lowp.block`'s ``reference`` mode; the bias is added
 after that cast, in the output dtype (as ``MXFP8Linear`` and mixprec's layers add it).
     """
 

@@ -321,7 +321,7 @@ def _replayed_scales(rec: StepRecorder, fake: bool) -> Iterator[None]:
     if not fake:
         yield
         return
-    from ..lowp import fp8
+    from ..lowp import quant as fp8
 
     real = fp8._device_scale
     kinds: dict[tuple, list[OpRecord]] = {}

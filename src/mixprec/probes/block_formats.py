@@ -32,17 +32,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..lowp.blockformats import (
+from ..errors import ConfigError
+from ..formats import (
     _NVFP4_MIN_TENSOR_SCALE,
     _ROWWISE_EPS,
     BLOCK_FORMATS,
     BlockFormat,
     get_block_format,
+    get_format,
     quantize_blocks_with_scales,
 )
-from ..errors import ConfigError
-from ..formats import get_format
-from ..lowp.fp8 import _EXP_LIMIT, Fp8AdaptedLinear, _adapter_for, fp8_scale
+from ..lowp.convert import Fp8AdaptedLinear, _adapter_for
+from ..lowp.quant import _EXP_LIMIT, fp8_scale
 from ..validate import positive, positive_int
 from .attribution import display_path
 from .subsample import sample_rows
