@@ -1,55 +1,35 @@
 """Cast policy: which ops run in the low dtype, which are forced to fp32, which promote.
 
-A :class:`CastPolicy` is plain data -- frozen sets of op names per cast kind -- and
-:func:`mixprec.autocast.autocast` consumes it. The names are ATen op names (``linear``,
-``conv2d``, ``cross_entropy_loss``, ``reflection_pad2d``...), because that is the level at which
-``torch.autocast`` decides; the autocast maps Python-level calls onto them (``F.cross_entropy``
--> ``cross_entropy_loss``, ``F.pad(mode="reflect")`` -> ``reflection_pad2d``, ``x @ y`` ->
-``matmul``) and lists the few Python composites whose bodies it must enter (``composite``).
+A :class:`CastPolicy` is plain data -- frozen sets of ATen op names per cast kind (``linear``, ``conv2d``,
+``cross_entropy_loss``...), the level at which ``torch.autocast`` decides -- that :func:`mixprec.autocast.autocast`
+consumes; the autocast maps Python calls onto those names (``F.cross_entropy`` -> ``cross_entropy_loss``, ``x @ y``
+-> ``matmul``). The kinds are those of ``aten/src/ATen/autocast_mode.{h,cpp}``:
 
-The cast kinds are those of ``aten/src/ATen/autocast_mode.{h,cpp}``:
+* ``LOW`` -- every floating input (never fp64) cast to the low dtype: matmuls, convolutions, linear, attention,
+  whose kernels accumulate in fp32.
+* ``FP32`` -- floating inputs cast up to fp32: losses, ``exp``/``log``/``pow``, norms on CUDA, linear algebra, FFTs.
+* ``FP32_OUT`` -- ops with an output ``dtype`` (``softmax``, ``log_softmax``, ``sum``, ``cumsum``, ``norm``...):
+  when the first input is eligible and no dtype was given, run with ``dtype=torch.float32`` (torch's
+  ``fp32_set_opt_dtype`` / ``fp32_append_dtype``).
+* ``PROMOTE`` -- every floating input cast to the widest floating input dtype (``cat``, ``stack``, ``index_put``,
+  ``addcmul``...); inputs of both low dtypes go to fp32 (see :mod:`mixprec.autocast`).
+* ``BANNED`` -- refused with an explanation (``binary_cross_entropy`` on CUDA).
+* ``COMPOSITE`` -- one call to a function-level hook whose inner ops must meet the policy: a Python function
+  (``F.multi_head_attention_forward``) whose body runs with the policy active, or a C++ composite run as a Python
+  transcription (``lstm_cell``, ``tensordot`` on CPU, ``cross_entropy_loss`` on CUDA;
+  :mod:`mixprec.autocast.cpp_composites`).
 
-* ``LOW`` -- cast every floating input (fp32/fp16/bf16, never fp64) to the low dtype: matmuls,
-  convolutions, linear, attention. These are the ops that get faster in low precision and whose
-  fp32 accumulation inside the kernel keeps them accurate.
-* ``FP32`` -- cast floating inputs up to fp32: ops whose range or accuracy needs fp32 (losses,
-  ``exp``/``log``/``pow``, norms on CUDA, linear algebra, FFTs).
-* ``FP32_OUT`` -- ops that take an output ``dtype`` (``softmax``, ``log_softmax``, ``sum``,
-  ``cumsum``, ``prod``, ``norm``...): when the first input is eligible and no dtype was given,
-  run with ``dtype=torch.float32`` (accumulate and return fp32) instead of casting the input
-  (torch's ``fp32_set_opt_dtype`` / ``fp32_append_dtype``).
-* ``PROMOTE`` -- cast every floating input to the widest floating input dtype (``cat``,
-  ``stack``, ``index_put``, ``addcmul``...), so mixing an fp32 and a low-precision tensor works.
-  Inputs of both low dtypes go to fp32 (torch raises where one of the other low dtype comes
-  before any fp32 input; see :mod:`mixprec.autocast`).
-* ``BANNED`` -- refuse with an explanation (``binary_cross_entropy`` on CUDA).
-* ``COMPOSITE`` -- a function that a function-level hook sees as one call: a Python function
-  (``F.multi_head_attention_forward``), whose body the autocast runs with the policy active so its
-  inner linears/softmax follow the lists above, or a C++ composite that the autocast runs as a Python
-  transcription of its C++ code for the same reason (``lstm_cell``, ``tensordot`` on CPU,
-  ``cross_entropy_loss`` on CUDA; the transcriptions are in :mod:`mixprec.autocast.cpp_composites`).
+Everything else runs untouched (``relu``, ``add``, ``view``...), with PyTorch's type promotion.
 
-Everything else runs untouched in whatever dtype its inputs have (``relu``, ``gelu``, ``add``,
-``dropout``, ``view``...), with PyTorch's ordinary type promotion.
-
-:func:`default_policy` reproduces ``torch.autocast``'s lists for the device (checked against the
-``AutocastCPU``/``AutocastCUDA`` registrations of torch 2.13). The CPU and CUDA lists differ a lot:
-on CPU ``softmax``, ``log_softmax``, ``layer_norm``, ``group_norm``, ``exp``/``log``/``pow`` and
-``sum`` are *not* forced to fp32 (bf16 has fp32's exponent range, and CPU kernels accumulate
-reductions in fp32 internally), while pooling/padding ops that lack fast bf16 kernels are.
-A few ops are added to the CPU low list that torch lowers *inside* a C++ composite rather than by
-name (``einsum``/``inner``/``linalg_multi_dot`` run through ``bmm``/``mm``; ``lstm`` through
-``mkldnn_rnn_layer``), so that the function-level autocast lands on the same dtypes. Where that
-shortcut would differ from torch, the composite is listed as ``composite`` and transcribed instead:
-the RNN cells (torch lowers their two inner linears and returns what the fp32 hidden state makes of
-them) and ``tensordot`` (which refuses inputs of different dtypes before its inner ``mm``). On CUDA
-``cross_entropy_loss`` is such a composite too: torch registers no CUDA kernel for it, so its
-``log_softmax`` runs in the logits' dtype and only its ``nll_loss`` in fp32.
-
-An entry ``name.overload`` applies to one overload of an ATen op: CPU autocast lowers only the
-12-argument ``_convolution.deprecated``, not the 13-argument ``_convolution``.
-To keep, say, softmax in fp32 on CPU as well: ``default_policy("cpu").with_ops(CastKind.FP32_OUT,
-["softmax", "log_softmax"])``.
+:func:`default_policy` reproduces ``torch.autocast``'s lists (the ``AutocastCPU``/``AutocastCUDA`` registrations
+of torch 2.13; tests/test_policy.py checks them). On CPU ``softmax``, ``layer_norm``, ``exp``/``log`` and ``sum``
+are not forced to fp32 (bf16 has fp32's range; CPU kernels accumulate in fp32) while pooling/padding ops without
+fast bf16 kernels are; ops torch lowers inside a C++ composite (``einsum`` through ``bmm``, ``lstm`` through
+``mkldnn_rnn_layer``) are listed as low, and where that would differ from torch the composite is transcribed
+(the RNN cells, ``tensordot``). On CUDA ``cross_entropy_loss`` is a composite (no CUDA kernel): its
+``log_softmax`` runs in the logits' dtype, its ``nll_loss`` in fp32. ``name.overload`` names one overload (CPU
+autocast lowers only ``_convolution.deprecated``). To keep softmax in fp32 on CPU too:
+``default_policy("cpu").with_ops(CastKind.FP32_OUT, ["softmax", "log_softmax"])``.
 """
 
 from __future__ import annotations
@@ -79,15 +59,7 @@ class CastKind(str, enum.Enum):
     COMPOSITE = "composite"
 
 
-# field name of CastPolicy holding each kind
-_FIELD = {
-    CastKind.LOW: "low",
-    CastKind.FP32: "fp32",
-    CastKind.FP32_OUT: "fp32_out",
-    CastKind.PROMOTE: "promote",
-    CastKind.BANNED: "banned",
-    CastKind.COMPOSITE: "composite",
-}
+_FIELD = {kind: kind.value for kind in CastKind}  # the CastPolicy field that holds each kind
 
 
 def _names(values: Iterable[str]) -> frozenset[str]:
