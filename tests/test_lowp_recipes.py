@@ -324,17 +324,17 @@ def test_tokens_are_padded_to_the_block_with_zero_rows_exactly(name):
     (dict(precision="fp8-rowwise", fp8_impl="nope"), "unknown --fp8-impl"),
 ])
 def test_impossible_options_are_refused_naming_the_flag(config, words, monkeypatch):
-    from mixprec.lowp import impls as fp8_impls
+    from mixprec.lowp import impls
 
-    monkeypatch.setattr(fp8_impls, "torchao_available", lambda: True)  # the refusal does not hinge on the install
+    monkeypatch.setattr(impls, "torchao_available", lambda: True)  # the refusal does not hinge on the install
     with pytest.raises(RecipeError, match=words):
         build_recipe(RecipeConfig(**config), device="cpu")
 
 
 def test_torchao_missing_is_a_one_line_error(monkeypatch):
-    from mixprec.lowp import impls as fp8_impls
+    from mixprec.lowp import impls
 
-    monkeypatch.setattr(fp8_impls, "torchao_available", lambda: False)
+    monkeypatch.setattr(impls, "torchao_available", lambda: False)
     with pytest.raises(RecipeError, match=r"pip install 'mixprec\[fp8\]'"):
         build_recipe(RecipeConfig(precision="fp8-rowwise", fp8_impl="torchao"), device="cpu")
     assert build_recipe("mxfp8", device="cpu").fp8.name == "scratch"
@@ -342,19 +342,19 @@ def test_torchao_missing_is_a_one_line_error(monkeypatch):
 
 def test_auto_picks_torchao_only_where_the_gpu_has_units_for_the_format(monkeypatch):
     from mixprec import hardware
-    from mixprec.lowp import impls as fp8_impls
+    from mixprec.lowp import impls
 
-    monkeypatch.setattr(fp8_impls, "torchao_available", lambda: True)
+    monkeypatch.setattr(impls, "torchao_available", lambda: True)
     h100 = {"tensorwise", "rowwise"}
     monkeypatch.setattr(hardware, "has_lowp_units", lambda recipe, device: recipe in h100)
-    picks = {n: fp8_impls.auto_fp8_impl(r, torch.device("cpu")) for n, r in LINEAR_RECIPES.items()}
+    picks = {n: impls.auto_fp8_impl(r, torch.device("cpu")) for n, r in LINEAR_RECIPES.items()}
     assert picks == {"tensorwise": "torchao", "rowwise": "torchao", "mxfp8": "scratch", "mxfp4": "scratch",
                      "nvfp4": "scratch"}
     monkeypatch.setattr(hardware, "has_lowp_units", lambda recipe, device: True)  # B200
-    picks = {n: fp8_impls.auto_fp8_impl(r, torch.device("cpu")) for n, r in LINEAR_RECIPES.items()}
+    picks = {n: impls.auto_fp8_impl(r, torch.device("cpu")) for n, r in LINEAR_RECIPES.items()}
     assert picks == {"tensorwise": "torchao", "rowwise": "torchao", "mxfp8": "torchao", "mxfp4": "scratch",
                      "nvfp4": "scratch"}  # torchao has no MXFP4/NVFP4 training layer
-    assert fp8_impls.auto_fp8_impl(linear_recipe("mxfp8", mx_scale_rule="floor"), torch.device("cpu")) == "scratch"
+    assert impls.auto_fp8_impl(linear_recipe("mxfp8", mx_scale_rule="floor"), torch.device("cpu")) == "scratch"
 
 
 def test_bench_drops_the_options_a_recipe_does_not_have():

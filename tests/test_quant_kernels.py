@@ -14,7 +14,7 @@ import torch
 
 from mixprec.errors import ConfigError
 from mixprec.formats import ELEMENT_FORMATS, round_to_grid
-from mixprec.lowp import quant as quant_kernels
+from mixprec.lowp import quant
 from mixprec.lowp.quant import E4M3, E5M2, quantize_operand, to_fp8_as_bf16
 
 FORMATS = {"e4m3": (4, -6, 3), "e5m2": (3, -14, 2), "e2m1": (2, 0, 1)}
@@ -105,9 +105,9 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    """quant_kernels' process state, restored after the test."""
+    """quant's process state, restored after the test."""
     for key, value in (("broken", False), ("fns", {}), ("env", None), ("mode", None)):
-        monkeypatch.setitem(quant_kernels._state, key, value)
+        monkeypatch.setitem(quant._state, key, value)
 
 
 @pytest.mark.slow
@@ -118,50 +118,50 @@ def test_the_compiled_kernels_give_the_eager_values(fresh_state):
         for fmt in ("mxfp8", "mxfp4", "e4m3-row", "nvfp4"):
             for axis in (0, 1):
                 for rule in (("rceil", "floor") if fmt.startswith("mx") else ("rceil",)):  # MX alone has two
-                    with quant_kernels.set_fused_quant("off"):
+                    with quant.set_fused_quant("off"):
                         want = quantize_operand(x, fmt, axis, scale_rule=rule)
-                    with quant_kernels.set_fused_quant("on"):
+                    with quant.set_fused_quant("on"):
                         got = quantize_operand(x, fmt, axis, scale_rule=rule)
-                    if quant_kernels._state["broken"]:
+                    if quant._state["broken"]:
                         pytest.skip("torch.compile is unavailable here (no C compiler or Inductor)")
                     assert _same(got[0], want[0]) and _same(got[1], want[1]), (x.dtype, x.shape, fmt, axis, rule)
         for dtype in (E4M3, E5M2):
             for t in (x, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) * 1e-30, torch.zeros_like(x)):
-                with quant_kernels.set_fused_quant("off"):
+                with quant.set_fused_quant("off"):
                     want = to_fp8_as_bf16(t, dtype)
-                with quant_kernels.set_fused_quant("on"):
+                with quant.set_fused_quant("on"):
                     got = to_fp8_as_bf16(t, dtype)
                 assert _same(got[0], want[0]) and _same(got[1], want[1]), (t.dtype, dtype)
     out, s = torch.randn(64, 96).bfloat16(), torch.tensor(2.0**-7)
-    with quant_kernels.set_fused_quant("on"):
-        assert torch.equal(quant_kernels.scaled_float(out, s), out.float().mul_(s))
+    with quant.set_fused_quant("on"):
+        assert torch.equal(quant.scaled_float(out, s), out.float().mul_(s))
 
 
 def test_auto_fuses_the_operands_of_large_cpu_layers_only_and_off_never(fresh_state):
-    small, large = torch.zeros(64, 64), torch.empty((quant_kernels.MIN_COMPILE_NUMEL,), device="meta")
-    assert not quant_kernels._wanted(small)
-    assert not quant_kernels._wanted(large)  # not a CPU tensor
-    with quant_kernels.layer_size(quant_kernels.MIN_COMPILE_NUMEL):  # an operand of a large layer
-        assert quant_kernels._wanted(small)
-        assert not quant_kernels._wanted(torch.zeros(8, 8))  # too small to be worth a call
-        with quant_kernels.set_fused_quant("off"):
-            assert not quant_kernels._wanted(small)
+    small, large = torch.zeros(64, 64), torch.empty((quant.MIN_COMPILE_NUMEL,), device="meta")
+    assert not quant._wanted(small)
+    assert not quant._wanted(large)  # not a CPU tensor
+    with quant.layer_size(quant.MIN_COMPILE_NUMEL):  # an operand of a large layer
+        assert quant._wanted(small)
+        assert not quant._wanted(torch.zeros(8, 8))  # too small to be worth a call
+        with quant.set_fused_quant("off"):
+            assert not quant._wanted(small)
             to_fp8_as_bf16(small, E4M3)
-    assert quant_kernels._state["fns"] == {}  # nothing compiled
-    with quant_kernels.layer_size(quant_kernels.MIN_COMPILE_NUMEL - 1):
-        assert not quant_kernels._wanted(torch.zeros(quant_kernels.MIN_COMPILE_NUMEL))
-    with quant_kernels.set_fused_quant("on"):
-        assert quant_kernels._wanted(small)
-    assert quant_kernels.fused_quant_mode() == "auto"
+    assert quant._state["fns"] == {}  # nothing compiled
+    with quant.layer_size(quant.MIN_COMPILE_NUMEL - 1):
+        assert not quant._wanted(torch.zeros(quant.MIN_COMPILE_NUMEL))
+    with quant.set_fused_quant("on"):
+        assert quant._wanted(small)
+    assert quant.fused_quant_mode() == "auto"
 
 
 def test_a_bad_mode_is_a_config_error_naming_the_choices(fresh_state, monkeypatch):
     with pytest.raises(ConfigError, match="auto, on, off"):
-        with quant_kernels.set_fused_quant("always"):
+        with quant.set_fused_quant("always"):
             pass
     monkeypatch.setenv("MIXPREC_FUSED_QUANT", "yes")
     with pytest.raises(ConfigError, match="MIXPREC_FUSED_QUANT='yes'"):
-        quant_kernels.fused_quant_mode()
+        quant.fused_quant_mode()
 
 
 def test_a_failed_compile_falls_back_to_the_eager_values_once(fresh_state, monkeypatch, caplog):
@@ -172,11 +172,11 @@ def test_a_failed_compile_falls_back_to_the_eager_values_once(fresh_state, monke
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     x = _special((64, 128), torch.float32)
-    with quant_kernels.set_fused_quant("off"):
+    with quant.set_fused_quant("off"):
         want = quantize_operand(x, "mxfp8", 1, scale_rule="rceil"), to_fp8_as_bf16(x, E4M3)
-    with caplog.at_level("INFO", logger="mixprec.lowp.quant"), quant_kernels.set_fused_quant("on"):
+    with caplog.at_level("INFO", logger="mixprec.lowp.quant"), quant.set_fused_quant("on"):
         got = quantize_operand(x, "mxfp8", 1, scale_rule="rceil"), to_fp8_as_bf16(x, E4M3)
-    assert quant_kernels._state["broken"]
+    assert quant._state["broken"]
     assert _same(got[0][0], want[0][0]) and _same(got[1][0], want[1][0]) and _same(got[1][1], want[1][1])
     assert [r.getMessage() for r in caplog.records].count(
         "mixprec: fused quantisation unavailable (RuntimeError: no C compiler); using the eager path") == 1

@@ -57,7 +57,7 @@ class Expected:
     """The optimizer steps fp32 master copies of the (low-precision) parameters."""
     fp8: tuple[type, int, tuple[str, str, str]] | None = None
     """FP8/FP4 recipes: the layer class, the multiple in/out features need, and the formats of ``(x, W, dy)`` in
-    the forward GEMM, of ``dy`` in ``dx``, and of ``dy`` in ``dW`` (docs: the recipe table of gemm_recipes)."""
+    the forward GEMM, of ``dy`` in ``dx``, and of ``dy`` in ``dW`` (docs: the recipe table of lowp/recipes.py)."""
 
 
 EXPECTED = {
