@@ -28,7 +28,7 @@ from .block import BlockLinear, block_linear, layer_seed
 from .fp8 import GEMM_MULTIPLE, Fp8Linear, fp8_linear
 
 __all__ = ["Fp8AdaptedLinear", "Fp8Conversion", "LinearAdapter", "SKIP_NAMES", "convert_to_fp8",
-           "plan_fp8_conversion", "register_linear_adapter", "unregister_linear_adapter"]
+           "plan_fp8_conversion", "register_linear_adapter", "swap_layers", "unregister_linear_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -226,10 +226,16 @@ def convert_to_fp8(
     plan = plan_fp8_conversion(module, module_filter_fn=module_filter_fn, recipe=recipe)
     for fqn, reason in plan.skipped:
         log.info("convert_to_fp8: kept %s in its precision: %s", fqn or "<root>", reason)
-    for fqn in plan.converted:
+    return swap_layers(module, plan.converted, lambda m, fqn: _to_fp8_module(m, emulate, recipe, fqn, seed))
+
+
+def swap_layers(module: nn.Module, names: tuple[str, ...], make: Callable[[nn.Module, str], nn.Module]) -> nn.Module:
+    """Replace each named submodule ``m`` by ``make(m, name)``, in place; returns ``module`` (or what replaced it,
+    when it is named itself: ``""``)."""
+    for fqn in names:
         if not fqn:
-            return _to_fp8_module(module, emulate, recipe, fqn, seed)
+            return make(module, fqn)
         parent_name, _, child = fqn.rpartition(".")
         parent = module.get_submodule(parent_name)
-        setattr(parent, child, _to_fp8_module(getattr(parent, child), emulate, recipe, fqn, seed))
+        setattr(parent, child, make(getattr(parent, child), fqn))
     return module

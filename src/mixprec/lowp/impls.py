@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import hardware
 from ..errors import RecipeError
-from .convert import Fp8Conversion, convert_to_fp8, plan_fp8_conversion
+from .convert import Fp8Conversion, convert_to_fp8, plan_fp8_conversion, swap_layers
 from .recipes import LinearRecipe
 
 __all__ = ["Fp8Impl", "ScratchFp8", "TorchaoFp8", "FP8_IMPLS", "FP8_IMPL_CHOICES", "auto_fp8_impl",
@@ -151,13 +151,7 @@ class TorchaoFp8(Fp8Impl):
         plan = self.plan(model)
         with quiet_torchao_import():
             make = self._mxfp8_layer() if self.recipe.name == "mxfp8" else self._float8_layer()
-        for fqn in plan.converted:
-            if not fqn:
-                return make(model), plan
-            parent, _, child = fqn.rpartition(".")
-            owner = model.get_submodule(parent)
-            setattr(owner, child, make(getattr(owner, child)))
-        return model, plan
+        return swap_layers(model, plan.converted, lambda linear, _: make(linear)), plan
 
     def _float8_layer(self):
         from torchao.float8.config import Float8LinearConfig
