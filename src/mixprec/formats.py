@@ -49,8 +49,9 @@ format                element block scale                 defined by (bit for bi
 
 Elements: ``q = RNE(clamp(x * m, -max, max))`` with ``m`` the block's multiplier (the inverse of its scale),
 saturating at the element format's max (e5m2's inf is never produced), signed zeros kept. The rounding is
-:func:`round_to_grid`, equal to PyTorch's FP8 casts on every input. For a power-of-two ``m`` the product is
-exact; for an fp32 ``m`` (rules ``"fp32"``, NVFP4) it rounds once to float32 first, as the references do.
+:func:`round_to_grid`: PyTorch's FP8 casts on every input, and e2m1 (which has no cast) by the same rule. For a
+power-of-two ``m`` the product is exact; for an fp32 ``m`` (rules ``"fp32"``, NVFP4) it rounds once to float32
+first, as the references do.
 
 Scales, per block of amax ``a``:
 
