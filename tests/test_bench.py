@@ -880,6 +880,45 @@ def test_device_busy_is_not_probed_on_the_cpu():
     assert busy.method is None and busy.busy_s is None and busy.reason.startswith("the run's device is cpu")
 
 
+def test_the_busy_probe_profiles_its_steps_after_warm_up_and_reports_per_step(monkeypatch):
+    """The probe's own arithmetic, with the CUDA parts stood in for (no GPU here): ``warmup`` + ``steps`` optimizer
+    steps of ``accum`` micro-batches each, cycling through short epochs, only the last ``steps`` profiled, and the
+    profiled busy time and kernels divided by ``steps``."""
+    import torch.profiler
+    from types import SimpleNamespace
+
+    from mixprec.train.data import FixedBatches
+
+    steps, profiling = [], []
+
+    class Profile:
+        profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: ["events"]))
+
+        def __init__(self, activities):
+            assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+        def __enter__(self):
+            profiling.append(len(steps))
+            return self
+
+        def __exit__(self, *exc):
+            profiling.append(len(steps))
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(measure, "synchronize", lambda device: None)
+    monkeypatch.setattr(measure, "accumulate_step", lambda ctx, micro: steps.append([b[1].item() for b in micro]))
+    monkeypatch.setattr(measure, "busy_time_ns", lambda events, index: (6_000_000, 90) if events == ["events"] else 0)
+    loader = FixedBatches([(torch.zeros(1, 2), torch.tensor([i])) for i in range(3)])
+    run = SimpleNamespace(device=torch.device("cuda", 0), train_loader=loader, ctx=None)
+    busy = measure.probe_device_busy(run, accum=2, warmup=1, steps=3)
+    assert steps == [[0, 1], [2, 0], [1, 2], [0, 1]] and profiling == [1, 4]
+    assert busy.method == measure.BUSY_METHOD and busy.steps == 3 and busy.profiled_step_s >= 0
+    assert busy.busy_s == pytest.approx(0.002) and busy.kernels_per_step == 30
+    monkeypatch.setattr(measure, "busy_time_ns", lambda events, index: (0, 0))
+    nothing = measure.probe_device_busy(run, accum=1, warmup=0, steps=2)
+    assert nothing.busy_s is None and "no kernel" in nothing.reason
+
+
 def _h200_rows(busy=None):
     """The H200 CNN bench's rows, its runs given ``busy`` (recipe -> share of the run's own step) if any."""
     from mixprec.bench.aggregate import aggregate
