@@ -809,3 +809,189 @@ def test_a_cuda_bench_compares_the_step_peak_with_the_plans():
     assert "compares the step's peak above the resident state (CUDA max allocated less the step's start)" in lines[-1]
     mem = fp32.memory
     assert _measured_total(fp32) == mem["parameters"] + mem["optimizer_state"] + mem["master_weights"] + step
+
+
+# ---------------------------------------------------------------------------------------- device busy
+
+
+def test_host_bound_is_a_busy_share_under_the_bar():
+    from mixprec.bench.results import HOST_BOUND_BELOW, Spread, host_bound
+
+    assert HOST_BOUND_BELOW == 0.8
+    assert host_bound(0.0041, 0.0241) is True and host_bound(0.79, 1.0) is True
+    assert host_bound(0.8, 1.0) is False and host_bound(1.02, 1.0) is False  # a busy step (the probe ran long)
+    for busy, step in ((None, 1.0), (0.5, None), (0.5, 0.0), (math.nan, 1.0), (0.5, math.inf)):
+        assert host_bound(busy, step) is None, (busy, step)
+    row = SummaryRow(recipe="bf16-mixed", device_busy_s=0.0041, step_time_s=Spread.of([0.0241]))
+    assert row.host_bound is True and SummaryRow(recipe="fp32").host_bound is None
+
+
+class _Event:
+    """What busy_time_ns reads of a kineto event."""
+
+    def __init__(self, start, end, kind="kernel", device="cuda", index=0):
+        self.start, self.end, self.kind, self.index = start, end, kind, index
+        self.device = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+
+    def start_ns(self):
+        return self.start
+
+    def end_ns(self):
+        return self.end
+
+    def device_type(self):
+        return self.device
+
+    def device_index(self):
+        return self.index
+
+    def activity_type(self):
+        return self.kind
+
+    def is_user_annotation(self):
+        return self.kind.endswith("user_annotation")
+
+
+def test_device_busy_is_the_union_of_the_devices_work_intervals():
+    """Kernels of concurrent streams count once (the union of their intervals), copies and memsets count, and
+    what is not work on this device does not: annotations spanning the step, sync waits, host events, another
+    GPU's kernels."""
+    from mixprec.bench.measure import busy_time_ns
+
+    events = [_Event(0, 100), _Event(50, 150), _Event(60, 70),  # overlapping streams: busy 0..150
+              _Event(200, 210, "gpu_memcpy"), _Event(300, 305, "gpu_memset"), _Event(400, 500),
+              _Event(0, 1000, "gpu_user_annotation"), _Event(150, 400, "cuda_sync"),
+              _Event(0, 1000, "cpu_op", device="cpu"), _Event(0, 1000, index=1)]
+    assert busy_time_ns(events, 0) == (150 + 10 + 5 + 100, 4)
+    assert busy_time_ns(events, 1) == (1000, 1) and busy_time_ns([], 0) == (0, 0)
+
+    class Older(_Event):  # a torch whose events have no activity_type: annotations are still left out
+        activity_type = property()
+
+    older = [Older(0, 100), Older(0, 1000, "gpu_user_annotation")]
+    assert not hasattr(older[0], "activity_type") and busy_time_ns(older, 0) == (100, 1)
+
+
+def test_device_busy_is_not_probed_on_the_cpu():
+    """On the CPU the probe runs nothing (the run has no loader here to run) and says why."""
+    from types import SimpleNamespace
+
+    busy = measure.probe_device_busy(SimpleNamespace(device=CPU))
+    assert busy.method is None and busy.busy_s is None and busy.reason.startswith("the run's device is cpu")
+
+
+def test_the_busy_probe_profiles_its_steps_after_warm_up_and_reports_per_step(monkeypatch):
+    """The probe's own arithmetic, with the CUDA parts stood in for (no GPU here): ``warmup`` + ``steps`` optimizer
+    steps of ``accum`` micro-batches each, cycling through short epochs, only the last ``steps`` profiled, and the
+    profiled busy time and kernels divided by ``steps``."""
+    import torch.profiler
+    from types import SimpleNamespace
+
+    from mixprec.train.data import FixedBatches
+
+    steps, profiling = [], []
+
+    class Profile:
+        profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: ["events"]))
+
+        def __init__(self, activities):
+            assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+        def __enter__(self):
+            profiling.append(len(steps))
+            return self
+
+        def __exit__(self, *exc):
+            profiling.append(len(steps))
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(measure, "synchronize", lambda device: None)
+    monkeypatch.setattr(measure, "accumulate_step", lambda ctx, micro: steps.append([b[1].item() for b in micro]))
+    monkeypatch.setattr(measure, "busy_time_ns", lambda events, index: (6_000_000, 90) if events == ["events"] else 0)
+    loader = FixedBatches([(torch.zeros(1, 2), torch.tensor([i])) for i in range(3)])
+    run = SimpleNamespace(device=torch.device("cuda", 0), train_loader=loader, ctx=None)
+    busy = measure.probe_device_busy(run, accum=2, warmup=1, steps=3)
+    assert steps == [[0, 1], [2, 0], [1, 2], [0, 1]] and profiling == [1, 4]
+    assert busy.method == measure.BUSY_METHOD and busy.steps == 3 and busy.profiled_step_s >= 0
+    assert busy.busy_s == pytest.approx(0.002) and busy.kernels_per_step == 30
+    monkeypatch.setattr(measure, "busy_time_ns", lambda events, index: (0, 0))
+    nothing = measure.probe_device_busy(run, accum=1, warmup=0, steps=2)
+    assert nothing.busy_s is None and "no kernel" in nothing.reason
+
+
+def _h200_rows(busy=None):
+    """The H200 CNN bench's rows, its runs given ``busy`` (recipe -> share of the run's own step) if any."""
+    from mixprec.bench.aggregate import aggregate
+    from mixprec.bench.predict import predictions
+
+    doc = json.loads(H200_CNN.read_text())
+    runs = doc["runs"]
+    for r in runs:
+        assert "device_busy" not in r  # a file written before the probe existed
+        if busy is not None:
+            step = r["timing"]["step_time_s"]
+            r["device_busy"] = {"method": "test", "busy_s": busy[r["recipe"]] * step, "kernels_per_step": 60,
+                                "profiled_step_s": 1.5 * step, "steps": 5}
+    return aggregate(doc["bench"]["precisions"], runs, flops_per_step=doc["flops_per_step"]["per_step"],
+                     peaks=doc["peaks"], matmul_dtype={p["recipe"]: p["matmul_dtype"] for p in doc["preflight"]},
+                     impl={p["recipe"]: p["impl"] for p in doc["preflight"]},
+                     predictions=predictions(doc["prediction"])), doc
+
+
+def test_an_old_results_json_reads_with_no_device_busy_and_its_table_is_unchanged():
+    from mixprec.bench.report import BUSY_COLUMN, columns, table
+    from mixprec.bench.results import DeviceBusy
+
+    rows, doc = _h200_rows()
+    assert all(RunResult.from_dict(r).device_busy == DeviceBusy() for r in doc["runs"])
+    assert all(r.device_busy_s is None and r.host_bound is None for r in rows)
+    assert columns(rows) == COLUMNS and BUSY_COLUMN not in table(rows) and "host-bound" not in table(rows)
+    damaged = RunResult.from_dict({**doc["runs"][0], "device_busy": {"busy_s": "fast", "steps": 2.5}})
+    assert damaged.device_busy == DeviceBusy()  # a damaged field is "not measured"
+
+
+def test_the_device_busy_column_beside_the_step_time_and_the_host_bound_recipes_under_the_table():
+    """The H200 CNN bench with a device busy time per run (a share of each run's step): the column follows the
+    step time, its cell is the median busy time and its share of the median step, and the line under the table
+    names the recipes under 80% with their share, and no other."""
+    from mixprec.bench.report import BUSY_COLUMN, PLAN_COLUMNS, columns, markdown_report, table
+
+    shares = {"fp32": 0.95, "fp16-mixed": 0.5, "bf16-mixed": 0.3}
+    rows, doc = _h200_rows(shares)
+    cols = columns(rows)
+    assert cols.index(BUSY_COLUMN) == cols.index("step time") + 1 and len(cols) == len(COLUMNS) + 1
+    text = table(rows)
+    lines = text.splitlines()
+    by_recipe = {r.recipe: dict(zip(cols, (c.strip() for c in line.strip("|").split("|"))))
+                 for r, line in zip(rows, lines[2:])}
+    for r in rows:
+        assert r.device_busy_fraction == pytest.approx(shares[r.recipe], rel=1e-6), r.recipe
+        step = r.median("step_time_s")
+        assert r.device_busy_s == pytest.approx(shares[r.recipe] * step) and r.kernels_per_step == 60
+        assert by_recipe[r.recipe][BUSY_COLUMN] == f"{r.device_busy_s * 1e3:.3g} ms ({100 * shares[r.recipe]:.0f}%)"
+    assert by_recipe["bf16-mixed"][BUSY_COLUMN].endswith("(30%)")
+    notes = [ln for ln in lines if "host-bound" in ln]
+    assert len(notes) == 1 and notes[0].endswith("fp16-mixed 50%, bf16-mixed 30%") and "fp32" not in notes[0]
+    doc["summary"] = [r.to_dict() for r in rows]
+    assert "- device busy (CUDA)" in markdown_report(doc)
+    assert [SummaryRow.from_dict(r.to_dict()) for r in rows] == rows  # results.json's summary reads back
+    # without a plan the step time comes with it, where the plan's columns would be
+    bare = [dataclasses.replace(r, prediction=None) for r in rows]
+    at = [c for c in COLUMNS if c not in PLAN_COLUMNS].index("step peak (measured)") + 1
+    assert columns(bare)[at:at + 2] == ["step time", BUSY_COLUMN]
+
+
+@pytest.mark.cuda
+def test_device_busy_of_a_real_cuda_run_and_its_data_on_the_gpu():
+    """A small run on CUDA: the built-in dataset's training split lives on the GPU, and the probe records a
+    device busy time per step that is positive and shorter than the profiled step's wall time."""
+    from mixprec.train.build import build_run
+
+    run = build_run(TrainConfig.from_flags(dataset="synthetic", synthetic_train=512, synthetic_test=64, model="mlp",
+                                           batch_size=64, epochs=1, log_every=0, progress="off", device="cuda",
+                                           precision="bf16-mixed"))
+    assert run.train_loader.x.device.type == "cuda" and run.data.x_train.device.type == "cpu"
+    with run.recipe.run_context():
+        busy = measure.probe_device_busy(run, accum=2, warmup=1, steps=3)
+    assert busy.method == measure.BUSY_METHOD and busy.reason is None and busy.steps == 3, busy
+    assert 0 < busy.busy_s < busy.profiled_step_s and busy.kernels_per_step >= 1

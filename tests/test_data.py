@@ -5,6 +5,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from mixprec.train.config import DataConfig
 from mixprec.train.data import (
@@ -19,12 +21,14 @@ from mixprec.train.data import (
     MapData,
     TensorData,
     TextCorpus,
+    TextWindowLoader,
     UserBatches,
     data_from_splits,
     load_dataset,
     load_text_corpus,
     read_idx,
 )
+from mixprec.train.data.loaders import _epoch_seed
 
 IDX_NAMES = {
     "train-images-idx3-ubyte": "images",
@@ -476,3 +480,111 @@ def test_synthetic_defaults_are_the_configs():
     config = DataConfig()
     for name in ("synthetic_train", "synthetic_test", "synthetic_shape", "limit_train", "limit_test"):
         assert params[name].default == getattr(config, name), name
+
+
+# ------------------------------------------------------------------------------------ on the run's device
+
+META = torch.device("meta")
+
+
+class _Transfers(TorchDispatchMode):
+    """Counts the ops that touch tensors of more than one device: every copy between devices, explicit (``.to``)
+    or implicit (a host index into a device tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = tree_leaves((args, kwargs, out))
+        self.count += len({t.device for t in leaves if isinstance(t, torch.Tensor)}) > 1
+        return out
+
+
+def _builtin_sources(tmp_path):
+    write_idx_dir(tmp_path, n_train=40, n_test=5)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 20, encoding="utf-8")
+    return {
+        "synthetic": load_dataset("synthetic", synthetic_train=40, synthetic_test=10, synthetic_shape=(3,)),
+        "digits": load_dataset("digits", limit_train=40, limit_test=10),
+        "mnist": load_dataset("mnist", data_dir=str(tmp_path)),
+        "text": load_text_corpus(str(text), block_size=8),
+    }
+
+
+def _training_split(loader):
+    return [loader.tokens] if isinstance(loader, TextWindowLoader) else [loader.x, loader.y]
+
+
+def test_builtin_datasets_index_their_batches_on_the_device_with_no_copy_per_step(tmp_path):
+    """On an accelerator (the meta device stands in for CUDA here) every built-in dataset's training split is
+    copied there once, shared by every loader of the source, and its batches are indexed there: an epoch copies
+    across devices once (its order), never per batch. The source's own tensors stay on the host."""
+    for what, src in _builtin_sources(tmp_path).items():
+        loader = src.loader(4, seed=0, device=META)
+        split = _training_split(loader)
+        assert all(t.device == META for t in split), what
+        assert all(a is b for a, b in zip(split, _training_split(src.loader(4, seed=1, device=META)))), what
+        host = [src.train] if isinstance(src, TextCorpus) else [src.x_train, src.y_train]
+        assert all(t.device.type == "cpu" for t in host), what
+        loader.set_epoch(1)
+        with _Transfers() as transfers:
+            batches = iter(loader)
+            first = next(batches)
+            at_first = transfers.count
+            rest = list(batches)
+        assert len(rest) >= 2 and at_first <= 1 and transfers.count == at_first, (what, transfers.count)
+        assert all(t.device == META for b in [first, *rest] for t in _tensors(b)), what
+
+
+def test_on_the_cpu_and_for_a_users_tensors_the_loader_uses_the_tensors_as_they_are(tmp_path):
+    """The CPU path does not change (no copy: the loader batches the source's own tensors), and a user's tensors
+    stay where they are whatever the device."""
+    for what, src in _builtin_sources(tmp_path).items():
+        host = [src.train] if isinstance(src, TextCorpus) else [src.x_train, src.y_train]
+        for device in (None, torch.device("cpu")):
+            assert all(a is b for a, b in zip(_training_split(src.loader(4, seed=0, device=device)), host)), what
+    x, y = torch.randn(8, 3), torch.arange(8)
+    user = data_from_splits(((x, y), (x, y)), "test:tensors")
+    loader = user.loader(4, seed=0, device=META)
+    assert not user.resident and loader.x is user.x_train and loader.y is user.y_train
+
+
+def test_text_windows_are_the_positions_drawn_step_by_step():
+    """The text loader draws an epoch's positions at its start (one copy to the device): the same windows as
+    drawing ``world_size * batch_size`` positions per step from the ``(seed, epoch)`` generator."""
+    tokens = torch.randint(0, 50, (500,), dtype=torch.uint8)
+    loader = TextWindowLoader(tokens, 8, 3, seed=5, steps_per_epoch=6, rank=1, world_size=2)
+    loader.set_epoch(2)
+    g = torch.Generator().manual_seed(_epoch_seed(5, 2))
+    for x, y in loader:
+        starts = torch.randint(0, 500 - 8, (6,), generator=g)[1::2]
+        windows = tokens[starts[:, None] + torch.arange(9)].long()
+        assert torch.equal(x, windows[:, :-1]) and torch.equal(y, windows[:, 1:])
+    assert list(loader.iter_from(6)) == []
+
+
+@pytest.mark.cuda
+def test_builtin_batches_on_cuda_are_the_cpu_batches_and_no_step_copies_from_the_host(tmp_path):
+    """On CUDA: the training split lives on the GPU, the batches equal the CPU's bit for bit, and an epoch's
+    batches make at most one host-to-device copy (its order), none per step (torch.profiler's memcpy records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device("cuda")
+    for what, src in _builtin_sources(tmp_path).items():
+        on_gpu, on_cpu = src.loader(4, seed=3, device=cuda), src.loader(4, seed=3, device=torch.device("cpu"))
+        assert all(t.device.type == "cuda" for t in _training_split(on_gpu)), what
+        on_gpu.set_epoch(1)
+        on_cpu.set_epoch(1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            gpu_batches = list(on_gpu)
+            torch.cuda.synchronize()
+        copies = [e for e in prof.events() if "memcpy" in e.name.lower() and "htod" in e.name.lower()]
+        assert len(copies) <= 1, (what, [e.name for e in copies])
+        cpu_batches = list(on_cpu)
+        assert len(gpu_batches) == len(cpu_batches) >= 2, what
+        for g, c in zip(gpu_batches, cpu_batches):
+            assert all(a.device.type == "cuda" and torch.equal(a.cpu(), b) for a, b in zip(_tensors(g), _tensors(c)))

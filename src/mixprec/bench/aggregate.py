@@ -1,9 +1,10 @@
 """The matrix per recipe: one :class:`~mixprec.bench.results.SummaryRow` from its repeats.
 
 Over a recipe's successful repeats: medians (and min..max) of the timings, the exact memory accounting,
-MFU = model FLOPs per step / median step time / measured peak of the dtype its matmuls run in, the task's
-metrics; against fp32: speedup (epoch time ratio), memory saving (1 - total ratio), metric deltas and the
-convergence-parity verdict (:mod:`mixprec.bench.parity`). A number a run did not produce is None.
+MFU = model FLOPs per step / median step time / measured peak of the dtype its matmuls run in, the device's busy
+time per step and its share of the median step (CUDA), the task's metrics; against fp32: speedup (epoch time
+ratio), memory saving (1 - total ratio), metric deltas and the convergence-parity verdict
+(:mod:`mixprec.bench.parity`). A number a run did not produce is None.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _row(name: str, mine: list[RunResult], *, flops_per_step, peak, matmul_dtype
     probes = [r.memory_probe for r in ok]
     mem = next((s["memory"] for s in summaries if isinstance(s.get("memory"), dict)), None)
     step = Spread.of(t.step_time_s for t in timing)
+    busy = _median(r.device_busy.busy_s for r in ok)
     metric = _metric(summaries)
     return SummaryRow(
         recipe=name,
@@ -90,6 +92,9 @@ def _row(name: str, mine: list[RunResult], *, flops_per_step, peak, matmul_dtype
         matmul_dtype=matmul_dtype,
         peak_flops_per_s=peak,
         mfu=ratio(ratio(flops_per_step, step.median if step else None), peak),
+        device_busy_s=busy,
+        device_busy_fraction=ratio(busy, step.median if step else None),
+        kernels_per_step=_median(r.device_busy.kernels_per_step for r in ok),
         final_train_loss=_median(s.get("final_train_loss") for s in summaries),
         task=next((s["task"] for s in summaries if isinstance(s.get("task"), str)), None),
         metric=metric,

@@ -8,7 +8,7 @@ from typing import Any
 from .machine import Machine
 from .plan import Plan
 from .report import fmt
-from .results import RunResult, number
+from .results import RunResult, number, ratio
 
 __all__ = ["say", "announce", "progress_line"]
 
@@ -52,7 +52,13 @@ def progress_line(i: int, n: int, r: RunResult | dict[str, Any]) -> None:
         return
     say(f"{head} {fmt(t.epoch_time_s, '.3f')} s/epoch, {fmt(t.samples_per_s, ',.0f')} samples/s, "
         f"train loss {fmt(s.get('final_train_loss'), '.4f')}, "
-        + _quality(s) + f", {wall}")
+        + _quality(s) + _busy(r) + f", {wall}")
+
+
+def _busy(r: RunResult) -> str:
+    """CUDA: the device's busy share of the timed step; nothing where it was not measured."""
+    share = ratio(r.device_busy.busy_s, r.timing.step_time_s)
+    return "" if share is None else f", device busy {share:.0%} of the step"
 
 
 def _quality(s: dict[str, Any]) -> str:

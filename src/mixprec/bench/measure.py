@@ -16,6 +16,12 @@ step, so step times cannot run ahead of the GPU by more than one step.
   tensors are mmapped and counted, not placed in trimmed chunks. It reads somewhat above activations +
   gradients (temporaries, workspace), never far below; smaller tensors may reuse resident heap pages.
 - CUDA: ``max_memory_allocated`` / ``max_memory_reserved`` over the step, minus what was allocated before.
+
+**Device busy** (CUDA, after the memory probe): a few optimizer steps after warm-up steps, the loader's batches
+included, under ``torch.profiler`` (CUDA activity only); the device was busy while it ran a kernel, a copy or a
+memset: the union of those intervals (concurrent streams counted once), per step. The profiler slows the host,
+not the device, so the busy time is compared with the timed (unprofiled) step: under
+:data:`~mixprec.bench.results.HOST_BOUND_BELOW` of it, the step is host-bound.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ import torch
 
 from ..hardware import synchronize
 from ..memory import SavedTensorTracker, static_memory
-from ..train.step import train_step
-from .results import MemoryProbe, Timing
+from ..train.step import accumulate_step, train_step
+from .results import DeviceBusy, MemoryProbe, Timing
 
-__all__ = ["timing_from_history", "probe_step_memory", "allocator_peak", "ALLOCATOR_METHOD"]
+__all__ = ["timing_from_history", "probe_step_memory", "allocator_peak", "ALLOCATOR_METHOD", "probe_device_busy",
+           "busy_time_ns", "BUSY_METHOD"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 65536
@@ -203,3 +210,78 @@ def allocator_peak(fn) -> int | None:
         live += n
         peak = max(peak, live)
     return peak
+
+
+# ------------------------------------------------------------------------------------------- device busy
+
+BUSY_METHOD = "torch.profiler: union of the device's kernel, memcpy and memset intervals"
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+"""The profiler's activity types of work on the device (not its annotations, waits or overhead records)."""
+
+
+def busy_time_ns(events, device_index: int) -> tuple[int, int]:
+    """``(busy ns, kernels)`` of kineto ``events`` on CUDA device ``device_index``: the length of the union of its
+    work intervals (:data:`DEVICE_WORK`), so kernels of concurrent streams count once, and its kernel count."""
+    cuda = torch.autograd.DeviceType.CUDA
+    spans, kernels = [], 0
+    for e in events:
+        if e.device_type() != cuda or e.device_index() != device_index:
+            continue
+        if hasattr(e, "activity_type"):
+            kind = e.activity_type()
+        else:  # an older torch: every device event but an annotation is work
+            kind = "gpu_user_annotation" if e.is_user_annotation() else "kernel"
+        if kind in DEVICE_WORK:
+            spans.append((e.start_ns(), e.end_ns()))
+            kernels += kind == "kernel"
+    busy, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a >= end:
+            busy, end = busy + b - a, b
+        elif b > end:
+            busy, end = busy + b - end, b
+    return busy, kernels
+
+
+def _endless(loader):
+    """The loader's batches, epoch after epoch (a short epoch must not end the probe)."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            return
+        epoch += 1
+
+
+def probe_device_busy(run, *, accum: int = 1, warmup: int = 2, steps: int = 5) -> DeviceBusy:
+    """The CUDA device's busy time per optimizer step of ``accum`` micro-batches, over ``steps`` profiled steps
+    after ``warmup`` (see the module docstring). Real optimizer steps: call it after the run is recorded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = run.device
+    if device.type != "cuda":
+        return DeviceBusy(reason=f"the run's device is {device.type}: no accelerator to keep busy")
+    batches = _endless(run.train_loader)
+
+    def step() -> None:
+        accumulate_step(run.ctx, [next(batches) for _ in range(accum)])
+
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        wall = time.perf_counter() - t0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    busy, kernels = busy_time_ns(prof.profiler.kineto_results.events(), index)
+    if not kernels:
+        return DeviceBusy(reason="the profiler recorded no kernel on the device (CUPTI unavailable?)", steps=steps)
+    return DeviceBusy(method=BUSY_METHOD, busy_s=busy / 1e9 / steps, kernels_per_step=kernels / steps,
+                      profiled_step_s=wall / steps, steps=steps)

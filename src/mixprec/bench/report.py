@@ -10,9 +10,10 @@ from typing import Any
 from ..errors import UsageError
 from ..precision import resolve_recipe
 from ..train.report import format_bytes
-from .results import Spread, SummaryRow, number, ratio
+from .results import HOST_BOUND_BELOW, Spread, SummaryRow, number, ratio
 
-__all__ = ["COLUMNS", "PLAN_COLUMNS", "INVOCATION_COLUMN", "columns", "table", "markdown_report", "fmt", "DASH", "MEMORY_CATEGORIES"]
+__all__ = ["COLUMNS", "PLAN_COLUMNS", "INVOCATION_COLUMN", "BUSY_COLUMN", "columns", "table", "markdown_report", "fmt",
+           "DASH", "MEMORY_CATEGORIES"]
 
 PLAN_COLUMNS = ["step peak (plan)", "step time", "step time (plan)", "measured / plan"]
 """The plan's prediction (:mod:`mixprec.bench.predict`); left out when no row has one."""
@@ -24,6 +25,10 @@ COLUMNS = [
 ]
 
 INVOCATION_COLUMN = "invocation"
+
+BUSY_COLUMN = "device busy"
+"""CUDA: the device's busy time per step and its share of the median step time, beside the step time; left out
+when no row has it (a CPU bench)."""
 
 LM_COLUMNS = {"test accuracy": "test loss / bits per char", "Δ accuracy vs fp32": "Δ test loss vs fp32"}
 
@@ -85,29 +90,39 @@ def _has_plan(rows: list[SummaryRow]) -> bool:
     return any(r.prediction is not None for r in rows)
 
 
-def _cells(row: SummaryRow, *, invocations: bool, plan: bool = True) -> list[str]:
+def _has_busy(rows: list[SummaryRow]) -> bool:
+    return any(number(r.device_busy_s) is not None for r in rows)
+
+
+def _busy_cell(row: SummaryRow) -> str:
+    """``4.1 ms (17%)``: the device's busy time per step and its share of the median step time."""
+    share = fmt(row.device_busy_fraction, ".0f", scale=100, suffix="%")
+    return DASH if number(row.device_busy_s) is None else f"{_time(row.device_busy_s)} ({share})"
+
+
+def _cells(row: SummaryRow) -> dict[str, str]:
+    """Every cell of the row, by (base) column name."""
     et, sps = row.epoch_time_s, row.samples_per_s
     measured = number(row.measured_step_peak_bytes)
-    cells = [
-        _label(row),
-        format_bytes(row.memory_total_bytes) if number(row.memory_total_bytes) else DASH,
-        fmt(row.median("epoch_time_s"), ".3f", suffix=" s" + _pct_spread(et)),
-        fmt(row.speedup_vs_fp32, ".2f", suffix="x") if number(row.speedup_vs_fp32) else DASH,
-        fmt(row.memory_saving_vs_fp32, ".0f", scale=100, suffix="%"),
-        format_bytes(measured) if measured else DASH,
-        *(_plan_cells(row) if plan else []),
-        fmt(sps.median, ",.0f", suffix=_pct_spread(sps)) if sps and number(sps.median) else DASH,
-        fmt(row.mfu, ".1f", scale=100, suffix=f"% of {row.matmul_dtype}") if number(row.mfu) else DASH,
-        fmt(row.final_train_loss, ".4f"),
-        *_quality_cells(row),
-        fmt(row.skipped_steps, "d" if isinstance(row.skipped_steps, int) else "g"),
-        fmt(row.final_loss_scale, "g"),
-        row.parity.verdict if row.parity is not None else DASH,
-        f"{row.runs_ok}/{row.runs_total}" + ("" if row.runs_ok == row.runs_total else " FAILED"),
-    ]
-    if invocations:
-        cells.append("+".join(map(str, row.invocations)) or DASH)
-    return cells
+    return {
+        "recipe": _label(row),
+        "memory": format_bytes(row.memory_total_bytes) if number(row.memory_total_bytes) else DASH,
+        "avg epoch time": fmt(row.median("epoch_time_s"), ".3f", suffix=" s" + _pct_spread(et)),
+        "speedup vs fp32": fmt(row.speedup_vs_fp32, ".2f", suffix="x") if number(row.speedup_vs_fp32) else DASH,
+        "memory saving vs fp32": fmt(row.memory_saving_vs_fp32, ".0f", scale=100, suffix="%"),
+        "step peak (measured)": format_bytes(measured) if measured else DASH,
+        **dict(zip(PLAN_COLUMNS, _plan_cells(row))),
+        BUSY_COLUMN: _busy_cell(row),
+        "samples/s": fmt(sps.median, ",.0f", suffix=_pct_spread(sps)) if sps and number(sps.median) else DASH,
+        "MFU": fmt(row.mfu, ".1f", scale=100, suffix=f"% of {row.matmul_dtype}") if number(row.mfu) else DASH,
+        "train loss": fmt(row.final_train_loss, ".4f"),
+        **dict(zip(("test accuracy", "Δ accuracy vs fp32"), _quality_cells(row))),
+        "skipped steps": fmt(row.skipped_steps, "d" if isinstance(row.skipped_steps, int) else "g"),
+        "loss scale": fmt(row.final_loss_scale, "g"),
+        "parity vs fp32": row.parity.verdict if row.parity is not None else DASH,
+        "runs": f"{row.runs_ok}/{row.runs_total}" + ("" if row.runs_ok == row.runs_total else " FAILED"),
+        INVOCATION_COLUMN: "+".join(map(str, row.invocations)) or DASH,
+    }
 
 
 def _quality_cells(row: SummaryRow) -> list[str]:
@@ -124,30 +139,39 @@ def _invocations(rows: list[SummaryRow]) -> list[int]:
     return sorted({i for r in rows for i in r.invocations})
 
 
+def _base_columns(rows: list[SummaryRow]) -> list[str]:
+    """The columns these rows fill, by their base names: the plan's where a row has a prediction, the device's
+    busy time beside the step time where a row has it (with the step time where no plan shows it)."""
+    plan = _has_plan(rows)
+    cols = list(COLUMNS) if plan else [c for c in COLUMNS if c not in PLAN_COLUMNS]
+    if _has_busy(rows):
+        at = cols.index("step time" if plan else "step peak (measured)") + 1
+        cols[at:at] = [BUSY_COLUMN] if plan else ["step time", BUSY_COLUMN]
+    return cols + [INVOCATION_COLUMN] if len(_invocations(rows)) > 1 else cols
+
+
 def columns(rows: Iterable[SummaryRow | dict[str, Any]]) -> list[str]:
     """The table's columns for these rows (the task's main metric in the accuracy columns)."""
     rows = as_rows(rows)
     metric = next((r.metric for r in rows if r.metric), None)
-    base = COLUMNS if _has_plan(rows) else [c for c in COLUMNS if c not in PLAN_COLUMNS]
+    base = _base_columns(rows)
     if any(r.language_model for r in rows):
-        cols = [LM_COLUMNS.get(c, c) for c in base]
-    elif metric in METRIC_COLUMNS:
-        cols = [METRIC_COLUMNS[metric].get(c, c) for c in base]
-    else:
-        cols = list(base)
-    return cols + [INVOCATION_COLUMN] if len(_invocations(rows)) > 1 else cols
+        return [LM_COLUMNS.get(c, c) for c in base]
+    if metric in METRIC_COLUMNS:
+        return [METRIC_COLUMNS[metric].get(c, c) for c in base]
+    return base
 
 
 def table(rows: Iterable[SummaryRow | dict[str, Any]]) -> str:
     """The comparison as a markdown table, failures and caveats listed under it."""
     rows = as_rows(rows)
-    cols = columns(rows)
+    cols, base = columns(rows), _base_columns(rows)
     several = INVOCATION_COLUMN in cols
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    plan = _has_plan(rows)
-    lines += ["| " + " | ".join(_cells(r, invocations=several, plan=plan)) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cells(r)[c] for c in base) + " |" for r in rows]
     notes = [f"- {r.recipe} seed {f.seed}: FAILED — {f.reason}" for r in rows for f in r.failures]
     notes += _plan_notes(rows)
+    notes += _busy_notes(rows)
     if several:
         *first, last = map(str, _invocations(rows))
         notes.append(f"- the rows come from invocations {', '.join(first)} and {last} of this bench (--resume; "
@@ -156,6 +180,16 @@ def table(rows: Iterable[SummaryRow | dict[str, Any]]) -> str:
         notes.append("- MFU above 100% means the peak matmul rate was under-measured (a busy machine while the "
                      "micro-benchmark ran?); rerun on a quiet machine or raise --peak-seconds")
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _busy_notes(rows: list[SummaryRow]) -> list[str]:
+    """The recipes whose step is host-bound, with the device's share of the step."""
+    bound = [r for r in rows if r.host_bound]
+    if not bound:
+        return []
+    shares = ", ".join(f"{r.recipe} {fmt(r.device_busy_fraction, '.0f', scale=100, suffix='%')}" for r in bound)
+    return [f"- host-bound (device busy under {HOST_BOUND_BELOW:.0%} of the step: the GPU waits on the host's Python, "
+            f"kernel launches and host reads): {shares}"]
 
 
 def _plan_notes(rows: list[SummaryRow]) -> list[str]:
@@ -252,6 +286,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
            "excluded; compare with activations + gradients); results.json also holds the VmHWM rise "
            "(glibc's mmap threshold at 64 KiB, malloc_trim, clear_refs)."),
         "- MFU: model FLOPs per step / median step time / peak of the dtype the matmuls run in (above).",
+        *(["- device busy (CUDA): after the timed run, a few steps under torch.profiler: the time the GPU ran "
+           "kernels, copies or memsets (their union) per step, and its share of the median step time; under "
+           f"{HOST_BOUND_BELOW:.0%} the step is host-bound."] if _has_busy(as_rows(doc["summary"])) else []),
         "- parity: the recipe's mean loss curve (same seeds) inside fp32's band across seeds "
         "(moving average, band widened 1%, >= 90% of steps).",
     ]

@@ -1,5 +1,5 @@
-"""Typed records of a bench: one run's result (:class:`RunResult`), its timing and memory probe, and one summary
-row per recipe (:class:`SummaryRow`), each with ``to_dict()`` (its JSON form) and ``from_dict()``.
+"""Typed records of a bench: one run's result (:class:`RunResult`), its timing, memory probe and device busy time,
+and one summary row per recipe (:class:`SummaryRow`), each with ``to_dict()`` (its JSON form) and ``from_dict()``.
 
 Any run result is readable: ``from_dict`` accepts anything, a field of the wrong type or a non-finite number
 becomes "not measured" (None), ``status`` is "ok" only when it says so. Every computation treats None as not
@@ -17,8 +17,8 @@ from typing import Any
 from ..jsonio import to_jsonable
 from .parity import ParityResult
 
-__all__ = ["number", "ratio", "Spread", "Timing", "MemoryProbe", "RunResult", "Failure", "Prediction",
-           "SummaryRow"]
+__all__ = ["number", "ratio", "host_bound", "HOST_BOUND_BELOW", "Spread", "Timing", "MemoryProbe", "DeviceBusy",
+           "RunResult", "Failure", "Prediction", "SummaryRow"]
 
 
 def number(x: Any) -> float | int | None:
@@ -32,6 +32,18 @@ def ratio(a: Any, b: Any) -> float | None:
     """``a / b`` when both are numbers and ``b`` is not 0, else None."""
     a, b = number(a), number(b)
     return a / b if a is not None and b else None
+
+
+HOST_BOUND_BELOW = 0.8
+"""A step whose device was busy for less than this share of its wall time is host-bound: the GPU waits for the
+host (Python, kernel launches, host reads) for the rest."""
+
+
+def host_bound(busy_s: Any, step_s: Any) -> bool | None:
+    """Whether a step of wall time ``step_s`` that kept the device busy for ``busy_s`` is host-bound (busy under
+    :data:`HOST_BOUND_BELOW` of it); None when either was not measured."""
+    share = ratio(busy_s, step_s)
+    return None if share is None else share < HOST_BOUND_BELOW
 
 
 def _dict(x: Any) -> dict:
@@ -160,6 +172,31 @@ class MemoryProbe:
                    cuda_peak_reserved_bytes=_int(d.get("cuda_peak_reserved_bytes")))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceBusy:
+    """How long the accelerator worked per optimizer step (:func:`mixprec.bench.measure.probe_device_busy`)."""
+
+    method: str | None = None
+    """How it was measured; None when it was not (then ``reason`` says why: a CPU run, a profiler error)."""
+    reason: str | None = None
+    busy_s: float | None = None
+    """Per step: the time the device ran kernels, copies or memsets (their intervals' union, overlaps once)."""
+    kernels_per_step: float | None = None
+    profiled_step_s: float | None = None
+    """Wall time per profiled step, the profiler's overhead included (compare ``busy_s`` with the timed step)."""
+    steps: int | None = None
+    """Steps profiled, after warm-up steps."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> DeviceBusy:
+        kinds = {"method": _str, "reason": _str, "busy_s": number, "kernels_per_step": number,
+                 "profiled_step_s": number, "steps": _int}
+        return _read(cls, d, kinds)
+
+
 def _records(x: Any) -> list[dict[str, Any]]:
     return [to_jsonable(h) for h in x if isinstance(h, dict)] if isinstance(x, list) else []
 
@@ -180,6 +217,7 @@ class RunResult:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     timing: Timing = dataclasses.field(default_factory=Timing)
     memory_probe: MemoryProbe = dataclasses.field(default_factory=MemoryProbe)
+    device_busy: DeviceBusy = dataclasses.field(default_factory=DeviceBusy)
     wall_s: float | None = None
     """The worker's own time for building, training and probing."""
     returncode: int | None = None
@@ -213,7 +251,8 @@ class RunResult:
                    recipe=_str(d.get("recipe")), repeat=_int(d.get("repeat")), seed=_int(d.get("seed")),
                    impl=_str(d.get("impl")), describe=_str(d.get("describe")), history=_records(d.get("history")),
                    summary=to_jsonable(_dict(d.get("summary"))), timing=Timing.from_dict(d.get("timing")),
-                   memory_probe=MemoryProbe.from_dict(d.get("memory_probe")), wall_s=number(d.get("wall_s")),
+                   memory_probe=MemoryProbe.from_dict(d.get("memory_probe")),
+                   device_busy=DeviceBusy.from_dict(d.get("device_busy")), wall_s=number(d.get("wall_s")),
                    returncode=_int(d.get("returncode")), process_wall_s=number(d.get("process_wall_s")),
                    log=_str(d.get("log")), invocation=_int(d.get("invocation")))
 
@@ -279,7 +318,7 @@ _SPREADS = ("epoch_time_s", "raw_epoch_time_s", "step_time_s", "samples_per_s", 
             "bits_per_char", "test_metric")
 _NUMBERS = ("memory_total_bytes", "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes",
             "measured_step_peak_bytes", "measured_step_rss_peak_bytes", "exact_activations_plus_gradients_bytes",
-            "peak_flops_per_s", "mfu",
+            "peak_flops_per_s", "mfu", "device_busy_s", "device_busy_fraction", "kernels_per_step",
             "final_train_loss", "skipped_steps", "final_loss_scale", "speedup_vs_fp32", "memory_saving_vs_fp32",
             "accuracy_delta_vs_fp32_pp", "test_loss_delta_vs_fp32", "metric_delta_vs_fp32")
 
@@ -316,6 +355,11 @@ class SummaryRow:
     peak_flops_per_s: float | None = None
     mfu: float | None = None
     """Model FLOPs per step / median step time / peak."""
+    device_busy_s: float | None = None
+    """CUDA: the device's busy time per step (:class:`DeviceBusy`), median over repeats."""
+    device_busy_fraction: float | None = None
+    """``device_busy_s`` / median step time: under :data:`HOST_BOUND_BELOW`, the step is host-bound."""
+    kernels_per_step: float | None = None
     final_train_loss: float | None = None
     task: str | None = None
     """classify, binary, multilabel, regression, lm; loss: an explicit --loss only."""
@@ -366,3 +410,8 @@ class SummaryRow:
     def median(self, field: str) -> float | None:
         """The median of one of its spreads (``epoch_time_s``, ``test_accuracy``...), or None."""
         return _median(getattr(self, field))
+
+    @property
+    def host_bound(self) -> bool | None:
+        """Its step is host-bound (:func:`host_bound`); None where the device's busy time was not measured."""
+        return host_bound(self.device_busy_s, self.median("step_time_s"))

@@ -1,9 +1,9 @@
 """One bench run in a fresh interpreter: ``python -m mixprec.bench.worker SPEC OUT``.
 
 ``SPEC`` is a :class:`~mixprec.bench.runner.RunSpec`; the worker trains with the trainer itself (logging off),
-then probes one step's memory peak outside the timed run and writes a :class:`~mixprec.bench.results.RunResult`
-to ``OUT``. A run that raises or stops on a non-finite loss writes ``status: "failed"`` and exits 1; one that
-dies outright writes nothing, and the parent reports its exit status.
+then, outside the timed run, probes one step's memory peak and (CUDA) the device's busy time per step, and writes
+a :class:`~mixprec.bench.results.RunResult` to ``OUT``. A run that raises or stops on a non-finite loss writes
+``status: "failed"`` and exits 1; one that dies outright writes nothing, and the parent reports its exit status.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from ..train.build import build_run
 from ..train.config import TrainConfig
 from ..train.loop import train
 from ..train.report import Reporter
-from .measure import probe_step_memory, timing_from_history
-from .results import MemoryProbe, RunResult
+from .measure import probe_device_busy, probe_step_memory, timing_from_history
+from .results import DeviceBusy, MemoryProbe, RunResult
 from .runner import RunSpec
 
 __all__ = ["train_and_measure", "main"]
@@ -46,6 +46,7 @@ def train_and_measure(spec: RunSpec) -> RunResult:
         else:
             status = "ok"
             found["memory_probe"] = _probe(run)
+            found["device_busy"] = _busy(run, config.optim.grad_accum)
     except MemoryError:
         reason = "out of memory (MemoryError)"
     except Exception as e:  # noqa: BLE001 -- every failure becomes a row with its reason
@@ -66,6 +67,15 @@ def _probe(run) -> MemoryProbe:
             return probe_step_memory(run, batch)
     except Exception as e:  # noqa: BLE001
         return MemoryProbe(reason=f"{type(e).__name__}: {e}")
+
+
+def _busy(run, accum: int) -> DeviceBusy:
+    """The device's busy time per step, after the memory probe; a failed probe is a reason, not a failed run."""
+    try:
+        with run.recipe.run_context():
+            return probe_device_busy(run, accum=accum)
+    except Exception as e:  # noqa: BLE001
+        return DeviceBusy(reason=f"{type(e).__name__}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ from ..contract import as_batch, normalize_batch
 from .protocol import Batch, DataError
 
 __all__ = ["BatchLoader", "FixedBatches", "MapLoader", "TextWindowLoader", "select_batches", "assemble", "collate",
-           "contiguous", "length"]
+           "contiguous", "length", "on_device"]
 
 
 def _check_rank(owner: str, rank: int, world_size: int) -> None:
@@ -64,6 +64,26 @@ def length(x: Any) -> int:
 
 def _device(x: Any) -> torch.device:
     return x.device if isinstance(x, torch.Tensor) else _device(next(iter(x.values() if isinstance(x, dict) else x)))
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if x is None or isinstance(x, torch.Tensor):
+        return x if x is None else x.to(device)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return tuple(_to(v, device) for v in x)
+
+
+def on_device(x: Any, device: torch.device | None, cache: dict) -> Any:
+    """In-memory data (a tensor, None, or a tuple or dict of them) on ``device`` when it is an accelerator: copied
+    there once, the copy kept in ``cache`` under the device, so every loader of the source shares it. On the CPU
+    (or ``device`` None) ``x`` itself."""
+    if device is None or torch.device(device).type == "cpu":
+        return x
+    key = str(device)
+    if key not in cache:
+        cache[key] = _to(x, torch.device(device))
+    return cache[key]
 
 
 def _take(x: Any, idx: torch.Tensor) -> Any:
@@ -315,15 +335,16 @@ class TextWindowLoader:
         return self.iter_from(0)
 
     def iter_from(self, first: int) -> Iterator[Batch]:
-        """The epoch's batches from batch ``first`` on; the skipped ones' positions are drawn, not gathered."""
+        """The epoch's batches from batch ``first`` on; the skipped ones' positions are drawn, not gathered. The
+        epoch's positions are drawn on the host at its start and reach the tokens' device in one copy."""
         g = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
         global_batch = self.world_size * self.batch_size
-        for k in range(self.steps_per_epoch):
-            starts = torch.randint(0, self.n_starts, (global_batch,), generator=g)
-            if k < first:
-                continue
-            mine = starts[self.rank :: self.world_size].to(self.tokens.device)
-            windows = self.tokens[mine[:, None] + self._offsets]  # (B, T + 1), the tokens' dtype
+        starts = [torch.randint(0, self.n_starts, (global_batch,), generator=g) for _ in range(self.steps_per_epoch)]
+        if first >= self.steps_per_epoch:
+            return
+        mine = torch.stack(starts[first:])[:, self.rank :: self.world_size].to(self.tokens.device)
+        for positions in mine:
+            windows = self.tokens[positions[:, None] + self._offsets]  # (B, T + 1), the tokens' dtype
             yield (windows[:, :-1].to(torch.int64, memory_format=torch.contiguous_format),
                    windows[:, 1:].to(torch.int64, memory_format=torch.contiguous_format))
 

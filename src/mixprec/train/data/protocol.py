@@ -106,8 +106,9 @@ class DataSource(Protocol):
 
     def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                device: torch.device | None = None) -> Loader:
-        """This rank's training batches, shuffled by ``seed`` (``num_workers`` and ``device`` apply to sources
-        that load through a DataLoader; in-memory sources ignore them)."""
+        """This rank's training batches, shuffled by ``seed``. ``device`` is the run's: a DataLoader source pins
+        memory for CUDA, the built-in in-memory sources index their batches there; ``num_workers`` applies to
+        DataLoader sources only."""
 
     def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
         """The test samples ``indices``, in that order, ``batch_size`` at a time."""

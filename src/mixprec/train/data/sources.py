@@ -38,7 +38,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from ..contract import TARGET_KEYS, as_batch, describe_batch, is_float64, normalize_batch
 from ..usercode import UserCodeError, call_declared, load_callable
-from .loaders import BatchLoader, FixedBatches, MapLoader, collate, length, select_batches
+from .loaders import BatchLoader, FixedBatches, MapLoader, collate, length, on_device, select_batches
 from .protocol import Batch, DataError
 
 __all__ = ["TensorData", "UserBatches", "MapData", "user_data", "data_from_splits", "infer_num_classes",
@@ -65,6 +65,10 @@ class TensorData:
     task: str | None = None
     """classify for the built-in datasets; None (inferred) for a user's tensors."""
     notes: tuple[str, ...] = ()
+    resident: bool = False
+    """The built-in datasets: ``loader(device=...)`` on an accelerator moves the training split there once
+    (:func:`~mixprec.train.data.loaders.on_device`). A user's tensors stay where they are (False)."""
+    _moved: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     @property
     def n_train(self) -> int:
@@ -76,9 +80,12 @@ class TensorData:
 
     def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                device: torch.device | None = None) -> BatchLoader:
-        """This rank's shuffled training batches (see :class:`BatchLoader`); in memory, so no workers."""
-        return BatchLoader(self.x_train, self.y_train, batch_size, shuffle=True, seed=seed, rank=rank,
-                           world_size=world_size)
+        """This rank's shuffled training batches (see :class:`BatchLoader`); in memory, so no workers. A
+        :attr:`resident` source's batches are indexed on ``device`` (one copy of the split there, kept)."""
+        x, y = self.x_train, self.y_train
+        if self.resident:
+            x, y = on_device((x, y), device, self._moved)
+        return BatchLoader(x, y, batch_size, shuffle=True, seed=seed, rank=rank, world_size=world_size)
 
     def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
         """Test samples ``indices`` (this rank's evaluation shard), ``batch_size`` at a time."""

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ...validate import positive_int
-from .loaders import TextWindowLoader, select_batches
+from .loaders import TextWindowLoader, on_device, select_batches
 from .protocol import Batch, DataError
 
 __all__ = [
@@ -82,6 +82,7 @@ class TextCorpus:
     files: tuple[str, ...] = field(repr=False)
     test_unknown: int  # characters of the test split mapped to UNK_ID
     name: str = "text"
+    _moved: dict = field(default_factory=dict, init=False, repr=False)  # the training split on an accelerator
 
     @property
     def vocab_size(self) -> int:
@@ -113,9 +114,10 @@ class TextCorpus:
 
     def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                device: torch.device | None = None) -> TextWindowLoader:
-        """Seeded random windows of the training split (in memory, so no workers)."""
-        return TextWindowLoader(self.train, self.block_size, batch_size, seed=seed, rank=rank,
-                                world_size=world_size)
+        """Seeded random windows of the training split (in memory, so no workers), gathered on ``device`` (one
+        copy of the split there, kept: :func:`~mixprec.train.data.loaders.on_device`)."""
+        return TextWindowLoader(on_device(self.train, device, self._moved), self.block_size, batch_size, seed=seed,
+                                rank=rank, world_size=world_size)
 
     def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
         """The fixed test windows ``indices``, ``batch_size`` at a time."""
