@@ -19,8 +19,9 @@ def pretend_cuda(monkeypatch):
 
 @pytest.mark.parametrize("device", [{}, {"device": None}, {"device": "auto"}], ids=["default", "None", "auto"])
 def test_build_recipe_defaults_to_cuda_where_available(pretend_cuda, device):
-    assert build_recipe("fp32", **device).device == torch.device("cuda")  # fp32 builds nothing on the device
-    # a recipe that queries the GPU's dtypes: planned (for_target) for the device auto picks, not queried
+    # a recipe asks the device's capabilities once when built, which a pretended GPU cannot answer: planned
+    # (for_target) for the device auto picks, the device is resolved as for a run and not queried
+    assert build_recipe("fp32", for_target=True, **device).device == torch.device("cuda")
     assert build_recipe("bf16-mixed", for_target=True, **device).device == torch.device("cuda")
 
 

@@ -54,14 +54,15 @@ def test_compile_flag_spellings():
     ("fp8-mixed", "cpu", False, False),     # a CPU compiles nothing by default
     ("nvfp4", "cpu", False, False),
 ])
-def test_auto_compiles_the_fp8_recipes_on_cuda_where_their_gemms_are_real(monkeypatch, recipe, device, units,
-                                                                            expected):
-    from mixprec import hardware
+def test_auto_compiles_the_fp8_recipes_on_cuda_where_their_gemms_are_real(recipe, device, units, expected):
+    from mixprec.hardware import Capabilities, capabilities
     from mixprec.precision import build_recipe
 
-    monkeypatch.setattr(hardware, "has_fp8_matmul", lambda d: units and torch.device(d).type == "cuda")
-    monkeypatch.setattr(hardware, "has_lowp_units", lambda name, d: units and torch.device(d).type == "cuda")
-    r = build_recipe(recipe, device=device, for_target=True)
+    caps = (Capabilities(torch.device("cuda"), "H100", tf32=True, fast_bf16=True, fast_fp16=True,
+                         fast_fp16_training=True, fp8_matmul=units, rowwise_fp8=units) if device == "cuda"
+            else capabilities("cpu"))
+    options = {"fp8_impl": "scratch"} if recipe != "bf16-mixed" else {}  # torchao is picked only where installed
+    r = build_recipe(recipe, device=device, for_target=device == "cuda", capabilities=caps, **options)
     compiles, why = r.compiles("auto")
     assert compiles is expected
     assert ("compiled" in why) if expected else (why == "" or "eager" in why)

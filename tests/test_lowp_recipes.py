@@ -341,20 +341,19 @@ def test_torchao_missing_is_a_one_line_error(monkeypatch):
 
 
 def test_auto_picks_torchao_only_where_the_gpu_has_units_for_the_format(monkeypatch):
-    from mixprec import hardware
+    from mixprec.hardware import Capabilities
     from mixprec.lowp import impls
 
     monkeypatch.setattr(impls, "torchao_available", lambda: True)
-    h100 = {"tensorwise", "rowwise"}
-    monkeypatch.setattr(hardware, "has_lowp_units", lambda recipe, device: recipe in h100)
-    picks = {n: impls.auto_fp8_impl(r, torch.device("cpu")) for n, r in LINEAR_RECIPES.items()}
+    h100 = Capabilities(torch.device("cuda"), "H100", fp8_matmul=True, rowwise_fp8=True)
+    picks = {n: impls.auto_fp8_impl(r, h100) for n, r in LINEAR_RECIPES.items()}
     assert picks == {"tensorwise": "torchao", "rowwise": "torchao", "mxfp8": "scratch", "mxfp4": "scratch",
                      "nvfp4": "scratch"}
-    monkeypatch.setattr(hardware, "has_lowp_units", lambda recipe, device: True)  # B200
-    picks = {n: impls.auto_fp8_impl(r, torch.device("cpu")) for n, r in LINEAR_RECIPES.items()}
+    b200 = Capabilities(torch.device("cuda"), "B200", fp8_matmul=True, rowwise_fp8=True, mx_matmul=True)
+    picks = {n: impls.auto_fp8_impl(r, b200) for n, r in LINEAR_RECIPES.items()}
     assert picks == {"tensorwise": "torchao", "rowwise": "torchao", "mxfp8": "torchao", "mxfp4": "scratch",
                      "nvfp4": "scratch"}  # torchao has no MXFP4/NVFP4 training layer
-    assert impls.auto_fp8_impl(linear_recipe("mxfp8", mx_scale_rule="floor"), torch.device("cpu")) == "scratch"
+    assert impls.auto_fp8_impl(linear_recipe("mxfp8", mx_scale_rule="floor"), b200) == "scratch"
 
 
 def test_bench_drops_the_options_a_recipe_does_not_have():

@@ -423,3 +423,29 @@ def test_a_recipe_to_run_on_a_device_this_machine_lacks_is_refused_and_a_target_
                               "emulated": False, "stochastic_rounding": False, "fp8_impl": None}
     assert build_recipe("bf16-master", device=absent, for_target=True).facts()["master_weights"] is True
     assert build_recipe("fp32", device="cpu").device == torch.device("cpu")  # here: no flag needed
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp16-mixed", "tf32", "fp8-mixed", "nvfp4"])
+def test_the_hardware_is_asked_once_when_a_recipe_is_built(monkeypatch, name):
+    """Decide once, pass down: build_recipe asks each capability once (hardware.capabilities); what the recipe,
+    its mechanism and its FP8/FP4 implementation say afterwards reads that answer."""
+    from mixprec import hardware
+
+    calls: dict[str, int] = {}
+    for fn in ("has_tf32", "has_fast_bf16", "has_bf16_kernels", "has_fast_fp16", "has_fast_fp16_training",
+               "has_fp8_matmul", "has_lowp_units", "has_mx_matmul", "describe_device"):
+        real = getattr(hardware, fn)
+
+        def counted(*a, _fn=fn, _real=real, **k):
+            calls[_fn] = calls.get(_fn, 0) + 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(hardware, fn, counted)
+    recipe = build_recipe(name, device="cpu")
+    asked = dict(calls)
+    recipe.describe(), recipe.hardware_facts(), recipe.facts(), recipe.compiles("auto")
+    with recipe.run_context():
+        pass
+    if recipe.fp8 is not None:
+        recipe.fp8.real()
+    assert calls == asked and all(n <= 2 for n in asked.values()), calls  # rowwise units ask fp8 once more

@@ -7,6 +7,7 @@ MXFP8/MXFP4/NVFP4 block-scaled matmuls 10.x.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "Capabilities",
+    "capabilities",
     "RELEVANT_CPU_FLAGS",
     "cpu_flags",
     "describe_device",
@@ -282,3 +285,49 @@ def measure_matmul_peak(
     return {"flops_per_s": best_rate, "n": best_n, "seconds": best_t,
             "dtype": str(dtype).replace("torch.", ""), "tf32": tf32, "device": str(device)}
 
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What one device does with the recipes' dtypes, asked once (:func:`capabilities`) when a recipe is built and
+    passed down: the recipe, its mechanism and its low-precision layer implementation read this object, never the
+    hardware again."""
+
+    device: torch.device
+    description: str
+    """:func:`describe_device`'s words (a planned target: its device type)."""
+    tf32: bool = False
+    fast_bf16: bool = False
+    bf16_kernels: bool = True
+    fast_fp16: bool = False
+    fast_fp16_training: bool = False
+    fp8_matmul: bool = False
+    rowwise_fp8: bool = False
+    mx_matmul: bool = False
+
+    def lowp_units(self, recipe: str) -> bool:
+        """Units for low-precision linear recipe ``recipe`` (tensorwise FP8, rowwise FP8, MX and NVFP4)."""
+        return {"tensorwise": self.fp8_matmul, "rowwise": self.rowwise_fp8}.get(recipe, self.mx_matmul)
+
+    @property
+    def slow_dtypes(self) -> frozenset[torch.dtype]:
+        """The low dtypes whose real training steps are slow here (the scratch engine emulates them): fp16 on every
+        CPU, bf16 on a CPU without bf16 kernels."""
+        return frozenset(d for d, fast in ((torch.float16, self.fast_fp16_training),
+                                           (torch.bfloat16, self.bf16_kernels)) if not fast)
+
+    def autocast_runs_lstm(self, dtype: torch.dtype) -> bool:
+        """:func:`autocast_runs_lstm`, probed on first ask (only a native CPU recipe with an LSTM asks)."""
+        return self.device.type != "cpu" or autocast_runs_lstm(dtype)
+
+
+def capabilities(device: torch.device | str, *, target: bool = False) -> Capabilities:
+    """The device's :class:`Capabilities`. ``target``: a GPU being planned for, which this machine need not have:
+    nothing is asked (a GPU's dtypes assumed fast, no low-precision units: the planner prices GEMM paths from its
+    own target table)."""
+    device = torch.device(device)
+    if target and device.type != "cpu":
+        return Capabilities(device, device.type, tf32=True, fast_bf16=True, fast_fp16=True, fast_fp16_training=True)
+    return Capabilities(device, describe_device(device), tf32=has_tf32(device), fast_bf16=has_fast_bf16(device),
+                        bf16_kernels=has_bf16_kernels(device), fast_fp16=has_fast_fp16(device),
+                        fast_fp16_training=has_fast_fp16_training(device), fp8_matmul=has_fp8_matmul(device),
+                        rowwise_fp8=has_lowp_units("rowwise", device), mx_matmul=has_mx_matmul(device))

@@ -27,14 +27,13 @@ from .recipes import RecipeSpec, dtype_name
 from .scaler import DynamicLossScaler, ScalerConfig
 from .scaler_view import ScalerView
 
-__all__ = ["Mechanism", "NativeMechanism", "ScratchMechanism", "MECHANISMS", "AMP_IMPLS", "auto_mechanism",
-           "slow_dtypes"]
+__all__ = ["Mechanism", "NativeMechanism", "ScratchMechanism", "MECHANISMS", "AMP_IMPLS", "auto_mechanism"]
 
 
 class Mechanism:
     """How one recipe's forward casts and loss scaling run on one device; the base's hooks do nothing.
 
-    ``slow_dtypes``: the low dtypes whose real steps are slow on the device (a mechanism may emulate them).
+    ``caps``: what the device can do (:class:`~mixprec.hardware.Capabilities`, asked once by the recipe).
     """
 
     name: ClassVar[str]
@@ -43,12 +42,12 @@ class Mechanism:
     scaler_words: ClassVar[str]
 
     def __init__(self, spec: RecipeSpec, *, scaler: ScalerConfig, keep_fp32: tuple[str, ...],
-                 device: torch.device, world_size: int = 1, slow_dtypes: frozenset[torch.dtype] = frozenset()
-                 ) -> None:
+                 caps: hardware.Capabilities, world_size: int = 1) -> None:
         self.spec = spec
         self.scaler_config = scaler
         self.keep_fp32 = keep_fp32
-        self.device = device
+        self.caps = caps
+        self.device = caps.device
         self.world_size = world_size
         self.emulate = False  # True where this mechanism runs the low dtype emulated (its values, fp32 arithmetic)
 
@@ -123,7 +122,7 @@ class NativeMechanism(Mechanism):
         found = tuple((n or type(model).__name__, m) for n, m in model.named_modules()
                       if type(m) is nn.LSTM and m.proj_size == 0
                       and all(p.dtype == torch.float32 for p in m.parameters()))
-        if found and not hardware.autocast_runs_lstm(low):
+        if found and not self.caps.autocast_runs_lstm(low):
             self._fp32_lstms = found
 
     def notes(self) -> list[str]:
@@ -157,15 +156,16 @@ class NativeMechanism(Mechanism):
 
 
 class ScratchMechanism(Mechanism):
-    """mixprec's autocast + DynamicLossScaler; emulates the compute dtype where it is slow (:func:`slow_dtypes`)."""
+    """mixprec's autocast + DynamicLossScaler; emulates the compute dtype where it is slow
+    (:attr:`~mixprec.hardware.Capabilities.slow_dtypes`)."""
 
     name = "scratch"
     autocast_words = "mixprec autocast"
     scaler_words = "DynamicLossScaler"
 
-    def __init__(self, spec: RecipeSpec, *, slow_dtypes: frozenset[torch.dtype] = frozenset(), **kw: Any) -> None:
-        super().__init__(spec, slow_dtypes=slow_dtypes, **kw)
-        self.emulate = _emulable(spec, slow_dtypes)
+    def __init__(self, spec: RecipeSpec, **kw: Any) -> None:
+        super().__init__(spec, **kw)
+        self.emulate = _emulable(spec, self.caps.slow_dtypes)
 
     def make_scaler(self) -> DynamicLossScaler:
         c = self.scaler_config
@@ -210,20 +210,9 @@ MECHANISMS: dict[str, type[Mechanism]] = {m.name: m for m in (NativeMechanism, S
 AMP_IMPLS: tuple[str, ...] = ("auto", *MECHANISMS)
 
 
-def slow_dtypes(device: torch.device) -> frozenset[torch.dtype]:
-    """The low dtypes whose real training steps are slow on ``device`` (the scratch engine emulates them): fp16
-    on every CPU, bf16 on a CPU without bf16 kernels (see :mod:`mixprec.hardware`)."""
-    slow = set()
-    if not hardware.has_fast_fp16_training(device):
-        slow.add(torch.float16)
-    if not hardware.has_bf16_kernels(device):
-        slow.add(torch.bfloat16)
-    return frozenset(slow)
-
-
-def auto_mechanism(spec: RecipeSpec, device: torch.device) -> str:
+def auto_mechanism(spec: RecipeSpec, caps: hardware.Capabilities) -> str:
     """``--amp-impl auto``: native, except a compute dtype the device runs slowly (not FP8/FP4), which gets scratch."""
-    return ScratchMechanism.name if _emulable(spec, slow_dtypes(device)) else NativeMechanism.name
+    return ScratchMechanism.name if _emulable(spec, caps.slow_dtypes) else NativeMechanism.name
 
 
 def _emulable(spec: RecipeSpec, slow: frozenset[torch.dtype]) -> bool:

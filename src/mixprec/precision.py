@@ -32,7 +32,7 @@ from .errors import NonFiniteError, RecipeError, check_keywords
 from .lowp.block import BlockLinear
 from .lowp.impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
 from .lowp.recipes import linear_recipe
-from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism, slow_dtypes
+from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism
 from .recipes import ALIASES, RECIPES, RecipeSpec, dtype_name, resolve_recipe
 from .scaler import ScalerConfig
 
@@ -167,11 +167,13 @@ class Recipe:
     :meth:`step`.
     """
 
-    def __init__(self, spec: RecipeSpec, config: RecipeConfig, *, device: torch.device, mechanism: Mechanism,
+    def __init__(self, spec: RecipeSpec, config: RecipeConfig, *, caps: hardware.Capabilities, mechanism: Mechanism,
                  seed: int = 0, world_size: int = 1, fp8: Fp8Impl | None = None) -> None:
         self.spec = spec
         self.config = config
-        self.device = device
+        self.caps = caps
+        """What the device can do, asked once when the recipe was built (:func:`mixprec.hardware.capabilities`)."""
+        self.device = caps.device
         self.mechanism = mechanism
         self.fp8 = fp8
         self.world_size = world_size
@@ -258,7 +260,7 @@ class Recipe:
         prev_cudnn = torch.backends.cudnn.allow_tf32
         # TF32 exists only on CUDA tensor cores. On CPU, "high" would switch oneDNN's fp32 GEMMs to a
         # reduced-precision (bf16x3/tf32) mode that is slower on CPUs without AMX, so tf32 runs as fp32 there.
-        tf32 = self.spec.tf32 and hardware.has_tf32(self.device)
+        tf32 = self.spec.tf32 and self.caps.tf32
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
         torch.backends.cudnn.allow_tf32 = tf32
         try:
@@ -384,8 +386,8 @@ class Recipe:
 
     # -- reporting -----------------------------------------------------------------------------------
     def hardware_facts(self) -> HardwareFacts:
-        matmul_dtype, fast, case = _matmul_facts(self.spec, self.device, self.emulate, self.fp8)
-        return HardwareFacts(matmul_dtype, fast, recipe_text.hardware_note(case, self.device, fp8=self.fp8))
+        matmul_dtype, fast, case = _matmul_facts(self.spec, self.caps, self.emulate, self.fp8)
+        return HardwareFacts(matmul_dtype, fast, recipe_text.hardware_note(case, self.caps, fp8=self.fp8))
 
     def facts(self) -> dict[str, Any]:
         """The recipe's numerics as plain data (reports and JSON)."""
@@ -420,14 +422,16 @@ def _agree_on_finite(loss: torch.Tensor) -> torch.Tensor:
     return torch.where(bad > 0, torch.full_like(loss, float("nan")), loss)
 
 
-def _matmul_facts(spec: RecipeSpec, dev: torch.device, emulate: bool, fp8: Fp8Impl | None) -> tuple[str, bool, str]:
+def _matmul_facts(spec: RecipeSpec, caps: hardware.Capabilities, emulate: bool,
+                  fp8: Fp8Impl | None) -> tuple[str, bool, str]:
     """``(matmul dtype, fast, case of recipe_text.HARDWARE_NOTES)``."""
+    dev = caps.device
     if fp8 is not None:
         if fp8.real():
             return "bf16", True, "fp8-real"
-        return "bf16", hardware.has_fast_bf16(dev), "fp8-emulated" if spec.fp8 == "tensorwise" else "lowp-emulated"
+        return "bf16", caps.fast_bf16, "fp8-emulated" if spec.fp8 == "tensorwise" else "lowp-emulated"
     if spec.compute_dtype == torch.float32:
-        if spec.tf32 and hardware.has_tf32(dev):
+        if spec.tf32 and caps.tf32:
             return "tf32", True, "tf32"
         return "fp32", True, "tf32-absent" if spec.tf32 else "fp32"
     if spec.compute_dtype == torch.bfloat16:
@@ -435,12 +439,12 @@ def _matmul_facts(spec: RecipeSpec, dev: torch.device, emulate: bool, fp8: Fp8Im
             return "bf16", True, "bf16-gpu"
         if emulate:
             return "fp32", False, "bf16-emulated"
-        if hardware.has_fast_bf16(dev):
+        if caps.fast_bf16:
             return "bf16", True, "bf16-cpu"
-        return "bf16", False, "bf16-slow" if hardware.has_bf16_kernels(dev) else "bf16-fallback"
+        return "bf16", False, "bf16-slow" if caps.bf16_kernels else "bf16-fallback"
     if emulate:
         return "fp32", False, "fp16-emulated"
-    if hardware.has_fast_fp16(dev):
+    if caps.fast_fp16:
         return "fp16", True, "fp16-gpu" if dev.type == "cuda" else "fp16-cpu"
     return "fp16", False, "fp16-slow"
 
@@ -452,6 +456,7 @@ def build_recipe(
     seed: int = 0,
     world_size: int = 1,
     for_target: bool = False,
+    capabilities: hardware.Capabilities | None = None,
     **options: Any,
 ) -> Recipe:
     """Resolve a recipe for a device and mechanism; contradictions raise RecipeError (exit 2).
@@ -460,11 +465,12 @@ def build_recipe(
     ``options``. ``device``: ``auto`` (or None) as ``--device auto``; it must exist here unless ``for_target``,
     a device being planned for: then nothing is asked of it, and the recipe must never run (only its
     device-free answers -- ``spec``, ``facts()``, ``label``, ``low_dtype``, ``impl``, ``fsdp_policy()`` -- mean
-    anything).
+    anything). What the device can do is asked here once (:func:`mixprec.hardware.capabilities`; or given as
+    ``capabilities``) and passed down; nothing below asks the hardware again.
     """
     if isinstance(recipe, str):
         check_keywords("build_recipe", options, {f.name for f in dataclasses.fields(RecipeConfig)} - {"precision"}
-                       | {"device", "seed", "world_size", "for_target"})
+                       | {"device", "seed", "world_size", "for_target", "capabilities"})
         options = {k: v for k, v in options.items() if v is not None}
         if "keep_fp32" in options:
             options["keep_fp32"] = tuple(options["keep_fp32"])
@@ -480,19 +486,20 @@ def build_recipe(
         raise RecipeError(
             f"build_recipe({recipe.precision!r}, device={str(device)!r}): {missing}; build it for a device this "
             "machine has (device='cpu', or --device auto), or pass for_target=True to plan for one it lacks")
-    impl = auto_mechanism(spec, device) if recipe.amp_impl == "auto" else recipe.amp_impl
+    caps = capabilities or hardware.capabilities(device, target=for_target)
+    impl = auto_mechanism(spec, caps) if recipe.amp_impl == "auto" else recipe.amp_impl
     with warnings.catch_warnings():
         if for_target:  # GradScaler("cuda") on a machine without CUDA warns that it disables itself
             warnings.simplefilter("ignore", UserWarning)
-        mechanism = MECHANISMS[impl](spec, scaler=recipe.scaler, keep_fp32=tuple(recipe.keep_fp32), device=device,
-                                     world_size=world_size, slow_dtypes=slow_dtypes(device))
-        _refuse_contradictions(spec, recipe, device, query_device=not for_target)
+        mechanism = MECHANISMS[impl](spec, scaler=recipe.scaler, keep_fp32=tuple(recipe.keep_fp32), caps=caps,
+                                     world_size=world_size)
+        _refuse_contradictions(spec, recipe, caps)
         mechanism.refuse_options()
-        fp8 = _fp8_impl(spec, recipe, device, impl, seed, for_target=for_target)
-        return Recipe(spec, recipe, device=device, mechanism=mechanism, seed=seed, world_size=world_size, fp8=fp8)
+        fp8 = _fp8_impl(spec, recipe, caps, impl, seed, for_target=for_target and capabilities is None)
+        return Recipe(spec, recipe, caps=caps, mechanism=mechanism, seed=seed, world_size=world_size, fp8=fp8)
 
 
-def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, device: torch.device, amp_impl: str, seed: int, *,
+def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, caps: hardware.Capabilities, amp_impl: str, seed: int, *,
               for_target: bool = False) -> Fp8Impl | None:
     """The low-precision linear implementation of an FP8/FP4 recipe (None for the others, which refuse its flags);
     ``for_target``: ``auto`` takes scratch's layers without asking the device."""
@@ -504,22 +511,19 @@ def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, device: torch.device, amp_
         return None
     lin = linear_recipe(spec.fp8, **config.linear_options())
     if config.fp8_impl == "auto":
-        name = "scratch" if for_target else auto_fp8_impl(lin, device)
+        name = "scratch" if for_target else auto_fp8_impl(lin, caps)
     else:
         name = config.fp8_impl
-    impl = FP8_IMPLS[name](lin, device, seed=seed)
+    impl = FP8_IMPLS[name](lin, caps, seed=seed)
     impl.refuse(amp_impl, spec.name)
     return impl
 
 
-def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, device: torch.device, *,
-                           query_device: bool = True) -> None:
+def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, caps: hardware.Capabilities) -> None:
     """What this recipe cannot do with these options on this device, whatever the mechanism."""
-    if query_device and device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
-        including_emulation=False
-    ):
+    if caps.device.type == "cuda" and spec.compute_dtype == torch.bfloat16 and not caps.fast_bf16:
         raise RecipeError(
-            f"{spec.name} needs bfloat16, which {torch.cuda.get_device_name(device)} does not support natively "
+            f"{spec.name} needs bfloat16, which {caps.description} does not support natively "
             "(compute capability < 8.0); use --precision fp16-mixed on this GPU"
         )
     if config.stochastic_rounding and spec.param_dtype == torch.float32:

@@ -57,10 +57,10 @@ _LOWP_WORDS = {"tensorwise": ("FP8 GEMMs", "they need CUDA compute capability 8.
                "nvfp4": ("NVFP4 GEMMs", "they need Blackwell tensor cores, CUDA compute capability 10.x")}
 
 
-def hardware_note(case: str, device: torch.device, fp8=None) -> str:
-    """The clause for ``case`` on ``device``; ``fp8``: the recipe's ``Fp8Impl``, for the FP8/FP4 cases."""
+def hardware_note(case: str, caps: hardware.Capabilities, fp8=None) -> str:
+    """The clause for ``case`` on the device ``caps`` describes; ``fp8``: the recipe's ``Fp8Impl``."""
     words, needs = _LOWP_WORDS[fp8.recipe.name] if fp8 is not None else ("", "")
-    return HARDWARE_NOTES[case].format(where=hardware.describe_device(device), device=device.type, fp8_words=words,
+    return HARDWARE_NOTES[case].format(where=caps.description, device=caps.device.type, fp8_words=words,
                                        fp8_needs=needs, fp8_impl=fp8.words if fp8 is not None else "")
 
 

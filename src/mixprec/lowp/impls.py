@@ -14,7 +14,7 @@ one device:
   mixprec's output.
 
 ``--fp8-impl auto`` (:func:`auto_fp8_impl`): torchao where the GPU has units for the recipe's formats
-(:func:`mixprec.hardware.has_lowp_units`), torchao is installed and has the recipe; scratch otherwise.
+(:meth:`mixprec.hardware.Capabilities.lowp_units`), torchao is installed and has the recipe; scratch otherwise.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Fp8Impl:
 
     Args:
         recipe: the low-precision linear recipe (formats per GEMM).
-        device: where the run trains.
+        caps: what the device the run trains on can do (:class:`~mixprec.hardware.Capabilities`).
         seed: seeds stochastic rounding (NVFP4 option).
     """
 
@@ -74,9 +74,10 @@ class Fp8Impl:
     words: ClassVar[str]
     """How :meth:`Recipe.describe` names it."""
 
-    def __init__(self, recipe: LinearRecipe, device: torch.device, *, seed: int = 0) -> None:
+    def __init__(self, recipe: LinearRecipe, caps: hardware.Capabilities, *, seed: int = 0) -> None:
         self.recipe = recipe
-        self.device = device
+        self.caps = caps
+        self.device = caps.device
         self.seed = seed
 
     def refuse(self, amp_impl: str, precision: str) -> None:
@@ -104,8 +105,8 @@ class ScratchFp8(Fp8Impl):
     def real(self) -> bool:
         r = self.recipe
         if r.name == "tensorwise":
-            return hardware.has_fp8_matmul(self.device)
-        return r.name == "rowwise" and not r.wgrad_hp and hardware.has_lowp_units("rowwise", self.device)
+            return self.caps.fp8_matmul
+        return r.name == "rowwise" and not r.wgrad_hp and self.caps.rowwise_fp8
 
     def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
         plan = self.plan(model)
@@ -139,7 +140,7 @@ class TorchaoFp8(Fp8Impl):
                               "torch.autocast only; use --amp-impl native (or auto), or --fp8-impl scratch")
 
     def real(self) -> bool:
-        return hardware.has_lowp_units(self.recipe.name, self.device)
+        return self.caps.lowp_units(self.recipe.name)
 
     def plan(self, model: nn.Module):
         plan = super().plan(model)  # torchao swaps nn.Linear only: adapted classes (HF Conv1D) stay as they are
@@ -177,10 +178,10 @@ FP8_IMPL_CHOICES: tuple[str, ...] = ("auto", *FP8_IMPLS)
 """What ``--fp8-impl`` accepts."""
 
 
-def auto_fp8_impl(recipe: LinearRecipe, device: torch.device) -> str:
+def auto_fp8_impl(recipe: LinearRecipe, caps: hardware.Capabilities) -> str:
     """``--fp8-impl auto``: torchao where the GPU has units for the recipe's formats, torchao is installed and
     has the recipe; scratch otherwise."""
     if (recipe.name in _TORCHAO_RECIPES and recipe.scale_rule != "floor"
-            and hardware.has_lowp_units(recipe.name, device) and torchao_available()):
+            and caps.lowp_units(recipe.name) and torchao_available()):
         return TorchaoFp8.name
     return ScratchFp8.name
