@@ -41,6 +41,7 @@ __all__ = [
     "ALIASES",
     "AMP_IMPLS",
     "FP8_IMPL_CHOICES",
+    "FP8_LAYERS",
     "RecipeSpec",
     "ScalerConfig",
     "RecipeConfig",
@@ -76,6 +77,10 @@ class RecipeConfig:
     """nvfp4: random Hadamard transform of the weight-gradient GEMM's inputs (as TransformerEngine)."""
     fp4_stochastic_rounding: bool = False
     """nvfp4: round the output gradient to FP4 stochastically in the backward GEMMs (as TransformerEngine)."""
+    fp8_layers: str = "auto"
+    """fp8-mixed, fp8-rowwise: which eligible linear layers convert. auto: where the GEMMs are real, only those
+    where FP8 pays (:func:`mixprec.lowp.convert.fp8_pays`; elsewhere every eligible layer, as the emulation is
+    for numerics); all: every eligible layer."""
 
     def validate(self) -> None:
         """Raise a UsageError subclass naming the flag."""
@@ -88,6 +93,8 @@ class RecipeConfig:
             raise RecipeError(f"unknown --fp8-impl {self.fp8_impl!r}; choose one of: {', '.join(FP8_IMPL_CHOICES)}")
         if self.mx_scale_rule not in (None, "rceil", "floor"):
             raise RecipeError(f"unknown --mx-scale-rule {self.mx_scale_rule!r}; choose rceil or floor")
+        if self.fp8_layers not in FP8_LAYERS:
+            raise RecipeError(f"unknown --fp8-layers {self.fp8_layers!r}; choose {' or '.join(FP8_LAYERS)}")
 
     def linear_options(self) -> dict[str, Any]:
         """The low-precision linear options as :func:`mixprec.lowp.recipes.linear_recipe` takes them."""
@@ -117,24 +124,20 @@ class RecipeConfig:
 _DEFAULTS = RecipeConfig()
 _DEFAULT_SCALER = _DEFAULTS.scaler
 _LINEAR_FLAGS = (("--fp8-impl", "fp8_impl"), ("--wgrad-hp", "wgrad_hp"), ("--mx-scale-rule", "mx_scale_rule"),
-                 ("--fp4-hadamard", "fp4_hadamard"), ("--fp4-stochastic-rounding", "fp4_stochastic_rounding"))
+                 ("--fp4-hadamard", "fp4_hadamard"), ("--fp4-stochastic-rounding", "fp4_stochastic_rounding"),
+                 ("--fp8-layers", "fp8_layers"))
+FP8_LAYERS = ("auto", "all")
+"""What ``--fp8-layers`` accepts (:attr:`RecipeConfig.fp8_layers`)."""
 
 
 def _linear_option_applies(spec: RecipeSpec, field: str, config: RecipeConfig) -> bool:
     if spec.fp8 is None:
         return False
-    if field == "fp8_impl":
+    if field in ("fp8_impl", "fp8_layers"):
         return True
     keyword = {"fp4_hadamard": "hadamard", "fp4_stochastic_rounding": "stochastic_rounding"}.get(field, field)
     try:
         linear_recipe(spec.fp8, **{keyword: getattr(config, field)})
-    except RecipeError:
-        return False
-    return True
-    try:
-        linear_recipe(spec.fp8, **{k: v for k, v in config.linear_options().items()
-                                   if k == {"fp4_hadamard": "hadamard",
-                                            "fp4_stochastic_rounding": "stochastic_rounding"}.get(field, field)})
     except RecipeError:
         return False
     return True
@@ -514,7 +517,7 @@ def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, caps: hardware.Capabilitie
         name = "scratch" if for_target else auto_fp8_impl(lin, caps)
     else:
         name = config.fp8_impl
-    impl = FP8_IMPLS[name](lin, caps, seed=seed)
+    impl = FP8_IMPLS[name](lin, caps, seed=seed, layers=config.fp8_layers)
     impl.refuse(amp_impl, spec.name)
     return impl
 

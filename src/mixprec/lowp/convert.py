@@ -27,7 +27,7 @@ from torch import nn
 from .block import BlockLinear, block_linear, layer_seed
 from .fp8 import GEMM_MULTIPLE, Fp8Linear, fp8_linear
 
-__all__ = ["Fp8AdaptedLinear", "Fp8Conversion", "LinearAdapter", "SKIP_NAMES", "convert_to_fp8",
+__all__ = ["Fp8AdaptedLinear", "Fp8Conversion", "LinearAdapter", "SKIP_NAMES", "convert_to_fp8", "fp8_pays",
            "plan_fp8_conversion", "register_linear_adapter", "swap_layers", "unregister_linear_adapter"]
 
 log = logging.getLogger(__name__)
@@ -148,8 +148,24 @@ def _default_filter(module: nn.Module, fqn: str) -> bool:
     return fqn.rsplit(".", 1)[-1] not in SKIP_NAMES
 
 
+def fp8_pays(recipe: str, n: int, k: int) -> str | None:
+    """Why an ``(N out, K in)`` linear layer would run slower in FP8 than in bf16 on a Hopper-class GPU, or None
+    where FP8 pays. torchao 0.18's measured rules (``torchao/float8/float8_linear_utils.py``,
+    ``_auto_filter_for_tensorwise`` / ``_auto_filter_for_rowwise``, benchmarked on H100), copied rather than
+    imported (they are private): tensorwise skips K <= 4096 with N <= 1024; rowwise skips N <= 2048, K <= 1024,
+    and N <= 4096 with K <= 2048. No rule is known for the block-scaled recipes (None)."""
+    rule = {"tensorwise": ((4096, 1024),), "rowwise": ((None, 2048), (1024, None), (2048, 4096))}.get(recipe)
+    for k_max, n_max in rule or ():
+        if (k_max is None or k <= k_max) and (n_max is None or n <= n_max):
+            bounds = " and ".join(b for b in (f"K <= {k_max}" if k_max else "", f"N <= {n_max}" if n_max else "")
+                                  if b)
+            return (f"N={n}, K={k}: too small for {recipe} FP8 to pay ({bounds}: torchao's measured rule); "
+                    "kept in the surrounding precision")
+    return None
+
+
 def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, str], bool] | None,
-                 recipe=None) -> str | None:
+                 recipe=None, pays_only: str | None = None) -> str | None:
     """Why linear layer ``m`` stays as it is, or None to convert it."""
     adapter = _adapter_for(m)
     if adapter is None and type(m) is not nn.Linear:
@@ -164,16 +180,20 @@ def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, 
     if not (module_filter_fn or _default_filter)(m, fqn):
         return ("final classifier, kept out of FP8 (logits are the most sensitive layer)" if module_filter_fn is None
                 else "excluded by module_filter_fn")
+    if pays_only and module_filter_fn is None:  # a user's own filter wins over the default
+        return fp8_pays(pays_only, out_f, in_f)
     return None
 
 
 def plan_fp8_conversion(
-    module: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None, recipe=None
+    module: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None, recipe=None,
+    pays_only: str | None = None,
 ) -> Fp8Conversion:
     """Which linear layers :func:`convert_to_fp8` would swap, and why the others are skipped.
 
     ``recipe``: a block-scaled :class:`~mixprec.lowp.recipes.LinearRecipe` (its multiple), or None for
-    per-tensor FP8."""
+    per-tensor FP8. ``pays_only``: a recipe name (``tensorwise``, ``rowwise``) whose :func:`fp8_pays` rule also
+    keeps the layers where FP8 would not pay (ignored when ``module_filter_fn`` is given)."""
     if recipe is not None and recipe.name == "tensorwise":
         recipe = None
     converted, skipped = [], []
@@ -181,7 +201,7 @@ def plan_fp8_conversion(
         converted_already = isinstance(m, (Fp8Linear, BlockLinear, Fp8AdaptedLinear))
         if converted_already or not (isinstance(m, nn.Linear) or _adapter_for(m)):
             continue
-        reason = _skip_reason(m, fqn, module_filter_fn, recipe)
+        reason = _skip_reason(m, fqn, module_filter_fn, recipe, pays_only)
         if reason is None:
             converted.append(fqn)
         else:
@@ -207,6 +227,7 @@ def convert_to_fp8(
     emulate: bool | None = None,
     recipe=None,
     seed: int = 0,
+    pays_only: str | None = None,
 ) -> nn.Module:
     """Swap eligible linear layers of ``module`` for FP8 ones, in place: ``nn.Linear`` for :class:`Fp8Linear`,
     a registered linear class (Hugging Face's Conv1D; :func:`register_linear_adapter`) for
@@ -220,10 +241,11 @@ def convert_to_fp8(
         recipe: a block-scaled :class:`~mixprec.lowp.recipes.LinearRecipe` (layers become
             :class:`~mixprec.lowp.block.BlockLinear`; its multiple replaces 16), or None / ``tensorwise``.
         seed: seeds each layer's stochastic-rounding stream (NVFP4 option).
+        pays_only: as :func:`plan_fp8_conversion`'s.
     """
     if recipe is not None and recipe.name == "tensorwise":
         recipe = None
-    plan = plan_fp8_conversion(module, module_filter_fn=module_filter_fn, recipe=recipe)
+    plan = plan_fp8_conversion(module, module_filter_fn=module_filter_fn, recipe=recipe, pays_only=pays_only)
     for fqn, reason in plan.skipped:
         log.info("convert_to_fp8: kept %s in its precision: %s", fqn or "<root>", reason)
     return swap_layers(module, plan.converted, lambda m, fqn: _to_fp8_module(m, emulate, recipe, fqn, seed))

@@ -67,6 +67,7 @@ class Fp8Impl:
         recipe: the low-precision linear recipe (formats per GEMM).
         caps: what the device the run trains on can do (:class:`~mixprec.hardware.Capabilities`).
         seed: seeds stochastic rounding (NVFP4 option).
+        layers: ``auto`` (where the GEMMs are real, only the layers where FP8 pays: :func:`~mixprec.lowp.convert.fp8_pays`) or ``all``.
     """
 
     name: ClassVar[str]
@@ -74,11 +75,13 @@ class Fp8Impl:
     words: ClassVar[str]
     """How :meth:`Recipe.describe` names it."""
 
-    def __init__(self, recipe: LinearRecipe, caps: hardware.Capabilities, *, seed: int = 0) -> None:
+    def __init__(self, recipe: LinearRecipe, caps: hardware.Capabilities, *, seed: int = 0,
+                 layers: str = "auto") -> None:
         self.recipe = recipe
         self.caps = caps
         self.device = caps.device
         self.seed = seed
+        self.layers = layers
 
     def refuse(self, amp_impl: str, precision: str) -> None:
         """Raise RecipeError for what this implementation cannot run (called once, at build)."""
@@ -87,9 +90,14 @@ class Fp8Impl:
         """Whether every GEMM of the recipe runs on real low-precision units here (else some are emulated)."""
         raise NotImplementedError
 
+    @property
+    def pays_only(self) -> str | None:
+        """The recipe whose pay rule filters the layers (``layers="auto"`` where the GEMMs are real), or None."""
+        return self.recipe.name if self.layers == "auto" and self.real() else None
+
     def plan(self, model: nn.Module):
         """The :class:`~mixprec.lowp.convert.Fp8Conversion` :meth:`convert` will carry out."""
-        return plan_fp8_conversion(model, recipe=self.recipe)
+        return plan_fp8_conversion(model, recipe=self.recipe, pays_only=self.pays_only)
 
     def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
         """Swap the eligible linear layers; returns the model and the conversion's record."""
@@ -110,7 +118,7 @@ class ScratchFp8(Fp8Impl):
 
     def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
         plan = self.plan(model)
-        return convert_to_fp8(model, recipe=self.recipe, seed=self.seed), plan
+        return convert_to_fp8(model, recipe=self.recipe, seed=self.seed, pays_only=self.pays_only), plan
 
 
 _TORCHAO_RECIPES = ("tensorwise", "rowwise", "mxfp8")

@@ -33,8 +33,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorExc
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UsageError, one_line
+from ..hardware import Capabilities, capabilities
 from ..memory import CATEGORIES, SavedTensorTracker, static_memory
-from ..precision import Recipe, build_recipe
+from ..precision import Recipe, build_recipe, resolve_recipe
+from ..recipes import dtype_name
 from .recorder import OpRecord, StepRecorder
 from .workspace import cpu_workspace
 from .targets import Target
@@ -217,7 +219,10 @@ def recipe_for_target(recipe_config, target: Target) -> tuple[Recipe, Callable[[
     impl = recipe_config.amp_impl
     if impl == "auto":
         impl = "native"  # every GPU target has fast fp16, so auto is native there (precision.build_recipe)
-    recipe = build_recipe(dc.replace(recipe_config, amp_impl=impl), device="cpu")
+    changes = {"amp_impl": impl}
+    if recipe_config.fp8_impl == "auto" and resolve_recipe(recipe_config.precision).fp8 is not None:
+        changes["fp8_impl"] = "scratch"  # what the target would run, traced through mixprec's own layers
+    recipe = build_recipe(dc.replace(recipe_config, **changes), device="cpu", capabilities=_target_capabilities(target))
 
     def autocast_for(model: nn.Module):
         if not recipe.spec.autocast:
@@ -230,6 +235,18 @@ def recipe_for_target(recipe_config, target: Target) -> tuple[Recipe, Callable[[
                         model=model)
 
     return recipe, autocast_for, ("real" if target.fp8_matmul else "emulated")
+
+
+_ROWWISE_FP8 = ("h100-sxm", "h200", "b200")
+"""Targets with rowwise-scaled FP8 GEMMs (compute capability 9.0+; the FP8 of an RTX 4090 or L4 is 8.9)."""
+
+
+def _target_capabilities(target: Target) -> Capabilities:
+    """What the recipe may assume of a GPU target while it is built on this CPU: the target's FP8 units (so the
+    layers where FP8 would not pay there stay out, as on the GPU itself); the CPU's answers for the rest."""
+    cpu = capabilities("cpu")
+    fp8 = target.fp8_matmul
+    return dataclasses.replace(cpu, fp8_matmul=fp8, rowwise_fp8=fp8 and target.name in _ROWWISE_FP8)
 
 
 def _recipe_autocast(recipe: Recipe):
@@ -306,9 +323,21 @@ def trace_step(
     notes = [] if models.path != "real-then-fake" else [
         f"the model could not be built under fake tensors ({models.fake_error}), so it was built for real once "
         "(--fallback-real) and traced as a fake copy"]
+    notes += _kept_out(recipe)
     return StepTrace(recipe=recipe.name, label=recipe.label, batch_size=len(batch), totals=totals,
                      at_peak=_at_peak(rec), peak_bytes=rec.peak, phase_peak=dict(rec.phase_peak),
                      batch_bytes=_batch_bytes(rec), ops=rec.ops, notes=notes, path=models.path)
+
+
+def _kept_out(recipe: Recipe) -> list[str]:
+    """One note naming the linear layers the FP8/FP4 recipe keeps out where FP8 would not pay on the target."""
+    conv = recipe.fp8_conversion
+    small = [name for name, why in (conv.skipped if conv else ()) if "to pay" in why]
+    if not small:
+        return []
+    shown = ", ".join(small[:6]) + (f" and {len(small) - 6} more" if len(small) > 6 else "")
+    return [f"{len(small)} linear layer(s) stay in {dtype_name(recipe.spec.compute_dtype)} where {recipe.name} would "
+            f"not pay on this target (torchao's size rule; --fp8-layers all converts them): {shown}"]
 
 
 @contextlib.contextmanager

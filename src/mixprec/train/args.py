@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..precision import ALIASES, AMP_IMPLS, FP8_IMPL_CHOICES, RECIPES
+from ..precision import ALIASES, AMP_IMPLS, FP8_IMPL_CHOICES, FP8_LAYERS, RECIPES
 from .config import COMPILE, OPTIMIZERS, PROGRESS, SCHEDULES, STRATEGIES, TrainConfig
 
 __all__ = ["add_train_arguments", "add_output_arguments", "config_from_args", "typed_flags"]
@@ -121,6 +121,9 @@ def _recipe_arguments(add: _Flags, with_precision: bool) -> None:
         help="nvfp4: random Hadamard transform of the weight-gradient GEMM's inputs (TransformerEngine's RHT)")
     add("--fp4-stochastic-rounding", action="store_true",
         help="nvfp4: round output gradients to FP4 stochastically in backward (as TransformerEngine)")
+    add("--fp8-layers", choices=FP8_LAYERS,
+        help="fp8-mixed, fp8-rowwise: auto (default: on a GPU with FP8 units, only the layers where FP8 pays, by "
+             "torchao's measured size rule; emulated, every eligible layer) or all (every eligible layer)")
 
 
 def _model_and_data_arguments(add: _Flags) -> None:
