@@ -21,7 +21,7 @@ FLOORS = [
     ["train"],
     ["probes"],
     ["doctor", "watching", "planning"],
-    ["bench"],
+    ["bench", "tune"],
     ["integrations"],
     ["cli.py", "__main__.py", "*/command.py"],
 ]
@@ -104,7 +104,7 @@ ENGINE_ALONE = """
 import sys
 import mixprec
 from mixprec import autocast, DynamicLossScaler, build_recipe
-higher = ("train", "doctor", "bench", "planning", "watching", "probes", "integrations")
+higher = ("train", "doctor", "bench", "planning", "watching", "probes", "integrations", "tune")
 loaded = sorted(m for m in sys.modules if m.startswith("mixprec.") and m.split(".")[1] in higher)
 assert not loaded, loaded
 plan, watch = mixprec.plan, mixprec.watch   # resolve on first use

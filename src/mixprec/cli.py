@@ -1,4 +1,4 @@
-"""Command line: ``mixprec train | bench | doctor | plan``. Dispatch only; each command defines its own flags.
+"""Command line: ``mixprec train | bench | doctor | plan | tune``. Dispatch only; each command defines its own flags.
 A UsageError is one line and exit 2, an OutputError exit 1."""
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ from .doctor import command as doctor_command
 from .errors import OutputError, UsageError
 from .planning import command as plan_command
 from .train import command as train_command
+from .tune import command as tune_command
 
 __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mixprec", description="Mixed-precision training for PyTorch: train, benchmark, diagnose, plan."
+        prog="mixprec", description="Mixed-precision training for PyTorch: train, benchmark, diagnose, plan, tune."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for command in (train_command, bench_command, doctor_command, plan_command):
+    for command in (train_command, bench_command, doctor_command, plan_command, tune_command):
         command.add_parser(sub)
     return parser
 
