@@ -1,8 +1,9 @@
 """Measurements: step/epoch timing from the trainer's history, and an honest step memory peak.
 
-**Timing.** Every step's wall time, no ``.item()`` inside (``log_every=0``); the first ``warmup_steps`` of every
-epoch dropped. Steady epoch time = mean timed step x the epoch's step count. On CUDA every recipe syncs once per
-step, so step times cannot run ahead of the GPU by more than one step.
+**Timing.** Every step's time, no ``.item()`` inside (``log_every=0``); the first ``warmup_steps`` of every
+epoch dropped. Steady epoch time = mean timed step x the epoch's step count. A step need not wait for the GPU
+(:mod:`mixprec.guard`), so on CUDA the trainer times each step with CUDA events recorded after consecutive steps
+(:class:`~mixprec.train.meter.EpochMeter`), not with the host's clock.
 
 **Memory**, measured after the timed run (beside the exact accounting of :mod:`mixprec.memory`):
 
