@@ -883,13 +883,13 @@ def test_device_busy_is_not_probed_on_the_cpu():
 def test_the_busy_probe_profiles_its_steps_after_warm_up_and_reports_per_step(monkeypatch):
     """The probe's own arithmetic, with the CUDA parts stood in for (no GPU here): ``warmup`` + ``steps`` optimizer
     steps of ``accum`` micro-batches each, cycling through short epochs, only the last ``steps`` profiled, and the
-    profiled busy time and kernels divided by ``steps``."""
+    profiled busy time and kernels divided by ``steps``; the steps are guarded and numbered, as the trainer's."""
     import torch.profiler
     from types import SimpleNamespace
 
     from mixprec.train.data import FixedBatches
 
-    steps, profiling = [], []
+    steps, profiling, guarded = [], [], []
 
     class Profile:
         profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: ["events"]))
@@ -906,12 +906,15 @@ def test_the_busy_probe_profiles_its_steps_after_warm_up_and_reports_per_step(mo
 
     monkeypatch.setattr(torch.profiler, "profile", Profile)
     monkeypatch.setattr(measure, "synchronize", lambda device: None)
-    monkeypatch.setattr(measure, "accumulate_step", lambda ctx, micro: steps.append([b[1].item() for b in micro]))
+    monkeypatch.setattr(measure, "accumulate_step", lambda ctx, micro, step: (
+        steps.append([b[1].item() for b in micro]), guarded.append((ctx.guard, step))))
+    monkeypatch.setattr(measure, "StepGuard", lambda device: "guard")
     monkeypatch.setattr(measure, "busy_time_ns", lambda events, index: (6_000_000, 90) if events == ["events"] else 0)
     loader = FixedBatches([(torch.zeros(1, 2), torch.tensor([i])) for i in range(3)])
-    run = SimpleNamespace(device=torch.device("cuda", 0), train_loader=loader, ctx=None)
+    run = SimpleNamespace(device=torch.device("cuda", 0), train_loader=loader, ctx=SimpleNamespace(guard=None))
     busy = measure.probe_device_busy(run, accum=2, warmup=1, steps=3)
     assert steps == [[0, 1], [2, 0], [1, 2], [0, 1]] and profiling == [1, 4]
+    assert guarded == [("guard", i) for i in range(4)] and run.ctx.guard is None
     assert busy.method == measure.BUSY_METHOD and busy.steps == 3 and busy.profiled_step_s >= 0
     assert busy.busy_s == pytest.approx(0.002) and busy.kernels_per_step == 30
     monkeypatch.setattr(measure, "busy_time_ns", lambda events, index: (0, 0))

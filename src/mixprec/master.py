@@ -97,13 +97,20 @@ class MasterWeights:
             p.grad = None
 
     @torch.no_grad()
-    def write_back(self) -> None:
-        """Round each fp32 master to its model parameter's dtype and store it there, in place."""
+    def write_back(self, unless: torch.Tensor | None = None) -> None:
+        """Round each fp32 master to its model parameter's dtype and store it there, in place.
+
+        ``unless`` (0-dim, on the device): where it is non-zero the params keep their values (a step skipped on the
+        device; without a host read). Only stochastic rounding needs it: rounding to nearest an unchanged master
+        gives the param it already holds."""
         for p, m in self._pairs():
             if self.rounding == "nearest":
                 p.copy_(m)
-            else:
+            elif unless is None:
                 p.copy_(quantize(m, p.dtype, "stochastic", generator=self.generator))
+            else:
+                q = quantize(m, p.dtype, "stochastic", generator=self.generator)
+                torch.where(unless.to(p.device) > 0, p, q.to(p.dtype), out=p)
 
     def nbytes(self) -> int:
         """Bytes of the fp32 master copies (shared fp32 params and gradients not counted)."""

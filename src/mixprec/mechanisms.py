@@ -40,6 +40,8 @@ class Mechanism:
     """Its ``--amp-impl`` name."""
     autocast_words: ClassVar[str]
     scaler_words: ClassVar[str]
+    skips_on_device: ClassVar[bool] = False
+    """Whether its scaler can skip a step on the device (with an optimizer that takes ``found_inf``)."""
 
     def __init__(self, spec: RecipeSpec, *, scaler: ScalerConfig, keep_fp32: tuple[str, ...],
                  caps: hardware.Capabilities, world_size: int = 1) -> None:
@@ -65,10 +67,17 @@ class Mechanism:
         """The forward's autocast context (autocast recipes only)."""
         raise NotImplementedError
 
-    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
-        """Loss-scaled recipes, after ``scaler.unscale_(optimizer)``: step unless the gradients had inf/NaN;
-        returns True when skipped. One host sync (the skip decision)."""
+    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer, *, hold: torch.Tensor | None = None,
+                     on_device: bool = False) -> bool | torch.Tensor:
+        """Loss-scaled recipes, after ``scaler.unscale_(optimizer)``: step unless the gradients had inf/NaN; returns
+        whether it skipped. One host sync (the skip decision), or none with ``on_device`` where
+        :attr:`skips_on_device` (then the answer is a 0-dim float32 flag). ``hold`` (0-dim, 0 or 1): skip whatever
+        the gradients and leave the scaler's state as it was (a halted run, :mod:`mixprec.guard`)."""
         raise NotImplementedError
+
+    def update(self, scaler: Any) -> None:
+        """After :meth:`step_or_skip` (or the optimizer's step): the scaler's update."""
+        scaler.update()
 
     def check_compile(self) -> None:
         """Raise RecipeError where ``torch.compile`` cannot help this mechanism."""
@@ -107,6 +116,7 @@ class NativeMechanism(Mechanism):
     def __init__(self, spec: RecipeSpec, **kw: Any) -> None:
         super().__init__(spec, **kw)
         self._fp32_lstms: tuple[tuple[str, nn.Module], ...] = ()
+        self._held_scale: torch.Tensor | None = None
 
     @property
     def fp32_lstms(self) -> tuple[str, ...]:
@@ -144,15 +154,38 @@ class NativeMechanism(Mechanism):
         stack.callback(Fp32Forward("cpu").install(m for _, m in self._fp32_lstms).remove)
         return stack
 
-    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer, *, hold: torch.Tensor | None = None,
+                     on_device: bool = False) -> bool:
         # The skip is read from the unscale_ the recipe ran (GradScaler.step's own read then finds it ready).
         # A skipped step never reaches the optimizer: GradScaler hands a fused optimizer its found_inf, and the
         # fused kernels skip only when it is exactly 1, but ShardedGradScaler sums it over ranks (2 when two
         # ranks overflow), so scaler.step would apply the inf step. update() needs only the unscale_'s check.
-        skipped = ScalerView(scaler).skipped(optimizer)
-        if not skipped:
+        # So the decision stays on the host whatever on_device says.
+        view = ScalerView(scaler)
+        if hold is None:
+            skipped = view.skipped(optimizer)
+            if not skipped:
+                scaler.step(optimizer)
+            return skipped
+        found = view.found_inf(optimizer)
+        assert found is not None, "step_or_skip: call scaler.unscale_(optimizer) first"
+        code = int(((found > 0).float() + 2 * hold.to(found.device)).item())  # 1: inf/NaN, 2 or 3: held
+        if code >= 2:
+            scale = view.scale()
+            assert scale is not None
+            self._held_scale = scale.clone()
+            return True
+        if code == 0:
             scaler.step(optimizer)
-        return skipped
+        return code == 1
+
+    def update(self, scaler: Any) -> None:
+        """A held iteration keeps the scale (``update(new_scale=...)`` keeps the growth count too)."""
+        held, self._held_scale = self._held_scale, None
+        if held is None:
+            scaler.update()
+        else:
+            scaler.update(new_scale=held)
 
 
 class ScratchMechanism(Mechanism):
@@ -162,6 +195,7 @@ class ScratchMechanism(Mechanism):
     name = "scratch"
     autocast_words = "mixprec autocast"
     scaler_words = "DynamicLossScaler"
+    skips_on_device = True
 
     def __init__(self, spec: RecipeSpec, **kw: Any) -> None:
         super().__init__(spec, **kw)
@@ -189,7 +223,12 @@ class ScratchMechanism(Mechanism):
         return autocast(self.spec.compute_dtype, device_type=self.device.type, emulate=self.emulate,
                         keep_fp32=self.keep_fp32, model=model)
 
-    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    def step_or_skip(self, scaler: Any, optimizer: torch.optim.Optimizer, *, hold: torch.Tensor | None = None,
+                     on_device: bool = False) -> bool | torch.Tensor:
+        if hold is not None:
+            scaler.hold(hold)
+        if on_device:
+            return scaler.step_on_device(optimizer)
         return not scaler.step(optimizer)
 
     def check_compile(self) -> None:

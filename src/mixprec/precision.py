@@ -9,6 +9,9 @@ Every recipe exposes the same hooks, so the loop has no precision branches (a di
     recipe.backward(loss)                             # loss x scale, backward
     result = recipe.step(opt, clip_norm)              # unscale, check, clip true grads, step/skip, update
 
+With a :class:`~mixprec.guard.StepGuard` (``guard=``, as ``mixprec train`` passes one) the two hooks read nothing
+on the host where the optimizer can skip a step on the device; :meth:`Recipe.step_reads` says where one read stays.
+
 What a name means is in :mod:`mixprec.recipes`, the autocast and scaler behind the hooks in
 :mod:`mixprec.mechanisms`, the words in :mod:`mixprec.recipe_text`. This module joins them:
 :class:`RecipeConfig` (what a run asks for), :func:`build_recipe` (device and mechanism resolved,
@@ -29,12 +32,15 @@ from torch import nn
 
 from . import hardware, recipe_text
 from .errors import NonFiniteError, RecipeError, check_keywords
+from .guard import StepGuard, nonfinite_grads
 from .lowp.block import BlockLinear
 from .lowp.impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
 from .lowp.recipes import linear_recipe
 from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism
+from .memory import local_tensor
 from .recipes import ALIASES, RECIPES, RecipeSpec, dtype_name, resolve_recipe
 from .scaler import ScalerConfig
+from .scaler_view import ScalerView
 
 __all__ = [
     "RECIPES",
@@ -155,9 +161,12 @@ class HardwareFacts:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
+    """What one :meth:`Recipe.step` did."""
 
-    skipped: bool
-    """The gradients were inf/nan (loss-scaled recipes only)."""
+    skipped: bool | torch.Tensor
+    """The step was skipped: inf/nan gradients (loss-scaled recipes), or with a guard a fault or a halted run. A
+    0-dim float32 device flag (1.0: skipped) where the step skipped on the device (a guard and a fused
+    optimizer): read it only where the host reads anyway."""
     grad_norm: torch.Tensor | None
     """L2 norm of the unscaled gradients before clipping (0-dim, not synced); None without clipping."""
 
@@ -311,13 +320,16 @@ class Recipe:
             return contextlib.nullcontext()
         return self.mechanism.autocast(self._model)
 
-    def backward(self, loss: torch.Tensor, *, step: int | None = None) -> None:
+    def backward(self, loss: torch.Tensor, *, step: int | None = None, guard: StepGuard | None = None) -> None:
         """Backward of the (scaled) loss.
 
         Without loss scaling a non-finite loss raises NonFiniteError before backward (on every rank when any
         rank's is bad), leaving model and optimizer in their last good state; that reads the loss: one sync.
+        With a ``guard`` nothing is read: the guard notes the loss and :meth:`step` skips the step.
         """
-        if not self.spec.loss_scaling:
+        if not self.spec.loss_scaling and guard is not None:
+            guard.note_loss(loss)
+        elif not self.spec.loss_scaling:
             if self.world_size > 1:
                 loss = _agree_on_finite(loss)
             if not math.isfinite(loss.item()):  # the step's one host read; isfinite on the float launches nothing
@@ -329,9 +341,14 @@ class Recipe:
                 )
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, clip_norm: float | None = None) -> StepResult:
+    def step(self, optimizer: torch.optim.Optimizer, clip_norm: float | None = None, *,
+             guard: StepGuard | None = None, step: int | None = None) -> StepResult:
         """Unscale, check for inf/nan, clip the true gradients, step or skip, update the scale (in fp32 with master
-        weights). Host syncs: one with loss scaling (the skip); one when clipping without it (the norm)."""
+        weights). Host syncs: one with loss scaling (the skip); one when clipping without it (the norm).
+
+        With a ``guard`` (and the global ``step``): a non-finite loss or gradient of a recipe without loss scaling
+        skips the step and halts the run instead of raising, a halted run skips the step whole, and the skip is
+        decided on the device — no sync — where the optimizer takes ``found_inf`` (:meth:`step_reads`)."""
         if self.master is not None:
             self.master.copy_grads_to_master()  # re-reads the masters first when master.resync
         self.scaler.unscale_(optimizer)  # no-op when loss scaling is off
@@ -339,21 +356,84 @@ class Recipe:
         if clip_norm is not None:
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm, error_if_nonfinite=False)
-            if not self.spec.loss_scaling and not bool(torch.isfinite(grad_norm)):
+            if guard is None and not self.spec.loss_scaling and not bool(torch.isfinite(grad_norm)):
                 raise NonFiniteError(
                     f"non-finite gradient norm ({float(grad_norm)}) with recipe {self.name}, which has no loss "
                     "scaler to skip the step; the step was not applied",
                     what="gradient",
                 )
-        if self.spec.loss_scaling:
+        hold = None
+        if guard is not None:
+            if step is None:
+                raise ValueError("Recipe.step(..., guard=...): pass the step's number too (step=...)")
+            skipped, hold = self._guarded_step(optimizer, guard, grad_norm, step)
+        elif self.spec.loss_scaling:
             skipped = self.mechanism.step_or_skip(self.scaler, optimizer)
         else:
             self.scaler.step(optimizer)  # a disabled scaler just steps
             skipped = False
-        self.scaler.update()
+        self.mechanism.update(self.scaler)
         if self.master is not None:
-            self.master.write_back()
+            stochastic = self.master.rounding == "stochastic" and not self.master.resync
+            self.master.write_back(unless=hold if stochastic else None)
         return StepResult(skipped=skipped, grad_norm=grad_norm)
+
+    def _guarded_step(self, optimizer: torch.optim.Optimizer, guard: StepGuard, grad_norm: torch.Tensor | None,
+                      step: int) -> tuple[bool | torch.Tensor, torch.Tensor]:
+        """Step or skip under a guard; returns the skip (a bool where it was read, else the device flag) and the
+        flag under which the step must leave everything as it was."""
+        on_device = guard.skips_on_device(optimizer)
+        if self.spec.loss_scaling:
+            hold = guard.halted
+            skipped = self.mechanism.step_or_skip(self.scaler, optimizer, hold=hold, on_device=on_device)
+            found = ScalerView(self.scaler).found_inf(optimizer)
+            assert found is not None
+            guard.skip(found, step)
+            if skipped is False:
+                guard.stepped(optimizer)
+            return skipped, hold
+        # no loss scaling: 2 where a loss was non-finite, 1 where only a gradient was, agreed across ranks
+        if grad_norm is not None:
+            code = (~torch.isfinite(local_tensor(grad_norm).detach())).float().to(guard.device)
+        else:
+            code = torch.zeros((), dtype=torch.float32, device=guard.device)
+            nonfinite_grads((p for g in optimizer.param_groups for p in g["params"]), code)
+        loss_flag = guard.take_loss_flag()
+        if loss_flag is not None:
+            code = torch.maximum(code, loss_flag.to(code.device))
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        skip = guard.fault(code, step)
+        if on_device:
+            try:
+                optimizer.found_inf = skip  # the fused kernels skip on exactly 1.0 and restore their step counts
+                optimizer.step()
+            finally:
+                optimizer.__dict__.pop("found_inf", None)
+            return skip, skip
+        skipped = bool(skip.item())  # the one read: this optimizer cannot skip on the device
+        if not skipped:
+            optimizer.step()
+            guard.stepped(optimizer)
+        return skipped, skip
+
+    def step_reads(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Why a guarded step of this recipe with ``optimizer`` still reads a value on the host every step (a clause
+        for the run's notes), or None where it reads nothing (after the optimizer's first applied step, which makes
+        its state)."""
+        if self.spec.loss_scaling and not self.mechanism.skips_on_device:
+            return (f"one host read per step: {self.label}'s {self.mechanism.scaler_words} decides on the host "
+                    "whether to skip a step (it reads found_inf; across ranks ShardedGradScaler sums it, and a fused "
+                    "optimizer skips only on exactly 1); --amp-impl scratch skips on the device")
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            what = "inf/nan gradients" if self.spec.loss_scaling else "a non-finite loss or gradient"
+            return (f"one host read per step: whether to skip it for {what}, since {type(optimizer).__name__} is "
+                    "not a fused optimizer, which alone skips a step on the device (mixprec's sgd and adamw are "
+                    "fused over plain fp32 tensors)")
+        return None
 
     def loss_scale(self) -> float:
         """Current loss scale (1.0 without loss scaling). Syncs: call at log points, not per step."""

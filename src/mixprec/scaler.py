@@ -15,9 +15,11 @@ kernel (bit-identical for any scale). Unlike GradScaler a skipped step never cal
 with momentum would store uninitialised buffers on a skipped first step), and ``step`` returns whether it applied.
 
 Host syncs: ``scale``, ``unscale_`` and ``update`` only launch device work; ``step`` syncs once (it reads
-``found_inf``); ``get_scale`` and ``state_dict`` sync. When ``torch.distributed`` is initialised ``found_inf`` is
-all-reduced with MAX, so every rank skips the same steps. Every setting goes through
-:func:`validate_scaler_settings` (:class:`~mixprec.errors.ScalerConfigError` naming the flag, argument or key).
+``found_inf``); ``step_on_device`` never does (the optimizer skips inside its kernels); ``get_scale`` and
+``state_dict`` sync. ``hold`` makes an iteration leave everything as it was (a halted run, :mod:`mixprec.guard`).
+When ``torch.distributed`` is initialised ``found_inf`` is all-reduced with MAX, so every rank skips the same
+steps. Every setting goes through :func:`validate_scaler_settings` (:class:`~mixprec.errors.ScalerConfigError`
+naming the flag, argument or key).
 """
 
 from __future__ import annotations
@@ -255,7 +257,9 @@ class DynamicLossScaler:
         self._hysteresis_left: torch.Tensor | None = None
         self._per_optimizer: dict[int, _PerOptimizer] = {}
         self._found_inf: torch.Tensor | None = None
-        self._skipped_steps = 0
+        self._skipped_steps = 0  # counted on the host (step); step_on_device counts in _device_skips
+        self._device_skips: torch.Tensor | None = None
+        self._hold: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ queries and settings
 
@@ -294,8 +298,11 @@ class DynamicLossScaler:
 
     @property
     def skipped_steps(self) -> int:
-        """How many ``step()`` calls skipped ``optimizer.step()`` for inf/NaN gradients."""
-        return self._skipped_steps if self._enabled else 0
+        """How many steps were skipped for inf/NaN gradients (held ones not counted). Syncs once a step was
+        taken by ``step_on_device``."""
+        if not self._enabled:
+            return 0
+        return self._skipped_steps + (0 if self._device_skips is None else int(self._device_skips.item()))
 
     @property
     def found_inf(self) -> torch.Tensor | None:
@@ -373,19 +380,78 @@ class DynamicLossScaler:
         state.stage = OptState.STEPPED
         return applied
 
+    def step_on_device(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """``step`` without the host read, for an optimizer that skips on the device (``_step_supports_amp_scaling``:
+        PyTorch's fused Adam/AdamW/SGD/Adagrad): it is always called, with ``found_inf`` 1.0 on a step to skip, and
+        its kernels skip it (restoring their step counts). Returns that 0-dim float32 flag; skips are counted on
+        the device. No host sync.
+
+        A fused SGD with momentum stores uninitialised buffers when its first step is skipped: use ``step`` until
+        the optimizer has its state."""
+        if not self._enabled:
+            raise RuntimeError("step_on_device(optimizer): this scaler is disabled; call optimizer.step() instead")
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise RuntimeError(
+                f"step_on_device({type(optimizer).__name__}): it cannot skip a step on the device (no "
+                "_step_supports_amp_scaling; PyTorch's fused optimizers have it); call step(optimizer) instead")
+        self._require_scale("step_on_device(optimizer)")
+        state = self._per_optimizer.setdefault(id(optimizer), _PerOptimizer())
+        if state.stage is OptState.STEPPED:
+            raise RuntimeError(
+                "step_on_device(optimizer): step() has already been called on this optimizer since the last "
+                "update(); call update() once per iteration, after all step() calls"
+            )
+        _refuse_grad_scaler_argument(optimizer)
+        assert self._scale is not None
+        unscaled = state.stage is OptState.UNSCALED
+        if not unscaled:  # check only (a multiplier of 1): the optimizer divides by grad_scale itself
+            self._record_found_inf(state, self._unscale_grads(optimizer, torch.ones_like(self._scale)))
+        assert state.found_inf is not None
+        found = state.found_inf > 0
+        skip = found.float() if self._hold is None else torch.maximum(found.float(), self._hold)
+        counted = found if self._hold is None else found & (self._hold == 0)
+        self._device_skips = counted.long() if self._device_skips is None else self._device_skips + counted
+        preset = getattr(optimizer, "grad_scale", None)
+        try:
+            optimizer.grad_scale = preset if unscaled else (
+                self._scale.clone() if preset is None else self._scale * preset)
+            optimizer.found_inf = skip
+            optimizer.step()
+        finally:
+            for name in ("grad_scale", "found_inf"):
+                optimizer.__dict__.pop(name, None)
+        state.stage = OptState.STEPPED
+        return skip
+
+    def hold(self, flag: torch.Tensor) -> None:
+        """This iteration only (until ``update``): skip the step whatever the gradients, and leave the scale, growth
+        count, hysteresis budget and skip count as they are where ``flag`` (0-dim float32 on the scale's device,
+        0 or 1) is 1 — a run that halted and has not read it yet (:class:`mixprec.guard.StepGuard`). No sync."""
+        if self._enabled:
+            self._hold = flag
+
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's inf checks, then reset every optimizer to READY. No sync.
 
         ``new_scale`` sets the scale instead: a number (validated) or a one-element tensor on the scale's
         device type without grad (copied; not checked, that would sync). Growth count and budget are kept.
+        A held iteration (:meth:`hold`) changes nothing.
         """
         if not self._enabled:
             return
         self._require_scale("update()")
+        hold, self._hold = self._hold, None
+        assert self._scale is not None and self._growth_tracker is not None and self._hysteresis_left is not None
+        state = (self._scale, self._growth_tracker, self._hysteresis_left)
+        saved = None if hold is None else [t.clone() for t in state]
         if new_scale is not None:
             self._set_scale(new_scale)
         else:
             self._update_from_found_inf()
+        if saved is not None:
+            keep = hold > 0
+            for t, s in zip(state, saved):
+                torch.where(keep, s, t, out=t)
         self._per_optimizer.clear()
 
     # ------------------------------------------------------------------ checkpoints
@@ -412,7 +478,7 @@ class DynamicLossScaler:
             else int(self._hysteresis_left.item()),
             "min_scale": self._min_scale,
             "max_scale": self._max_scale,
-            "skipped_steps": self._skipped_steps,
+            "skipped_steps": self.skipped_steps,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -449,6 +515,7 @@ class DynamicLossScaler:
         self._min_scale = None if new["min_scale"] is None else float(new["min_scale"])
         self._max_scale = None if new["max_scale"] is None else float(new["max_scale"])
         self._skipped_steps = int(new["skipped_steps"])
+        self._device_skips = None
         if self._scale is not None:
             assert self._growth_tracker is not None and self._hysteresis_left is not None
             self._scale.fill_(self._init_scale)
@@ -467,7 +534,7 @@ class DynamicLossScaler:
             sd = self.state_dict()
             state.update(_init_scale=sd["scale"], _init_growth_tracker=sd["_growth_tracker"],
                          _init_hysteresis_left=sd["_hysteresis_left"], _scale=None, _growth_tracker=None,
-                         _hysteresis_left=None)
+                         _hysteresis_left=None, _skipped_steps=sd["skipped_steps"], _device_skips=None)
         return state
 
     # ------------------------------------------------------------------ internals
@@ -492,22 +559,22 @@ class DynamicLossScaler:
         self._found_inf = found_inf
 
     def _applied(self, state: _PerOptimizer) -> bool:
-        """Whether this optimizer's gradients were finite (the one host sync); counts a skip."""
+        """Whether this optimizer's gradients were finite and the iteration is not held (the one host sync);
+        counts a skip."""
         assert state.found_inf is not None
-        applied = not bool(state.found_inf.item())
-        if not applied:
-            self._skipped_steps += 1
-        return applied
+        if self._hold is None:
+            applied = not bool(state.found_inf.item())
+            if not applied:
+                self._skipped_steps += 1
+            return applied
+        code = int(((state.found_inf > 0).float() + 2 * self._hold).item())  # 1: inf/NaN, 2 or 3: held
+        self._skipped_steps += int(code == 1)
+        return code == 0
 
     def _step_unscaling_inside(self, optimizer: torch.optim.Optimizer, state: _PerOptimizer,
                                args: tuple, kwargs: dict) -> bool:
         """GradScaler's contract for ``_step_supports_amp_scaling`` optimizers, minus the call on a skipped step."""
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            raise RuntimeError(
-                f"step({type(optimizer).__name__}): its step() takes a grad_scaler argument, GradScaler's "
-                "deprecated contract, which DynamicLossScaler does not support; make step() read "
-                "self.grad_scale and self.found_inf instead (PyTorch's current contract)"
-            )
+        _refuse_grad_scaler_argument(optimizer)
         assert self._scale is not None
         unscaled = state.stage is OptState.UNSCALED
         if not unscaled:  # check only (a multiplier of 1): the optimizer divides by grad_scale itself
@@ -640,3 +707,12 @@ class DynamicLossScaler:
         scale.copy_(torch.where(overflow, scale_if_inf, scale_if_ok))
         tracker.copy_(torch.where(overflow, zero, tracker_if_ok))
         left.copy_(torch.where(overflow, left_if_inf, left_if_ok))
+
+
+def _refuse_grad_scaler_argument(optimizer: torch.optim.Optimizer) -> None:
+    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        raise RuntimeError(
+            f"step({type(optimizer).__name__}): its step() takes a grad_scaler argument, GradScaler's "
+            "deprecated contract, which DynamicLossScaler does not support; make step() read "
+            "self.grad_scale and self.found_inf instead (PyTorch's current contract)"
+        )

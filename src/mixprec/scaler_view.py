@@ -85,9 +85,10 @@ class ScalerView:
     def iteration(self) -> Any:
         """A token that changes at least when an iteration ends with a skipped step (tells a skip from gradient
         accumulation without a sync). PyTorch's scalers: the per-optimizer state dict that every ``update()``
-        replaces (compare with ``is``); DynamicLossScaler: its skip count (compare with ``==``). No sync."""
+        replaces (compare with ``is``); DynamicLossScaler: the skips ``step`` counted on the host (compare with
+        ``==``; ``step_on_device`` always calls the optimizer, whose ``found_inf`` tells its skips). No sync."""
         if self._mixprec:
-            return self._scaler.skipped_steps
+            return self._scaler._skipped_steps
         return self._scaler._per_optimizer_states if self.enabled else None
 
     def skipped(self, optimizer: torch.optim.Optimizer) -> bool:

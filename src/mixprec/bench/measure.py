@@ -1,8 +1,9 @@
 """Measurements: step/epoch timing from the trainer's history, and an honest step memory peak.
 
-**Timing.** Every step's wall time, no ``.item()`` inside (``log_every=0``); the first ``warmup_steps`` of every
-epoch dropped. Steady epoch time = mean timed step x the epoch's step count. On CUDA every recipe syncs once per
-step, so step times cannot run ahead of the GPU by more than one step.
+**Timing.** Every step's time, no ``.item()`` inside (``log_every=0``); the first ``warmup_steps`` of every
+epoch dropped. Steady epoch time = mean timed step x the epoch's step count. A step need not wait for the GPU
+(:mod:`mixprec.guard`), so on CUDA the trainer times each step with CUDA events recorded after consecutive steps
+(:class:`~mixprec.train.meter.EpochMeter`), not with the host's clock.
 
 **Memory**, measured after the timed run (beside the exact accounting of :mod:`mixprec.memory`):
 
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..guard import StepGuard
 from ..hardware import synchronize
 from ..memory import SavedTensorTracker, static_memory
 from ..train.step import accumulate_step, train_step
@@ -266,19 +268,24 @@ def probe_device_busy(run, *, accum: int = 1, warmup: int = 2, steps: int = 5) -
     if device.type != "cuda":
         return DeviceBusy(reason=f"the run's device is {device.type}: no accelerator to keep busy")
     batches = _endless(run.train_loader)
+    taken = iter(range(warmup + steps))
 
-    def step() -> None:
-        accumulate_step(run.ctx, [next(batches) for _ in range(accum)])
+    def step() -> None:  # as the trainer steps: guarded (mixprec.guard), no host read where it has none
+        accumulate_step(run.ctx, [next(batches) for _ in range(accum)], step=next(taken))
 
-    for _ in range(warmup):
-        step()
-    synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
+    saved, run.ctx.guard = run.ctx.guard, StepGuard(device)
+    try:
+        for _ in range(warmup):
             step()
         synchronize(device)
-        wall = time.perf_counter() - t0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            synchronize(device)
+            wall = time.perf_counter() - t0
+    finally:
+        run.ctx.guard = saved
     index = device.index if device.index is not None else torch.cuda.current_device()
     busy, kernels = busy_time_ns(prof.profiler.kineto_results.events(), index)
     if not kernels:

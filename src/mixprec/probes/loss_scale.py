@@ -36,8 +36,9 @@ class ScalerReader:
         self._view = ScalerView(scaler) if kind not in (None, "none") else None
         self.enabled = self._view is not None and self._view.enabled
         self.kind = kind if self.enabled else "none"
-        self.fused = self.kind == "torch" and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        """GradScaler steps a fused optimizer even when skipping (the kernel reads ``found_inf``)."""
+        self.fused = self.kind != "none" and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        """The optimizer takes ``found_inf``: GradScaler steps it even when skipping (the kernel reads it), as
+        DynamicLossScaler.step_on_device does (mixprec train); its ``step`` hands it over on applied steps."""
 
     def scale(self) -> torch.Tensor | None:
         """The scale tensor (None when disabled or before the first ``scale()``)."""

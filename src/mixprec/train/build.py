@@ -462,5 +462,6 @@ def build_run(
     config, schedule = build_schedule(config, optimizer, len(loader))
     ctx = StepContext(model=model, recipe=recipe, optimizer=optimizer, objective=objective,
                       device=device, clip_grad_norm=config.optim.clip_grad_norm)
+    reads = recipe.step_reads(optimizer)  # where the training loop's steps still wait for the device, and why
     return Run(config=config, env=env, data=data, train_loader=loader, ctx=ctx, schedule=schedule, lock=lock,
-               notes=tuple(data.notes) + tuple(notes) + ((why,) if why else ()))
+               notes=tuple(data.notes) + tuple(notes) + ((why,) if why else ()) + ((reads,) if reads else ()))

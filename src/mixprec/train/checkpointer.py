@@ -141,9 +141,13 @@ class Checkpointer:
         self.saved_step = state.global_step
         return None
 
+    def due(self, step: int) -> bool:
+        """Whether :meth:`after_step` saves after optimizer step count ``step``."""
+        return bool(self.every) and step % self.every == 0
+
     def after_step(self, state: TrainState, epoch: int, meter: Any) -> str | None:
         """Save on the ``--checkpoint-every`` cadence (the epoch's running sums with it)."""
-        if self.every and state.global_step % self.every == 0:
+        if self.due(state.global_step):
             return self.save(state, epoch, meter.pos, meter)
         return None
 

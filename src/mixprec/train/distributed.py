@@ -65,7 +65,9 @@ Resuming needs the same world size and strategy: the data order and the steps pe
 Non-finite losses: recipes without loss scaling raise NonFiniteError before backward, on the loss of
 *this* rank. If one rank raised while the others entered backward, their collectives would pair up wrongly
 or wait forever, so the recipe all-reduces a non-finite flag first (no host sync) and poisons every rank's
-loss when any rank's is bad: all ranks stop at the same step and save the same last good state. Every other
+loss when any rank's is bad: all ranks stop at the same step and save the same last good state. The loop's
+guarded steps raise nothing: the recipe all-reduces the step's flag (MAX) and every rank halts at the same
+step, read by every rank at the same log line, checkpoint or epoch end (:mod:`mixprec.guard`). Every other
 stop rule decides on values that are equal on every rank too (see :mod:`.stops`); the loop logs the stop on
 every rank and ends in :func:`barrier`, so no rank exits before rank 0 has written its files.
 

@@ -5,6 +5,12 @@ It reads like nanoGPT's loop. The pieces it calls each live in their own small u
 epoch's accounting (:class:`.meter.EpochMeter`), checkpoints and resume (:class:`.checkpoint.Checkpointer`)
 and the rules that stop a run early (:class:`.stops.StopRules`). Under torchrun the same loop runs on every
 rank; :mod:`.distributed` supplies the reductions, each a no-op in a one-process run.
+
+A step that neither logs, evaluates, checks nor checkpoints reads nothing on the host (where the optimizer can skip
+on the device, :meth:`~mixprec.precision.Recipe.step_reads`): the steps' skips and faults stay on the device in a
+:class:`~mixprec.guard.StepGuard`, read where the loop reads anyway. A run that halted since (a non-finite loss or
+gradient without a loss scaler, too many skipped steps in a row) skipped every step after the halt whole, so the
+loop stops there, with the step where it happened, rewound to the last good state (:func:`_halted`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 
 from .. import hardware
 from ..errors import NonFiniteError
+from ..guard import StepGuard
 from ..jsonio import write_json
 from . import distributed, oom
 from .baddata import data_fault
@@ -53,25 +60,30 @@ def train(run: Run | TrainConfig, *, reporter: Reporter | None = None,
     stopped: str | None = None
     run.model.train()
     compile_time = _compile(run, reporter) if config.run.compile == "on" else None
-    with run.recipe.run_context(), reporter.progress_bar(total=total, completed=state.global_step) as bar:
-        for epoch in range(state.epoch, config.optim.epochs):
-            if state.global_step >= total:
-                break
-            meter, stopped = _train_epoch(run, state, epoch, total, checkpointer, reporter, bar, largest_batch)
-            epoch_time = meter.elapsed()
-            state.skipped_total += meter.skipped
-            if meter.n_steps == 0:  # the epoch's first step stopped the run, or an old checkpoint taken at
-                if stopped:         # the end of this epoch (then go on with the next)
+    run.ctx.guard = StepGuard(run.device, max_consecutive_skips=config.run.max_consecutive_skips,
+                              consecutive_skips=state.consecutive_skips)
+    try:
+        with run.recipe.run_context(), reporter.progress_bar(total=total, completed=state.global_step) as bar:
+            for epoch in range(state.epoch, config.optim.epochs):
+                if state.global_step >= total:
                     break
-                continue
-            rec = meter.record(epoch, epoch_time, *_epoch_evaluation(run, state))
-            state.history.append(rec)
-            reporter.epoch_done(rec, run.recipe.name)
-            stopped = stopped or checkpointer.after_epoch(state, epoch, meter) or StopRules.after_epoch(
-                rec, data=lambda j: data_fault(run, epoch=epoch, position=j * config.optim.grad_accum),
-                first_step=state.global_step - meter.n_steps)
-            if stopped:
-                break
+                meter, stopped = _train_epoch(run, state, epoch, total, checkpointer, reporter, bar, largest_batch)
+                epoch_time = meter.elapsed()
+                state.skipped_total += meter.skipped
+                if meter.n_steps == 0:  # the epoch's first step stopped the run, or an old checkpoint taken at
+                    if stopped:         # the end of this epoch (then go on with the next)
+                        break
+                    continue
+                rec = meter.record(epoch, epoch_time, *_epoch_evaluation(run, state))
+                state.history.append(rec)
+                reporter.epoch_done(rec, run.recipe.name)
+                stopped = stopped or checkpointer.after_epoch(state, epoch, meter) or StopRules.after_epoch(
+                    rec, data=lambda j: data_fault(run, epoch=epoch, position=j * config.optim.grad_accum),
+                    first_step=state.global_step - meter.n_steps)
+                if stopped:
+                    break
+    finally:
+        run.ctx.guard = None
     if stopped:
         reporter.stopped(stopped, step=state.global_step, world_size=run.world_size)
     summary = summarize(run, state, stopped, compile_time_s=compile_time)
@@ -92,7 +104,7 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
     first, state.batch = state.batch, 0  # a resumed epoch starts mid-way, the next ones at 0
     partial, state.partial = state.partial, None
     meter = EpochMeter(run, sample_at=min(1, math.ceil(len(loader) / accum) - 1) * accum, first_batch=first,
-                       partial=partial)
+                       partial=partial, guard=run.ctx.guard)
     stops = StopRules(run)
     for batch_idx, micro_batches in _step_batches(loader, accum, first):
         if state.global_step >= total:
@@ -102,32 +114,60 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
             run.schedule.apply(run.optimizer, state.global_step)
         try:
             loss, res = accumulate_step(run.ctx, micro_batches, step=state.global_step, tracker=tracker)
-        except NonFiniteError as e:
-            e.step = state.global_step
-            return meter, _stop_nonfinite(run, e, state, epoch, batch_idx, checkpointer, meter, micro_batches)
+        except NonFiniteError as e:  # raised inside the step (the watch's stop): an earlier halt comes first
+            halted = _halted(run, state, epoch, checkpointer, meter, stops)
+            if halted:
+                return meter, halted
+            return meter, _stop_nonfinite(run, e.what, state.global_step, state, epoch, batch_idx, checkpointer, meter,
+                                          micro_batches)
         except StepOutOfMemoryError as e:  # nothing is saved (a half-done step leaves the state suspect)
             text = oom.message(run, e, step=state.global_step, epoch=epoch, batch=batch_idx, kept=checkpointer.intact(),
                                largest_batch=largest_batch)
             distributed.stop_alone(text)
             raise StepOutOfMemoryError(text, phase=e.phase) from None
-        meter.step_done(loss, res, batch_idx + len(micro_batches), tracker)
+        meter.step_done(loss, res, batch_idx + len(micro_batches), tracker, start=batch_idx)
         state.global_step += 1
-        state.consecutive_skips = state.consecutive_skips + 1 if res.skipped else 0
-        if log_every and batch_idx % log_every == 0:
+        logs = bool(log_every) and batch_idx % log_every == 0
+        evals = bool(eval_every) and state.global_step % eval_every == 0
+        if logs or evals or stops.due(state.global_step) or checkpointer.due(state.global_step):
+            halted = _halted(run, state, epoch, checkpointer, meter, stops)  # the host reads here anyway
+            if halted:
+                return meter, halted
+        if logs:
             reporter.log(f"Epoch: {epoch}, Batch: {batch_idx}, "
                          f"Loss: {distributed.mean_over_ranks(loss).item():.4f}")
         bar.advance()
-        if eval_every and state.global_step % eval_every == 0:
+        if evals:
             with meter.paused():
                 _evaluate_mid_run(run, state, epoch, reporter)
-        rule = stops.after_step(state, meter.skipped,
-                                data=lambda: data_fault(run, epoch=epoch, position=batch_idx, batches=micro_batches))
-        if rule:  # keep the state when it is the last good one (skipped steps change nothing)
+        rule = stops.after_step(state, meter.skipped)
+        if rule:  # nothing is saved: the ranks' states differ
             return meter, ((checkpointer.save(state, epoch, meter.pos, meter) if rule.save else None) or rule.reason)
         stop = checkpointer.after_step(state, epoch, meter)
         if stop:
             return meter, stop
-    return meter, None
+    return meter, _halted(run, state, epoch, checkpointer, meter, stops)
+
+
+def _halted(run: Run, state: TrainState, epoch: int, checkpointer: Checkpointer, meter: EpochMeter,
+            stops: StopRules) -> str | None:
+    """Read the step guard (one host read): why the run must stop, when it halted since the last read, or None.
+
+    Every step after the halt was skipped whole, so the state is the last good one: the loop's position, step and
+    epoch sums are rewound to it, and it is saved as the stop at the halt would have saved it — before the faulty
+    step (a non-finite loss or gradient), or after the last of too many skipped steps in a row. The batch at fault
+    is fetched again by its position (:func:`~.baddata.batch_at`)."""
+    reading = run.ctx.guard.read()
+    state.consecutive_skips = reading.consecutive
+    if not reading.halted:
+        return None
+    kept = reading.step + (1 if reading.what == "skips" else 0)  # the steps before the fault, or through the limit
+    meter.rewind(meter.n_steps - (state.global_step - kept))
+    state.global_step = kept
+    if reading.what != "skips":
+        return _stop_nonfinite(run, reading.what, kept, state, epoch, meter.pos, checkpointer, meter, None)
+    rule = stops.too_many_skips(state, data=lambda: data_fault(run, epoch=epoch, position=meter.last_start))
+    return (checkpointer.save(state, epoch, meter.pos, meter) if rule.save else None) or rule.reason
 
 
 def _evaluate_mid_run(run: Run, state: TrainState, epoch: int, reporter: Reporter) -> None:
@@ -212,13 +252,13 @@ def _announce(run: Run, reporter: Reporter) -> None:
         )
 
 
-def _stop_nonfinite(run: Run, e: NonFiniteError, state: TrainState, epoch: int, batch_idx: int,
-                    checkpointer: Checkpointer, meter: EpochMeter, batches: list) -> str:
+def _stop_nonfinite(run: Run, what: str, step: int, state: TrainState, epoch: int, batch_idx: int,
+                    checkpointer: Checkpointer, meter: EpochMeter, batches: list | None) -> str:
     """Save the last good state (if it is still finite) and explain what to do: fix the data when the step's
-    batch held inf/nan, else the recipe's remedies."""
-    kept = checkpointer.keep_last_good(state, epoch, batch_idx, e.step, meter)
+    batch held inf/nan (``batches``; None: fetched again by position), else the recipe's remedies."""
+    kept = checkpointer.keep_last_good(state, epoch, batch_idx, step, meter)
     data = data_fault(run, epoch=epoch, position=batch_idx, batches=batches)
-    head = f"non-finite {e.what} at step {e.step} (epoch {epoch}, batch {batch_idx}) with {run.recipe.name}"
+    head = f"non-finite {what} at step {step} (epoch {epoch}, batch {batch_idx}) with {run.recipe.name}"
     if data:
         return f"{head}: the batch {data}{kept}"
     return f"{head}, which has no loss scaler to skip such steps{kept}. Remedies: {run.recipe.nonfinite_remedies()}"

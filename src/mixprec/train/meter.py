@@ -1,8 +1,10 @@
 """What one epoch measured: losses, step times, skipped steps and one memory sample.
 
 Nothing here reads a tensor on the host per step: losses are kept as device tensors and summed there; the
-epoch record reads them once at the end. Step times are wall-clock differences between consecutive steps
-(every recipe syncs the host once per step, so they cannot drift ahead of the device by more than a step).
+epoch record reads them once at the end, and skipped steps are counted by the run's
+:class:`~mixprec.guard.StepGuard` on the device (as of its last read). A step need not wait for the device, so on
+CUDA a step's time is the elapsed time between CUDA events recorded after consecutive steps (read when the epoch's
+record or a checkpoint needs them); on CPU, where ops finish before they return, wall-clock differences.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import hardware
+from ..guard import StepGuard
 from ..memory import MemoryReport, SavedTensorTracker, static_memory
 from ..precision import StepResult
 from . import distributed
@@ -45,23 +48,75 @@ class EpochMeter:
             warm-up, when optimizer state exists).
     """
 
-    def __init__(self, run: Run, *, sample_at: int, first_batch: int, partial: dict[str, Any] | None = None) -> None:
+    def __init__(self, run: Run, *, sample_at: int, first_batch: int, partial: dict[str, Any] | None = None,
+                 guard: StepGuard | None = None) -> None:
         self.run = run
         self.sample_at = sample_at
         self.pos = first_batch
         """Next batch of the loader: where a checkpoint taken now resumes."""
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
         self.losses: list[torch.Tensor] = []
-        self.step_times: list[float] = []
-        self.skipped = 0
+        self._times: list[float] = []
+        self._skipped = 0  # before a resume, and (without a guard) counted from the steps' results
+        self.guard = guard
+        self._guard_base = 0 if guard is None else guard.last.skipped
         self.n_steps = 0
         self.memory: MemoryReport | dict | None = None
         self.elapsed_before = 0.0
         """Wall time the epoch had already run before a resume."""
+        self._starts: list[int] = []
+        """The first batch of each step taken by this meter (not those before a resume)."""
         if partial:
             self._load_state_dict(partial)
         hardware.synchronize(run.device)
         self.t_start = self.t_prev = time.perf_counter()
+        self._events: list[tuple[Any, Any]] = []  # CUDA: (after the previous step, after this one) per unread step
+        self._mark = self._event()
+
+    def _event(self):
+        """A CUDA timing event recorded now on the current stream (None on other devices)."""
+        if self.run.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds per step (on CUDA read from the events: waits for the device)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._times += [a.elapsed_time(b) / 1000 for a, b in self._events]
+            self._events = []
+        return self._times
+
+    @property
+    def skipped(self) -> int:
+        """Steps of the epoch the loss scaler skipped, as of the guard's last read (the loop reads it at every
+        log line, evaluation, checkpoint and the epoch's end)."""
+        if self.guard is None:
+            return self._skipped
+        return self._skipped + self.guard.last.skipped - self._guard_base
+
+    @property
+    def last_start(self) -> int:
+        """The first batch of the last step this meter took."""
+        return self._starts[-1]
+
+    def rewind(self, n_steps: int) -> None:
+        """Keep the epoch's first ``n_steps`` steps only (those before a halted run's halt, :mod:`mixprec.guard`):
+        its losses, times and position; skips past the halt were never counted."""
+        drop = self.n_steps - n_steps
+        if drop <= 0:
+            return
+        assert drop <= len(self._starts), "rewind past the steps this meter took"
+        times = self.step_times
+        self.pos = self._starts[len(self._starts) - drop]
+        del self._starts[len(self._starts) - drop:], self.losses[n_steps:], times[n_steps:]
+        self.n_steps = n_steps
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.run.device)
+        for loss in self.losses:
+            self.loss_sum += loss
 
     def state_dict(self) -> dict[str, Any]:
         """The running sums a mid-epoch checkpoint keeps, so a resumed epoch reports all its steps.
@@ -79,8 +134,8 @@ class EpochMeter:
 
     def _load_state_dict(self, d: dict[str, Any]) -> None:
         dev = self.run.device
-        self.n_steps, self.skipped = int(d["n_steps"]), int(d["skipped"])
-        self.step_times = [float(t) for t in d["step_times"]]
+        self.n_steps, self._skipped = int(d["n_steps"]), int(d["skipped"])
+        self._times = [float(t) for t in d["step_times"]]
         loss_sum, losses = d["loss_sum"], d["losses"]
         if loss_sum.dim() == 1:  # one row per rank (several processes): this rank's
             loss_sum, losses = loss_sum[self.run.rank], losses[self.run.rank]
@@ -98,17 +153,25 @@ class EpochMeter:
         return SavedTensorTracker(exclude=self.run.model.parameters())
 
     def step_done(self, loss: torch.Tensor, result: StepResult, next_pos: int,
-                  tracker: SavedTensorTracker | None) -> None:
+                  tracker: SavedTensorTracker | None, *, start: int | None = None) -> None:
+        """Account for a step (``start``: its first batch); reads nothing on the host with a guard."""
         if tracker is not None:
             self.memory = self._memory_sample(tracker)
         self.n_steps += 1
+        self._starts.append(self.pos if start is None else start)
         self.pos = next_pos
         self.loss_sum += loss
         self.losses.append(loss)
-        self.skipped += int(result.skipped)
-        now = time.perf_counter()
-        self.step_times.append(now - self.t_prev)
-        self.t_prev = now
+        if self.guard is None:
+            self._skipped += int(result.skipped)
+        if self._mark is not None:
+            end = self._event()
+            self._events.append((self._mark, end))
+            self._mark = end
+        else:
+            now = time.perf_counter()
+            self._times.append(now - self.t_prev)
+            self.t_prev = now
 
     def _memory_sample(self, tracker: SavedTensorTracker) -> MemoryReport:
         run = self.run
@@ -131,6 +194,8 @@ class EpochMeter:
             pause = time.perf_counter() - t0
             self.t_start += pause
             self.t_prev += pause
+            if self._mark is not None:
+                self._mark = self._event()
 
     def elapsed(self) -> float:
         """Wall time of the epoch's steps (synchronized; the slowest rank's under torchrun)."""

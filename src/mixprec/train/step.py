@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import one_line
+from ..guard import StepGuard
 from ..memory import SavedTensorTracker
 from ..precision import Recipe, StepResult
 from . import distributed
@@ -40,6 +41,9 @@ class StepContext:
     """How the model is called and its loss taken (the model contract)."""
     device: torch.device
     clip_grad_norm: float | None = None
+    guard: StepGuard | None = None
+    """Set by the training loop: the recipe's hooks then keep their skip decisions on the device
+    (:mod:`mixprec.guard`); None: they read on the host and raise on a non-finite loss (doctor, bench's probes)."""
 
     @property
     def task(self) -> Task:
@@ -78,9 +82,11 @@ def accumulate_step(
 
     Returns the step's mean loss (detached, not read on the host) and the StepResult. Raises
     :class:`~mixprec.train.oom.StepOutOfMemoryError` naming the phase (forward, backward, optimizer step) where
-    memory ran out.
+    memory ran out. With ``ctx.guard`` nothing is read on the host where the optimizer can skip on the device, and
+    a non-finite loss halts the run on the device instead of raising (:mod:`mixprec.guard`).
     """
     model, recipe = ctx.model, ctx.recipe
+    guarded = {} if ctx.guard is None else {"guard": ctx.guard}  # (callers that patch the hooks pass no guard)
     batches = [as_batch(b) for b in micro_batches]
     n_samples = sum(len(b) for b in batches)
     ctx.optimizer.zero_grad(set_to_none=True)
@@ -97,10 +103,10 @@ def accumulate_step(
                 if len(batches) > 1:
                     loss = loss * (len(batch) / n_samples)
                 phase = "backward"
-                recipe.backward(loss, step=step)  # under torchrun a bad loss on one rank stops all ranks
+                recipe.backward(loss, step=step, **guarded)  # under torchrun a bad loss on one rank stops all ranks
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         phase = "optimizer step"
-        result = recipe.step(ctx.optimizer, ctx.clip_grad_norm)
+        result = recipe.step(ctx.optimizer, ctx.clip_grad_norm, **(guarded and {**guarded, "step": step}))
     except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e) or isinstance(e, StepOutOfMemoryError):
             raise

@@ -1,7 +1,9 @@
-"""Rules that end a run early, checked after every optimizer step.
+"""Rules that end a run early.
 
 - Too many skipped steps in a row (``--max-consecutive-skips``): a loss scaler that backs off forever means
-  the loss itself is non-finite, and more steps will not fix it.
+  the loss itself is non-finite, and more steps will not fix it. Counted on the device
+  (:class:`~mixprec.guard.StepGuard`), which halts the run at the limit; the loop finds the halt at its next host
+  read and stops as if it had stopped then (:meth:`StopRules.too_many_skips` words it).
 - Ranks that diverged (``--check-consistency N``, debug): loss scale, skipped steps or parameters differ.
   No state is saved then (no rank's can be trusted); the last checkpoint written stays.
 
@@ -15,8 +17,8 @@ then logs the stop on every rank and ends in a barrier, so no rank exits before 
 A stop for non-finite values says whether the batch already held them (:mod:`.baddata`): then the data is at
 fault, not the model, and the message names the batch and the tensor instead of the recipe's remedies.
 
-A non-finite loss without a loss scaler stops the run too, but inside the step (the recipe raises before
-backward), so the loop handles it where the step is taken.
+A non-finite loss or gradient without a loss scaler halts the run on the device too (the step is skipped); the
+loop words that stop itself.
 """
 
 from __future__ import annotations
@@ -51,23 +53,27 @@ class Stop:
 class StopRules:
     def __init__(self, run: Run) -> None:
         self.run = run
-        self.max_skips = run.config.run.max_consecutive_skips
         self.check_every = run.config.run.check_consistency
 
-    def after_step(self, state: TrainState, skipped_this_epoch: int,
-                   data: Callable[[], str | None] = lambda: None) -> Stop | None:
-        """Why the run must stop now, or None. ``data``: what the step's batch holds when it is at fault
-        (:func:`~mixprec.train.baddata.data_fault`), asked only when the run stops for skipped steps."""
+    def too_many_skips(self, state: TrainState, data: Callable[[], str | None] = lambda: None) -> Stop:
+        """The stop at the consecutive-skip limit (``state`` rewound to the step that reached it). ``data``: what
+        that step's batch holds when it is at fault (:func:`~mixprec.train.baddata.data_fault`)."""
+        head = (f"stopped at step {state.global_step}: {state.consecutive_skips} optimizer steps in a row were "
+                f"skipped for inf/nan gradients (loss scale now {self.run.recipe.loss_scale():g})")
+        bad = data()
+        if bad:
+            return Stop(f"{head}; the last one's batch {bad}")
+        return Stop(f"{head}; the loss itself is likely non-finite — lower --lr, add --clip-grad-norm, or run "
+                    "`mixprec doctor` to find the layer")
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`after_step` checks the ranks after optimizer step count ``step`` (a host read)."""
+        return bool(self.check_every) and step % self.check_every == 0
+
+    def after_step(self, state: TrainState, skipped_this_epoch: int) -> Stop | None:
+        """Why the run must stop after this step (ranks that diverged), or None."""
         recipe = self.run.recipe
-        if state.consecutive_skips >= self.max_skips:
-            head = (f"stopped at step {state.global_step}: {state.consecutive_skips} optimizer steps in a row were "
-                    f"skipped for inf/nan gradients (loss scale now {recipe.loss_scale():g})")
-            bad = data()
-            if bad:
-                return Stop(f"{head}; the last one's batch {bad}")
-            return Stop(f"{head}; the loss itself is likely non-finite — lower --lr, add --clip-grad-norm, or run "
-                        "`mixprec doctor` to find the layer")
-        if self.check_every and state.global_step % self.check_every == 0:
+        if self.due(state.global_step):
             try:
                 distributed.check_consistency(self.run.model, step=state.global_step, scale=recipe.loss_scale(),
                                               skipped=state.skipped_total + skipped_this_epoch,
@@ -89,18 +95,22 @@ class StopRules:
         if skipped >= MIN_SKIPPED and 2 * skipped > steps:
             head = (f"epoch {record.epoch}: {skipped} of {steps} optimizer steps were skipped for inf/nan gradients, "
                     "so the model barely trained")
-            return f"{head}; {_first_bad(record, data, first_step) or 'the loss is likely non-finite — ' + remedy}"
+            return f"{head}; {_first_bad(record, data, first_step, 'the loss is likely non-finite — ' + remedy)}"
         if not math.isfinite(record.train_loss):
             head = f"epoch {record.epoch}: the mean training loss is {record.train_loss}"
-            return f"{head}; {_first_bad(record, data, first_step) or 'the run diverged; ' + remedy}"
+            return f"{head}; {_first_bad(record, data, first_step, 'the run diverged; ' + remedy)}"
         return None
 
 
-def _first_bad(record: EpochRecord, data: Callable[[int], str | None], first_step: int) -> str | None:
-    """The epoch's first step with a non-finite loss, when its batch is at fault: the clause that says so."""
+def _first_bad(record: EpochRecord, data: Callable[[int], str | None], first_step: int, otherwise: str) -> str:
+    """The clause on the epoch's first step with a non-finite loss: its batch when it is at fault, else its step
+    and ``otherwise``."""
     j = next((j for j, v in enumerate(record.loss_curve or []) if not math.isfinite(v)), None)
-    bad = data(j) if j is not None else None
-    return f"step {first_step + j} was the first with a non-finite loss, and its batch {bad}" if bad else None
+    if j is None:
+        return otherwise
+    bad = data(j)
+    head = f"step {first_step + j} was the first with a non-finite loss"
+    return f"{head}, and its batch {bad}" if bad else f"{head}; {otherwise}"
 
 
 MIN_SKIPPED = 3
