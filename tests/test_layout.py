@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
 FLOORS = [
     ["errors.py", "validate.py", "jsonio.py"],
     ["hardware.py", "formats.py", "memory.py", "flops.py"],
-    ["autocast", "scaler.py", "scaler_view.py", "master.py"],
+    ["autocast", "scaler.py", "scaler_view.py", "master.py", "guard.py"],
     ["lowp"],
     ["recipes.py", "mechanisms.py", "precision.py", "recipe_text.py", "__init__.py"],
     ["train"],
@@ -28,7 +28,7 @@ FLOORS = [
 # Groups of one floor that may import each other: the engine's recipe layer is one group of four files, and the
 # lower floors' top-level modules are small helpers of one another.
 SHARED = [{"recipes.py", "mechanisms.py", "precision.py", "recipe_text.py", "__init__.py"},
-          {"scaler.py", "scaler_view.py", "master.py"}, {"hardware.py", "formats.py", "memory.py", "flops.py"},
+          {"scaler.py", "scaler_view.py", "master.py", "guard.py"}, {"hardware.py", "formats.py", "memory.py", "flops.py"},
           {"errors.py", "validate.py", "jsonio.py"}]
 
 
