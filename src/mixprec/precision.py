@@ -631,14 +631,19 @@ def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, caps: hardware.Capabilitie
     if spec.fp8 is None and not lowp:
         if typed:
             raise RecipeError(f"{', '.join(f for f, _ in typed)} set(s) the FP8/FP4 linear layers, which {spec.name} "
-                              "does not have; drop it, or use --precision fp8-mixed, fp8-rowwise, mxfp8, mxfp4 or nvfp4")
+                              "does not have; drop it, or use --precision fp8-mixed, fp8-rowwise, mxfp8, mxfp4 or "
+                              "nvfp4")
         return None
     if lowp:
         unused = [flag for flag, field in typed if not _linear_option_applies(spec, field, config, lowp)]
+        if unused == ["--fp8-layers"]:
+            raise RecipeError(f"--fp8-layers picks the layers {spec.name}'s own FP8 conversion takes, and it has none "
+                              "(the layer-formats file's layers run as the file says); drop it")
         if unused:
-            raise RecipeError(f"{', '.join(unused)} applies to none of the linear recipes here ("
-                              + (f"{spec.name}'s {spec.fp8}, " if spec.fp8 else "")
-                              + f"the layer-formats file's {', '.join(lowp)}); drop it")
+            formats = [n for n, s in RECIPES.items() if s.fp8 in lowp]
+            raise RecipeError(f"{', '.join(unused)} applies to none of the low-precision layers here (the "
+                              f"layer-formats file's {', '.join(formats)}" + (f", {spec.name}'s" if spec.fp8 else "")
+                              + "); drop it")
     if spec.fp8 is None:
         return None
     lin = _linear(spec.fp8, config, lenient=bool(lowp))

@@ -28,7 +28,8 @@ from .block import BlockLinear, block_linear, layer_seed
 from .fp8 import GEMM_MULTIPLE, Fp8Linear, fp8_linear
 
 __all__ = ["Fp8AdaptedLinear", "Fp8Conversion", "LinearAdapter", "SKIP_NAMES", "convert_to_fp8", "fp8_pays",
-           "is_linear_layer", "layer_problem", "make_lowp_layer", "plan_fp8_conversion", "register_linear_adapter", "swap_layers", "unregister_linear_adapter"]
+           "is_linear_layer", "layer_problem", "make_lowp_layer", "plan_fp8_conversion", "register_linear_adapter",
+           "swap_layers", "unregister_linear_adapter"]
 
 log = logging.getLogger(__name__)
 
