@@ -34,8 +34,9 @@ from . import hardware, recipe_text
 from .errors import NonFiniteError, RecipeError, check_keywords
 from .guard import StepGuard, nonfinite_grads
 from .lowp.block import BlockLinear
+from .lowp import layer_formats as lf_file
 from .lowp.impls import FP8_IMPL_CHOICES, FP8_IMPLS, Fp8Impl, auto_fp8_impl
-from .lowp.recipes import linear_recipe
+from .lowp.recipes import LinearRecipe, linear_recipe
 from .mechanisms import AMP_IMPLS, MECHANISMS, Mechanism, auto_mechanism
 from .memory import local_tensor
 from .recipes import ALIASES, RECIPES, RecipeSpec, dtype_name, resolve_recipe
@@ -48,6 +49,7 @@ __all__ = [
     "AMP_IMPLS",
     "FP8_IMPL_CHOICES",
     "FP8_LAYERS",
+    "LAYERS_SUFFIX",
     "RecipeSpec",
     "ScalerConfig",
     "RecipeConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "Recipe",
     "resolve_recipe",
     "build_recipe",
+    "layers_entry",
 ]
 
 
@@ -87,6 +90,10 @@ class RecipeConfig:
     """fp8-mixed, fp8-rowwise: which eligible linear layers convert. auto: where the GEMMs are real, only those
     where FP8 pays (:func:`mixprec.lowp.convert.fp8_pays`; elsewhere every eligible layer, as the emulation is
     for numerics); all: every eligible layer."""
+    layer_formats: str | None = None
+    """A layer-formats file (:mod:`mixprec.lowp.layer_formats`): its layers run in their formats, the rest in this
+    recipe's; the file wins over ``keep_fp32`` (a contradiction is an error) and the FP8 layer filter. The recipe
+    must be an autocast recipe with fp32 params."""
 
     def validate(self) -> None:
         """Raise a UsageError subclass naming the flag."""
@@ -101,6 +108,8 @@ class RecipeConfig:
             raise RecipeError(f"unknown --mx-scale-rule {self.mx_scale_rule!r}; choose rceil or floor")
         if self.fp8_layers not in FP8_LAYERS:
             raise RecipeError(f"unknown --fp8-layers {self.fp8_layers!r}; choose {' or '.join(FP8_LAYERS)}")
+        if self.layer_formats is not None and not isinstance(self.layer_formats, str):
+            raise RecipeError(f"--layer-formats takes a file's path, got {type(self.layer_formats).__name__}")
 
     def linear_options(self) -> dict[str, Any]:
         """The low-precision linear options as :func:`mixprec.lowp.recipes.linear_recipe` takes them."""
@@ -108,11 +117,16 @@ class RecipeConfig:
                     stochastic_rounding=self.fp4_stochastic_rounding)
 
     def for_recipe(self, name: str) -> tuple[RecipeConfig, list[str]]:
-        """This config applied to recipe ``name`` (bench's matrix), with the options that do not apply to it
-        turned off, and a note for each."""
-        spec = resolve_recipe(name)
+        """This config applied to recipe ``name`` (bench's matrix, plan's entries), with the options that do not
+        apply to it turned off, and a note for each. ``name`` may be :func:`layers_entry`'s ``<base>+layers``: the
+        base with this config's layer-formats file; any other name runs uniformly, without the file."""
+        layered = name.endswith(LAYERS_SUFFIX)
+        spec = resolve_recipe(name[: -len(LAYERS_SUFFIX)] if layered else name)
+        if layered and self.layer_formats is None:
+            raise RecipeError(f"{name}: the {LAYERS_SUFFIX} entry needs --layer-formats FILE")
+        lowp = _file_lowp(self) if layered else ()
         notes = []
-        changes: dict[str, Any] = {"precision": spec.name}
+        changes: dict[str, Any] = {"precision": spec.name, "layer_formats": self.layer_formats if layered else None}
         if self.stochastic_rounding and spec.param_dtype == torch.float32:
             changes["stochastic_rounding"] = False
             notes.append("--stochastic-rounding does not apply (fp32 params) and is off for this recipe")
@@ -121,7 +135,7 @@ class RecipeConfig:
             notes.append("the loss-scaler flags do not apply (no loss scaling) and are off for this recipe")
         for flag, field in _LINEAR_FLAGS:
             default = getattr(_DEFAULTS, field)
-            if getattr(self, field) != default and not _linear_option_applies(spec, field, self):
+            if getattr(self, field) != default and not _linear_option_applies(spec, field, self, lowp):
                 changes[field] = default
                 notes.append(f"{flag} does not apply to {spec.name} and is off for this recipe")
         return dataclasses.replace(self, **changes), notes
@@ -134,19 +148,71 @@ _LINEAR_FLAGS = (("--fp8-impl", "fp8_impl"), ("--wgrad-hp", "wgrad_hp"), ("--mx-
                  ("--fp8-layers", "fp8_layers"))
 FP8_LAYERS = ("auto", "all")
 """What ``--fp8-layers`` accepts (:attr:`RecipeConfig.fp8_layers`)."""
+LAYERS_SUFFIX = "+layers"
+"""A bench row's or plan entry's name for a base recipe with the layer-formats file (:func:`layers_entry`)."""
+_OPTION_KEYWORDS = {"fp4_hadamard": "hadamard", "fp4_stochastic_rounding": "stochastic_rounding"}
 
 
-def _linear_option_applies(spec: RecipeSpec, field: str, config: RecipeConfig) -> bool:
-    if spec.fp8 is None:
-        return False
-    if field in ("fp8_impl", "fp8_layers"):
-        return True
-    keyword = {"fp4_hadamard": "hadamard", "fp4_stochastic_rounding": "stochastic_rounding"}.get(field, field)
+def _linear_option_applies(spec: RecipeSpec, field: str, config: RecipeConfig, lowp: tuple[str, ...] = ()) -> bool:
+    """Whether linear option ``field`` applies to ``spec``'s linear recipe or one of ``lowp`` (a layer-formats
+    file's linear recipe names)."""
+    if field == "fp8_layers":
+        return spec.fp8 is not None
+    if field == "fp8_impl":
+        return spec.fp8 is not None or bool(lowp)
+    keyword = _OPTION_KEYWORDS.get(field, field)
+    return any(_option_fits(name, keyword, getattr(config, field)) for name in ((spec.fp8,) if spec.fp8 else ()) + lowp)
+
+
+def _option_fits(name: str, keyword: str, value: Any) -> bool:
     try:
-        linear_recipe(spec.fp8, **{keyword: getattr(config, field)})
+        linear_recipe(name, **{keyword: value})
     except RecipeError:
         return False
     return True
+
+
+def _file_lowp(config: RecipeConfig, layers: lf_file.LayerFormats | None = None) -> tuple[str, ...]:
+    """The linear recipe names of the low-precision formats in ``config``'s layer-formats file."""
+    if config.layer_formats is None:
+        return ()
+    layers = layers or lf_file.load(config.layer_formats)
+    return tuple(RECIPES[f].fp8 for f in lf_file.LOWP_FORMATS if f in layers.formats())
+
+
+def _base_problem(spec: RecipeSpec, layers: lf_file.LayerFormats) -> str | None:
+    """Why ``spec`` cannot carry the layer-formats file (its layers run inside the recipe's autocast), or None."""
+    if not (spec.autocast and spec.param_dtype == torch.float32):
+        return (f"{spec.name} has no autocast with fp32 params for the file's layers to run in; use one of "
+                + ", ".join(n for n, s in RECIPES.items() if s.autocast and s.param_dtype == torch.float32))
+    low = dtype_name(spec.compute_dtype)
+    for fmt, names in layers.by_format().items():
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        if fmt in lf_file.DTYPE_FORMATS and fmt not in ("fp32", low):
+            return (f"it puts {names[0]}{more} in {fmt}, but {spec.name}'s autocast runs {low}: a layer runs in the "
+                    "autocast's dtype or fp32")
+        if fmt in lf_file.LOWP_FORMATS and low != "bf16":
+            return (f"it puts {names[0]}{more} in {fmt}, whose layers need bf16 around them, but {spec.name}'s "
+                    f"autocast runs {low}")
+    return None
+
+
+def layers_entry(config: RecipeConfig, precisions: Iterable[str]) -> str | None:
+    """bench's and plan's extra entry for ``config``'s layer-formats file: ``<base>+layers``, the base being the
+    first of ``precisions`` that can carry the file (an autocast recipe with fp32 params whose dtype agrees with
+    the file's entries); None without a file. RecipeError (one line) when none can."""
+    if config.layer_formats is None:
+        return None
+    layers = lf_file.load(config.layer_formats)
+    names = [resolve_recipe(p).name for p in precisions]
+    problems = [(name, _base_problem(resolve_recipe(name), layers)) for name in names]
+    base = next((name for name, why in problems if why is None), None)
+    if base is not None:
+        return base + LAYERS_SUFFIX
+    fit = "fp16-mixed" if "fp16" in layers.formats() else "bf16-mixed"
+    raise lf_file.LayerFormatsError(
+        f"--layer-formats {layers.path}: none of the recipes asked ({', '.join(names)}) can carry the file "
+        f"({problems[-1][0]}: {problems[-1][1]}); add {fit} to --precisions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +246,9 @@ class Recipe:
     """
 
     def __init__(self, spec: RecipeSpec, config: RecipeConfig, *, caps: hardware.Capabilities, mechanism: Mechanism,
-                 seed: int = 0, world_size: int = 1, fp8: Fp8Impl | None = None) -> None:
+                 seed: int = 0, world_size: int = 1, fp8: Fp8Impl | None = None,
+                 layer_formats: lf_file.LayerFormats | None = None,
+                 layer_impls: dict[str, Fp8Impl] | None = None) -> None:
         self.spec = spec
         self.config = config
         self.caps = caps
@@ -188,6 +256,10 @@ class Recipe:
         self.device = caps.device
         self.mechanism = mechanism
         self.fp8 = fp8
+        self.layer_formats = layer_formats
+        """The layer-formats file (:mod:`mixprec.lowp.layer_formats`), loaded once when the recipe was built."""
+        self.layer_impls = dict(layer_impls or {})
+        """The file's low-precision format -> the :class:`Fp8Impl` that runs its layers (one per format)."""
         self.world_size = world_size
         self._seed = seed
         self._model: nn.Module | None = None
@@ -200,6 +272,11 @@ class Recipe:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def entry_name(self) -> str:
+        """What a bench row or plan entry calls it: the name, ``<name>+layers`` with a layer-formats file."""
+        return self.name + LAYERS_SUFFIX if self.layer_formats is not None else self.name
 
     @property
     def impl(self) -> str:
@@ -253,9 +330,10 @@ class Recipe:
         torchtitan compile them for that reason); emulated GEMMs and the other recipes stay eager."""
         if asked != "auto":
             return asked == "on", ""
-        if self.fp8 is None:
+        impls = [i for i in (self.fp8, *self.layer_impls.values()) if i is not None]
+        if not impls:
             return False, ""
-        if self.device.type != "cuda" or not self.fp8.real():
+        if self.device.type != "cuda" or not all(i.real() for i in impls):
             return False, f"--compile auto: eager ({self.name}'s GEMMs are emulated here, so compiling buys nothing)"
         try:
             self.check_compile()
@@ -282,14 +360,42 @@ class Recipe:
             torch.backends.cudnn.allow_tf32 = prev_cudnn
 
     def convert_module(self, model: nn.Module) -> nn.Module:
-        """Move the model to the device, cast it to the param dtype and, for FP8 recipes, swap its linear layers."""
+        """Move the model to the device, cast it to the param dtype, give the layer-formats file's layers their
+        formats and, for FP8 recipes, swap the other eligible linear layers."""
         model = model.to(self.device)
         if self.spec.param_dtype != torch.float32:
             model = model.to(self.spec.param_dtype)
         self.mechanism.check_module(model)
+        own: tuple[str, ...] = ()
+        if self.layer_formats is not None:
+            model = self._apply_layer_formats(model)
+            own = tuple(self.layer_formats.layers)
         if self.fp8 is not None:
-            model, self.fp8_conversion = self.fp8.convert(model)
+            model, self.fp8_conversion = self.fp8.convert(model, own)
         self._model = model
+        return model
+
+    def _apply_layer_formats(self, model: nn.Module) -> nn.Module:
+        """Check the file against the model and the options, then swap its low-precision layers (one
+        implementation per format) and hook its fp32 ones (:class:`~mixprec.autocast.fp32_forward.Fp32Forward`);
+        its bf16/fp16 layers stay as they are, in the autocast's dtype. Nothing is changed before every check
+        passed."""
+        from .autocast.fp32_forward import Fp32Forward
+
+        lf = self.layer_formats
+        modules = lf.check_model(model)
+        by_format = lf.by_format()
+        for name, (fmt, _) in lf.layers.items():
+            _refuse_kept(self.keep_fp32, name, modules[name], fmt, lf.path)
+            impl = self.layer_impls.get(fmt)
+            problem = impl.layer_problem(modules[name]) if impl is not None else None
+            if problem:
+                raise lf_file.LayerFormatsError(f"--layer-formats {lf.path}: {name} cannot run {fmt}: {problem}; "
+                                                "give it another format")
+        for fmt, impl in self.layer_impls.items():
+            model = impl.convert_layers(model, by_format[fmt])
+        if by_format.get("fp32"):
+            Fp32Forward(self.device.type).install(model.get_submodule(n) for n in by_format["fp32"])
         return model
 
     def build_optimizer(
@@ -485,15 +591,18 @@ class Recipe:
 
     @property
     def label(self) -> str:
-        """``name [impl]`` for autocast recipes, else the name."""
-        return f"{self.name} [{self.impl}]" if self.spec.autocast else self.name
+        """``name [impl]`` for autocast recipes, else the name (``name+layers`` with a layer-formats file)."""
+        return f"{self.entry_name} [{self.impl}]" if self.spec.autocast else self.entry_name
 
     def describe(self) -> str:
         """One line: what the recipe does on this device and why."""
-        return recipe_text.describe(self.spec, self.mechanism, scaler=self.config.scaler,
+        line = recipe_text.describe(self.spec, self.mechanism, scaler=self.config.scaler,
                                     stochastic_rounding=self.stochastic_rounding,
                                     device_note=self.hardware_facts().note, fp8_conversion=self.fp8_conversion,
                                     fp8=self.fp8)
+        if self.layer_formats is None:
+            return line
+        return f"{line}; {recipe_text.layer_formats_clause(self.layer_formats, self.layer_impls, self.spec)}"
 
 
 def _agree_on_finite(loss: torch.Tensor) -> torch.Tensor:
@@ -569,6 +678,12 @@ def build_recipe(
         raise RecipeError(
             f"build_recipe({recipe.precision!r}, device={str(device)!r}): {missing}; build it for a device this "
             "machine has (device='cpu', or --device auto), or pass for_target=True to plan for one it lacks")
+    layers = None
+    if recipe.layer_formats is not None:
+        layers = lf_file.load(recipe.layer_formats)
+        why = _base_problem(spec, layers)
+        if why is not None:
+            raise lf_file.LayerFormatsError(f"--layer-formats {layers.path}: {why}")
     caps = capabilities or hardware.capabilities(device, target=for_target)
     impl = auto_mechanism(spec, caps) if recipe.amp_impl == "auto" else recipe.amp_impl
     with warnings.catch_warnings():
@@ -578,21 +693,40 @@ def build_recipe(
                                      world_size=world_size)
         _refuse_contradictions(spec, recipe, caps)
         mechanism.refuse_options()
-        fp8 = _fp8_impl(spec, recipe, caps, impl, seed, for_target=for_target and capabilities is None)
-        return Recipe(spec, recipe, caps=caps, mechanism=mechanism, seed=seed, world_size=world_size, fp8=fp8)
+        planned = for_target and capabilities is None
+        lowp = [f for f in lf_file.LOWP_FORMATS if layers is not None and f in layers.formats()]
+        fp8 = _fp8_impl(spec, recipe, caps, impl, seed, for_target=planned, lowp=tuple(RECIPES[f].fp8 for f in lowp))
+        layer_impls = {f: _layer_impl(f, recipe, caps, impl, seed, for_target=planned, path=layers.path)
+                       for f in lowp}
+        return Recipe(spec, recipe, caps=caps, mechanism=mechanism, seed=seed, world_size=world_size, fp8=fp8,
+                      layer_formats=layers, layer_impls=layer_impls)
 
 
 def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, caps: hardware.Capabilities, amp_impl: str, seed: int, *,
-              for_target: bool = False) -> Fp8Impl | None:
+              for_target: bool = False, lowp: tuple[str, ...] = ()) -> Fp8Impl | None:
     """The low-precision linear implementation of an FP8/FP4 recipe (None for the others, which refuse its flags);
-    ``for_target``: ``auto`` takes scratch's layers without asking the device."""
-    if spec.fp8 is None:
-        typed = [flag for flag, field in _LINEAR_FLAGS if getattr(config, field) != getattr(_DEFAULTS, field)]
+    ``for_target``: ``auto`` takes scratch's layers without asking the device. ``lowp``: the linear recipes of a
+    layer-formats file's layers, to which the linear flags apply too (each where it can)."""
+    typed = [(flag, field) for flag, field in _LINEAR_FLAGS if getattr(config, field) != getattr(_DEFAULTS, field)]
+    if spec.fp8 is None and not lowp:
         if typed:
-            raise RecipeError(f"{', '.join(typed)} set(s) the FP8/FP4 linear layers, which {spec.name} does not have; "
-                              "drop it, or use --precision fp8-mixed, fp8-rowwise, mxfp8, mxfp4 or nvfp4")
+            raise RecipeError(f"{', '.join(f for f, _ in typed)} set(s) the FP8/FP4 linear layers, which {spec.name} "
+                              "does not have; drop it, or use --precision fp8-mixed, fp8-rowwise, mxfp8, mxfp4 or "
+                              "nvfp4")
         return None
-    lin = linear_recipe(spec.fp8, **config.linear_options())
+    if lowp:
+        unused = [flag for flag, field in typed if not _linear_option_applies(spec, field, config, lowp)]
+        if unused == ["--fp8-layers"]:
+            raise RecipeError(f"--fp8-layers picks the layers {spec.name}'s own FP8 conversion takes, and it has none "
+                              "(the layer-formats file's layers run as the file says); drop it")
+        if unused:
+            formats = [n for n, s in RECIPES.items() if s.fp8 in lowp]
+            raise RecipeError(f"{', '.join(unused)} applies to none of the low-precision layers here (the "
+                              f"layer-formats file's {', '.join(formats)}" + (f", {spec.name}'s" if spec.fp8 else "")
+                              + "); drop it")
+    if spec.fp8 is None:
+        return None
+    lin = _linear(spec.fp8, config, lenient=bool(lowp))
     if config.fp8_impl == "auto":
         name = "scratch" if for_target else auto_fp8_impl(lin, caps)
     else:
@@ -600,6 +734,46 @@ def _fp8_impl(spec: RecipeSpec, config: RecipeConfig, caps: hardware.Capabilitie
     impl = FP8_IMPLS[name](lin, caps, seed=seed, layers=config.fp8_layers)
     impl.refuse(amp_impl, spec.name)
     return impl
+
+
+def _linear(name: str, config: RecipeConfig, *, lenient: bool = False) -> LinearRecipe:
+    """Linear recipe ``name`` with the config's options; ``lenient``: only those it has a variant for (a recipe
+    beside a layer-formats file's, where each option applies where it can)."""
+    options = config.linear_options()
+    if lenient:
+        options = {k: v for k, v in options.items() if v in (False, None) or _option_fits(name, k, v)}
+    return linear_recipe(name, **options)
+
+
+def _layer_impl(fmt: str, config: RecipeConfig, caps: hardware.Capabilities, amp_impl: str, seed: int, *,
+                for_target: bool, path: str) -> Fp8Impl:
+    """The implementation that runs a layer-formats file's ``fmt`` layers: what the uniform recipe ``fmt`` would
+    take (``--fp8-impl``, auto's choice), converting exactly the named layers."""
+    lin = _linear(RECIPES[fmt].fp8, config, lenient=True)
+    if config.fp8_impl == "auto":
+        name = "scratch" if for_target else auto_fp8_impl(lin, caps)
+    else:
+        name = config.fp8_impl
+    impl = FP8_IMPLS[name](lin, caps, seed=seed, layers="all")
+    try:
+        impl.refuse(amp_impl, fmt)
+    except RecipeError as e:
+        raise lf_file.LayerFormatsError(f"--layer-formats {path}: its {fmt} layers: {e}") from None
+    return impl
+
+
+def _refuse_kept(keep_fp32: Iterable[Any], name: str, module: nn.Module, fmt: str, path: str) -> None:
+    """A layer the file gives a low format while ``--keep-fp32`` keeps it (by name, a parent's name, or its class)
+    in fp32 is a contradiction; ``fp32`` in the file agrees."""
+    if fmt == "fp32":
+        return
+    for k in keep_fp32:
+        hit = (isinstance(k, type) and isinstance(module, k)) or (isinstance(k, str) and (
+            k == name or name.startswith(k + ".") or k == type(module).__name__))
+        if hit:
+            raise lf_file.LayerFormatsError(
+                f"--keep-fp32 {k} and --layer-formats {path} contradict: the file puts {name} in {fmt}, "
+                f"--keep-fp32 keeps it in fp32; give it \"fp32\" in the file or drop {k} from --keep-fp32")
 
 
 def _refuse_contradictions(spec: RecipeSpec, config: RecipeConfig, caps: hardware.Capabilities) -> None:

@@ -10,7 +10,7 @@ from .mechanisms import Mechanism
 from .recipes import RecipeSpec, dtype_name
 from .scaler import ScalerConfig
 
-__all__ = ["HARDWARE_NOTES", "describe", "hardware_note", "nonfinite_remedies"]
+__all__ = ["HARDWARE_NOTES", "describe", "hardware_note", "layer_formats_clause", "nonfinite_remedies"]
 
 _NO_FAST_FP16 = "this CPU has no fast fp16 kernels (no AVX512-FP16/AMX-FP16: {where})"
 _NO_BF16_KERNELS = "this CPU has no bf16 kernels (oneDNN does bf16 from AVX-512 on: {where}"
@@ -92,6 +92,24 @@ def describe(spec: RecipeSpec, mechanism: Mechanism, *, scaler: ScalerConfig, st
         parts.append(f"{len(c.converted)} linear layer(s) in {what}"
                      + (f", kept out: {', '.join(n for n, _ in c.skipped)}" if c.skipped else ""))
     return "; ".join(parts)
+
+
+def layer_formats_clause(layers, impls: dict, spec: RecipeSpec) -> str:
+    """How many of a layer-formats file's layers run in which format, each low-precision format with whose layers
+    and whether its GEMMs are real here (:meth:`mixprec.precision.Recipe.describe`)."""
+    made = ", ".join(x for x in (layers.model.get("name"), f"tuned for {layers.target}" if layers.target else "") if x)
+    parts = []
+    for fmt, names in layers.by_format().items():
+        where = ""
+        if fmt in impls:
+            impl = impls[fmt]
+            where = f" [{impl.name}, real]" if impl.real() else (
+                f" [{impl.name}, EMULATED: {_LOWP_WORDS[impl.recipe.name][1]}]")
+        elif fmt != "fp32" and spec.fp8:
+            where = f" (kept out of {spec.name}'s conversion)"
+        parts.append(f"{len(names)}{' linear layer(s)' if not parts else ''} in {fmt}{where}")
+    return (f"--layer-formats {layers.path}" + (f" ({made})" if made else "") + ": " + ", ".join(parts)
+            + f"; the others as {spec.name}")
 
 
 def nonfinite_remedies(spec: RecipeSpec) -> str:

@@ -11,7 +11,7 @@ import os
 
 from .. import hardware
 from ..errors import ConfigError
-from ..precision import RecipeConfig, build_recipe
+from ..precision import RecipeConfig, build_recipe, layers_entry
 from ..train.build import Run, build_run
 from ..train.config import TrainConfig
 from ..train.outputs import check_folder
@@ -41,10 +41,9 @@ class Plan:
     invocation: int
     """1 for a new bench, one more than the folder's last for a resumed one."""
     previous: Previous | None
-
-    @property
-    def recipes(self) -> tuple[str, ...]:
-        return self.config.precisions
+    recipes: tuple[str, ...] = ()
+    """The rows, in table order: ``--precisions``, then ``<base>+layers`` with a layer-formats file
+    (:func:`mixprec.precision.layers_entry`)."""
 
     @property
     def base(self) -> TrainConfig:
@@ -65,7 +64,9 @@ def plan(config: BenchConfig, previous: Previous | None = None) -> Plan:
     base = config.train
     device = hardware.resolve_device(base.run.device)
     configs, checks = {}, {}
-    for name in config.precisions:
+    layered = layers_entry(base.recipe, config.precisions)
+    recipes = config.precisions + ((layered,) if layered else ())
+    for name in recipes:
         recipe_config, notes = base.recipe.for_recipe(name)
         configs[name] = dataclasses.replace(base, recipe=recipe_config)
         configs[name].validate()
@@ -74,14 +75,15 @@ def plan(config: BenchConfig, previous: Previous | None = None) -> Plan:
     _check_warmup(config.warmup_steps, base, len(reference.train_loader))
     specs = [RunSpec(recipe=name, repeat=r, seed=seed, config=configs[name].with_flags(seed=seed).to_dict(),
                      warmup_steps=config.warmup_steps)
-             for r, seed in enumerate(config.seeds) for name in config.precisions]
+             for r, seed in enumerate(config.seeds) for name in recipes]
     out_dir = config.resume or config.out or os.path.join("runs", _dt.datetime.now().strftime("bench-%Y%m%d-%H%M%S"))
     _prepare_out_dir(out_dir)
     kept = previous.finished(specs) if previous is not None else []
     done = {(r.recipe, r.repeat) for r in kept}
     return Plan(config=dataclasses.replace(config, out=out_dir), configs=configs, checks=checks, reference=reference,
                 specs=specs, kept=kept, to_run=[s for s in specs if (s.recipe, s.repeat) not in done],
-                invocation=previous.invocation + 1 if previous is not None else 1, previous=previous)
+                invocation=previous.invocation + 1 if previous is not None else 1, previous=previous,
+                recipes=recipes)
 
 
 def _check_warmup(warmup_steps: int, base: TrainConfig, n_batches: int) -> None:

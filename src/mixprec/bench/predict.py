@@ -156,9 +156,9 @@ def _target(spec: Any):
 
 
 def _recipe_doc(planner, name: str, accum: int) -> dict[str, Any]:
-    from ..precision import resolve_recipe
+    from ..precision import LAYERS_SUFFIX, resolve_recipe
 
-    tr, notes, tf32 = planner.trace(resolve_recipe(name).name)
+    tr, notes, tf32 = planner.trace(name if name.endswith(LAYERS_SUFFIX) else resolve_recipe(name).name)
     rp = planner.recipe_plan(tr, tf32=tf32, notes=notes)
     resident = sum(rp.at_peak.get(c, 0) for c in RESIDENT) + _batch_bytes(planner.batch)
     doc = rp.to_dict()

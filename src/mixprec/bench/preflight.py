@@ -27,4 +27,4 @@ def preflight(recipe: Recipe, notes: list[str] = ()) -> Preflight:
     """What ``recipe`` will run as on its device, in one line (plus ``notes`` on flags that do not apply)."""
     facts = recipe.hardware_facts()
     line = "; ".join([f"{recipe.label}: {facts.note}", *notes])
-    return Preflight(recipe.name, recipe.impl, facts.matmul_dtype, facts.fast, line)
+    return Preflight(recipe.entry_name, recipe.impl, facts.matmul_dtype, facts.fast, line)

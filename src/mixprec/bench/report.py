@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import UsageError
-from ..precision import resolve_recipe
+from ..precision import LAYERS_SUFFIX, resolve_recipe
 from ..train.report import format_bytes
 from .results import HOST_BOUND_BELOW, Spread, SummaryRow, number, ratio
 
@@ -63,7 +63,7 @@ def _pct_spread(s: Spread | None) -> str:
 
 def _label(row: SummaryRow) -> str:
     try:  # fp32 has no autocast, so no mechanism to name
-        scratch = row.impl == "scratch" and resolve_recipe(row.recipe).autocast
+        scratch = row.impl == "scratch" and resolve_recipe(row.recipe.removesuffix(LAYERS_SUFFIX)).autocast
     except UsageError:
         scratch = False
     return row.recipe + (" (scratch)" if scratch else "")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -28,7 +28,8 @@ from .block import BlockLinear, block_linear, layer_seed
 from .fp8 import GEMM_MULTIPLE, Fp8Linear, fp8_linear
 
 __all__ = ["Fp8AdaptedLinear", "Fp8Conversion", "LinearAdapter", "SKIP_NAMES", "convert_to_fp8", "fp8_pays",
-           "plan_fp8_conversion", "register_linear_adapter", "swap_layers", "unregister_linear_adapter"]
+           "is_linear_layer", "layer_problem", "make_lowp_layer", "plan_fp8_conversion", "register_linear_adapter",
+           "swap_layers", "unregister_linear_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +165,17 @@ def fp8_pays(recipe: str, n: int, k: int) -> str | None:
     return None
 
 
-def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, str], bool] | None,
-                 recipe=None, pays_only: str | None = None) -> str | None:
-    """Why linear layer ``m`` stays as it is, or None to convert it."""
+def is_linear_layer(m: nn.Module) -> bool:
+    """Whether ``m`` is a linear layer as the conversion sees one: an ``nn.Linear`` (or subclass), an adapted class
+    (:func:`register_linear_adapter`), or one already converted."""
+    return isinstance(m, (nn.Linear, Fp8AdaptedLinear)) or _adapter_for(m) is not None
+
+
+def layer_problem(m: nn.Module, recipe=None) -> str | None:
+    """Why linear layer ``m`` cannot run ``recipe`` (a block-scaled
+    :class:`~mixprec.lowp.recipes.LinearRecipe`, or None / ``tensorwise`` for per-tensor FP8), or None."""
+    if recipe is not None and recipe.name == "tensorwise":
+        recipe = None
     adapter = _adapter_for(m)
     if adapter is None and type(m) is not nn.Linear:
         return (f"{type(m).__name__} is a subclass of nn.Linear (its parent may use the weight directly, e.g. "
@@ -177,6 +186,17 @@ def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, 
         what = ("FP8 GEMMs need" if recipe is None or recipe.token_block is None
                 else f"{recipe.name}'s blocks along the reduced dimensions need")
         return f"in_features={in_f}, out_features={out_f}: {what} multiples of {multiple}"
+    return None
+
+
+def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, str], bool] | None,
+                 recipe=None, pays_only: str | None = None) -> str | None:
+    """Why linear layer ``m`` stays as it is, or None to convert it."""
+    problem = layer_problem(m, recipe)
+    if problem is not None:
+        return problem
+    adapter = _adapter_for(m)
+    out_f, in_f = adapter.weight_as_linear(m.weight).shape if adapter else (m.out_features, m.in_features)
     if not (module_filter_fn or _default_filter)(m, fqn):
         return ("final classifier, kept out of FP8 (logits are the most sensitive layer)" if module_filter_fn is None
                 else "excluded by module_filter_fn")
@@ -187,19 +207,21 @@ def _skip_reason(m: nn.Module, fqn: str, module_filter_fn: Callable[[nn.Module, 
 
 def plan_fp8_conversion(
     module: nn.Module, *, module_filter_fn: Callable[[nn.Module, str], bool] | None = None, recipe=None,
-    pays_only: str | None = None,
+    pays_only: str | None = None, exclude: Collection[str] = (),
 ) -> Fp8Conversion:
     """Which linear layers :func:`convert_to_fp8` would swap, and why the others are skipped.
 
     ``recipe``: a block-scaled :class:`~mixprec.lowp.recipes.LinearRecipe` (its multiple), or None for
     per-tensor FP8. ``pays_only``: a recipe name (``tensorwise``, ``rowwise``) whose :func:`fp8_pays` rule also
-    keeps the layers where FP8 would not pay (ignored when ``module_filter_fn`` is given)."""
+    keeps the layers where FP8 would not pay (ignored when ``module_filter_fn`` is given). ``exclude``: names
+    left out of the plan altogether, in neither list (layers given a format of their own,
+    :mod:`.layer_formats`)."""
     if recipe is not None and recipe.name == "tensorwise":
         recipe = None
     converted, skipped = [], []
     for fqn, m in module.named_modules():
         converted_already = isinstance(m, (Fp8Linear, BlockLinear, Fp8AdaptedLinear))
-        if converted_already or not (isinstance(m, nn.Linear) or _adapter_for(m)):
+        if converted_already or fqn in exclude or not (isinstance(m, nn.Linear) or _adapter_for(m)):
             continue
         reason = _skip_reason(m, fqn, module_filter_fn, recipe, pays_only)
         if reason is None:
@@ -209,7 +231,11 @@ def plan_fp8_conversion(
     return Fp8Conversion(tuple(converted), tuple(skipped))
 
 
-def _to_fp8_module(m: nn.Module, emulate: bool | None, recipe=None, fqn: str = "", seed: int = 0) -> nn.Module:
+def make_lowp_layer(m: nn.Module, emulate: bool | None, recipe=None, fqn: str = "", seed: int = 0) -> nn.Module:
+    """Linear layer ``m`` (named ``fqn``) as mixprec's layer running ``recipe`` (None or ``tensorwise``: per-tensor
+    FP8), keeping its Parameter objects; ``seed`` as :func:`convert_to_fp8`'s."""
+    if recipe is not None and recipe.name == "tensorwise":
+        recipe = None
     adapter = _adapter_for(m)
     if recipe is None:
         return Fp8Linear.from_linear(m, emulate=emulate) if adapter is None else Fp8AdaptedLinear(m, adapter,
@@ -228,6 +254,7 @@ def convert_to_fp8(
     recipe=None,
     seed: int = 0,
     pays_only: str | None = None,
+    exclude: Collection[str] = (),
 ) -> nn.Module:
     """Swap eligible linear layers of ``module`` for FP8 ones, in place: ``nn.Linear`` for :class:`Fp8Linear`,
     a registered linear class (Hugging Face's Conv1D; :func:`register_linear_adapter`) for
@@ -241,14 +268,15 @@ def convert_to_fp8(
         recipe: a block-scaled :class:`~mixprec.lowp.recipes.LinearRecipe` (layers become
             :class:`~mixprec.lowp.block.BlockLinear`; its multiple replaces 16), or None / ``tensorwise``.
         seed: seeds each layer's stochastic-rounding stream (NVFP4 option).
-        pays_only: as :func:`plan_fp8_conversion`'s.
+        pays_only, exclude: as :func:`plan_fp8_conversion`'s.
     """
     if recipe is not None and recipe.name == "tensorwise":
         recipe = None
-    plan = plan_fp8_conversion(module, module_filter_fn=module_filter_fn, recipe=recipe, pays_only=pays_only)
+    plan = plan_fp8_conversion(module, module_filter_fn=module_filter_fn, recipe=recipe, pays_only=pays_only,
+                               exclude=exclude)
     for fqn, reason in plan.skipped:
         log.info("convert_to_fp8: kept %s in its precision: %s", fqn or "<root>", reason)
-    return swap_layers(module, plan.converted, lambda m, fqn: _to_fp8_module(m, emulate, recipe, fqn, seed))
+    return swap_layers(module, plan.converted, lambda m, fqn: make_lowp_layer(m, emulate, recipe, fqn, seed))
 
 
 def swap_layers(module: nn.Module, names: tuple[str, ...], make: Callable[[nn.Module, str], nn.Module]) -> nn.Module:

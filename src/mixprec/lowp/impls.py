@@ -24,6 +24,7 @@ import dataclasses
 import importlib.util
 import logging
 import warnings
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 
 from .. import hardware
 from ..errors import RecipeError
-from .convert import Fp8Conversion, convert_to_fp8, plan_fp8_conversion, swap_layers
+from .convert import Fp8Conversion, convert_to_fp8, layer_problem, make_lowp_layer, plan_fp8_conversion, swap_layers
 from .recipes import LinearRecipe
 
 __all__ = ["Fp8Impl", "ScratchFp8", "TorchaoFp8", "FP8_IMPLS", "FP8_IMPL_CHOICES", "auto_fp8_impl",
@@ -95,12 +96,22 @@ class Fp8Impl:
         """The recipe whose pay rule filters the layers (``layers="auto"`` where the GEMMs are real), or None."""
         return self.recipe.name if self.layers == "auto" and self.real() else None
 
-    def plan(self, model: nn.Module):
-        """The :class:`~mixprec.lowp.convert.Fp8Conversion` :meth:`convert` will carry out."""
-        return plan_fp8_conversion(model, recipe=self.recipe, pays_only=self.pays_only)
+    def plan(self, model: nn.Module, exclude: Collection[str] = ()):
+        """The :class:`~mixprec.lowp.convert.Fp8Conversion` :meth:`convert` will carry out; ``exclude``: layers
+        left alone (given a format of their own)."""
+        return plan_fp8_conversion(model, recipe=self.recipe, pays_only=self.pays_only, exclude=exclude)
 
-    def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
-        """Swap the eligible linear layers; returns the model and the conversion's record."""
+    def convert(self, model: nn.Module, exclude: Collection[str] = ()) -> tuple[nn.Module, Any]:
+        """Swap the eligible linear layers but ``exclude``; returns the model and the conversion's record."""
+        raise NotImplementedError
+
+    def layer_problem(self, module: nn.Module) -> str | None:
+        """Why this implementation cannot run ``module`` (a linear layer) in the recipe, or None."""
+        return layer_problem(module, self.recipe)
+
+    def convert_layers(self, model: nn.Module, names: Collection[str]) -> nn.Module:
+        """Swap exactly the linear layers ``names``, whatever the layer filter and the pay rule say (a
+        :meth:`layer_problem` is the caller's to refuse first); returns the model."""
         raise NotImplementedError
 
 
@@ -116,10 +127,16 @@ class ScratchFp8(Fp8Impl):
             return self.caps.fp8_matmul
         return r.name == "rowwise" and not r.wgrad_hp and self.caps.rowwise_fp8
 
-    def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
-        plan = self.plan(model)
-        return convert_to_fp8(model, recipe=self.recipe, seed=self.seed, pays_only=self.pays_only), plan
+    def convert(self, model: nn.Module, exclude: Collection[str] = ()) -> tuple[nn.Module, Any]:
+        plan = self.plan(model, exclude)
+        return convert_to_fp8(model, recipe=self.recipe, seed=self.seed, pays_only=self.pays_only,
+                              exclude=exclude), plan
 
+    def convert_layers(self, model: nn.Module, names: Collection[str]) -> nn.Module:
+        return swap_layers(model, tuple(names), lambda m, fqn: make_lowp_layer(m, None, self.recipe, fqn, self.seed))
+
+
+_NN_LINEAR_ONLY = "torchao converts nn.Linear only (use --fp8-impl scratch for other linear classes)"
 
 _TORCHAO_RECIPES = ("tensorwise", "rowwise", "mxfp8")
 """Recipes torchao 0.18 has a training layer for (``rowwise`` also as ``rowwise_with_gw_hp``; ``mxfp8`` also
@@ -150,17 +167,24 @@ class TorchaoFp8(Fp8Impl):
     def real(self) -> bool:
         return self.caps.lowp_units(self.recipe.name)
 
-    def plan(self, model: nn.Module):
-        plan = super().plan(model)  # torchao swaps nn.Linear only: adapted classes (HF Conv1D) stay as they are
+    def plan(self, model: nn.Module, exclude: Collection[str] = ()):
+        plan = super().plan(model, exclude)  # torchao swaps nn.Linear only: adapted classes (HF Conv1D) stay
         keep = tuple(n for n in plan.converted if type(model.get_submodule(n)) is nn.Linear)
-        left = tuple((n, "torchao converts nn.Linear only") for n in plan.converted if n not in keep)
+        left = tuple((n, _NN_LINEAR_ONLY) for n in plan.converted if n not in keep)
         return Fp8Conversion(keep, plan.skipped + left)
 
-    def convert(self, model: nn.Module) -> tuple[nn.Module, Any]:
-        plan = self.plan(model)
+    def convert(self, model: nn.Module, exclude: Collection[str] = ()) -> tuple[nn.Module, Any]:
+        plan = self.plan(model, exclude)
+        return self.convert_layers(model, plan.converted), plan
+
+    def layer_problem(self, module: nn.Module) -> str | None:
+        problem = super().layer_problem(module)
+        return problem if problem or type(module) is nn.Linear else f"{type(module).__name__}: {_NN_LINEAR_ONLY}"
+
+    def convert_layers(self, model: nn.Module, names: Collection[str]) -> nn.Module:
         with quiet_torchao_import():
             make = self._mxfp8_layer() if self.recipe.name == "mxfp8" else self._float8_layer()
-        return swap_layers(model, plan.converted, lambda linear, _: make(linear)), plan
+        return swap_layers(model, tuple(names), lambda linear, _: make(linear))
 
     def _float8_layer(self):
         from torchao.float8.config import Float8LinearConfig

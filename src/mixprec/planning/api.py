@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError, check_keywords
+from ..precision import layers_entry
 from .kernels import KernelTimes
 from .roofline import StepTime, efficiency_for, step_time
 from .targets import Target, get_target
@@ -165,7 +166,9 @@ def plan(
     fallback_batch_size: int = 2,
     **flags: Any,
 ) -> Plan:
-    """Predict memory by category, peak, largest batch, FLOPs by dtype and step time of each recipe.
+    """Predict memory by category, peak, largest batch, FLOPs by dtype and step time of each recipe; with a
+    layer-formats file (``layer_formats=`` FILE, ``--layer-formats``) one entry more, ``<base>+layers``, the
+    first recipe asked that can carry the file (:func:`mixprec.precision.layers_entry`) with the file applied.
 
     ``config`` is made from ``flags`` (train's flag names) when not given. ``model``: a module (copied as fake
     tensors) or a zero-argument factory (called under fake tensors). ``fallback_real``: a model that cannot be built
@@ -186,6 +189,8 @@ def plan(
     planner = Planner(config=config or TrainConfig.from_flags(**flags), target=target, model=model, batch=batch,
                       loss_fn=loss_fn, make_optimizer=make_optimizer, fallback_real=fallback_real)
     names = [_canonical(p) for p in precisions]
+    layered = layers_entry(planner.config.recipe, names)
+    names += [layered] if layered else []
     traced, scale = "fake", 1.0
     try:
         results = [planner.trace(name) for name in names]
@@ -238,11 +243,15 @@ class Planner:
         return [self._trace(name, batch, models, None) for name in names]
 
     def _trace(self, name, batch, models, fake_mode):
+        """``name``: a canonical recipe name, or ``<base>+layers`` (:func:`~mixprec.precision.layers_entry`)."""
         recipe_config, notes = self.config.recipe.for_recipe(name)
+        if recipe_config.layer_formats and recipe_config.fp8_impl == "auto" and self.target.kind != "cpu":
+            # the file's FP8/FP4 layers traced through mixprec's own layers, as trace.recipe_for_target does
+            recipe_config = dataclasses.replace(recipe_config, fp8_impl="scratch")
         tr = trace_step(recipe_config=recipe_config, target=self.target, models=models, fake_mode=fake_mode,
                         batch=batch, make_optimizer=self.make_optimizer, loss_fn=self.loss_fn,
                         default_loss=self.default_loss, clip_grad_norm=self.config.optim.clip_grad_norm)
-        return tr, self.notes + list(notes), _tf32(name)
+        return dataclasses.replace(tr, recipe=name), self.notes + list(notes), _tf32(recipe_config.precision)
 
     def recipe_plan(self, trace: StepTrace, *, tf32: bool, notes: list[str], scaled_ops: float = 1.0) -> RecipePlan:
         return _recipe_plan(trace, self.target, tf32=tf32, notes=notes, scaled_ops=scaled_ops,

@@ -51,11 +51,13 @@ def format_plan(p) -> str:
         lines.append(f"  limit: {DEVICE_BRANCH_LIMIT}")
     lines.append("")
     cats = [c for c in AT_PEAK_CATEGORIES if any(r.memory.get(c) for r in p.recipes)]
-    head = f"{'recipe':22s}" + "".join(f"{_SHORT[c]:>11s}" for c in cats) + f"{'peak':>11s}{'max batch':>10s}{'step':>10s}"
+    w = max([22] + [len(r.label) + 2 for r in p.recipes])
+    head = (f"{'recipe':{w}s}" + "".join(f"{_SHORT[c]:>11s}" for c in cats)
+            + f"{'peak':>11s}{'max batch':>10s}{'step':>10s}")
     lines.append(head)
     for r in p.recipes:
         fit = "" if r.fits else "  DOES NOT FIT"
-        lines.append(f"{r.label:22s}" + "".join(f"{gib(r.memory.get(c, 0)):>11s}" for c in cats)
+        lines.append(f"{r.label:{w}s}" + "".join(f"{gib(r.memory.get(c, 0)):>11s}" for c in cats)
                      + f"{gib(r.peak_bytes):>11s}{r.max_batch_size:>10,d}{_time(r.step_time_s):>10s}{fit}")
     lines.append("")
     for r in p.recipes:

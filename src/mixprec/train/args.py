@@ -124,6 +124,12 @@ def _recipe_arguments(add: _Flags, with_precision: bool) -> None:
     add("--fp8-layers", choices=FP8_LAYERS,
         help="fp8-mixed, fp8-rowwise: auto (default: on a GPU with FP8 units, only the layers where FP8 pays, by "
              "torchao's measured size rule; emulated, every eligible layer) or all (every eligible layer)")
+    add("--layer-formats", metavar="FILE",
+        help="a layer-formats file (mixprec tune writes one): its linear layers run in their formats (fp32, bf16, "
+             "fp16, fp8-mixed, fp8-rowwise, mxfp8, mxfp4, nvfp4), the rest in the recipe's, which must be an "
+             "autocast recipe with fp32 params; it wins over the FP8 layer filter, and a --keep-fp32 module it "
+             "puts in another format is an error. bench and plan add one entry <base>+layers beside the uniform "
+             "recipes, the base being the first of --precisions that can carry the file")
 
 
 def _model_and_data_arguments(add: _Flags) -> None:
