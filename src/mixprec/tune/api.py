@@ -167,8 +167,23 @@ def _layer_times(shapes: Iterable[tuple[int, int, int]], candidates: Sequence[st
     return times
 
 
+def _fits(layer: LayerBlockStats, candidate: str) -> str | None:
+    """Why ``candidate`` cannot run the layer (its GEMMs' dimension multiples), or None."""
+    from ..lowp.fp8 import GEMM_MULTIPLE
+    from ..lowp.recipes import linear_recipe
+
+    spec = resolve_recipe(candidate)
+    multiple = GEMM_MULTIPLE if spec.fp8 == "tensorwise" else linear_recipe(spec.fp8).multiple
+    if layer.in_features % multiple or layer.out_features % multiple:
+        return f"{layer.out_features} x {layer.in_features} is not a multiple of {multiple}"
+    return None
+
+
 def _safety(layer: LayerBlockStats, candidate: str) -> tuple[float | None, str | None]:
     """(worst SQNR per dot product over the layer's operands, why unsafe or None)."""
+    misfit = _fits(layer, candidate)
+    if misfit:
+        return None, misfit
     worst, why = math.inf, None
     for (tensor, gemm), cells in layer.operands.items():
         fmt = _OPERAND_FORMATS[candidate][tensor]
@@ -192,25 +207,27 @@ def _safety(layer: LayerBlockStats, candidate: str) -> tuple[float | None, str |
 
 
 def _choose(layer: LayerBlockStats, tokens: int, times: dict[str, float], candidates: Sequence[str],
-            target_name: str) -> LayerChoice:
+            target_name: str, min_gain: float = MIN_GAIN) -> LayerChoice:
     base = "bf16-mixed" if "bf16-mixed" in candidates else "fp32"
     high = "bf16" if base == "bf16-mixed" else "fp32"
-    pays = {c: times[base] / times[c] for c in candidates if c in _OPERAND_FORMATS}
+    pays = {c: times[base] / times[c] for c in candidates if c in _OPERAND_FORMATS and not _fits(layer, c)}
     sqnr, unsafe = {}, {}
     for c in pays:
         sqnr[c], why = _safety(layer, c)
         if why:
             unsafe[c] = why
-    ok = sorted((c for c in pays if c not in unsafe and pays[c] >= MIN_GAIN), key=lambda c: times[c])
+    ok = sorted((c for c in pays if c not in unsafe and pays[c] >= min_gain), key=lambda c: times[c])
     shape = (layer.out_features, layer.in_features)
     if ok:
         c = ok[0]
         s = sqnr[c]
-        reason = (f"{c}: pays {pays[c]:.2f}x on {target_name}, "
-                  + ("exact" if s is None or math.isinf(s) else f"SQNR {s:.1f} dB"))
+        speed = (f"pays {pays[c]:.2f}x on {target_name}" if pays[c] >= 1 else
+                 f"{pays[c]:.2f}x bf16's speed on {target_name}, chosen for --min-gain {min_gain:g}")
+        reason = f"{c}: {speed}, " + ("exact" if s is None or math.isinf(s) else f"SQNR {s:.1f} dB")
         return LayerChoice(layer.name, shape, tokens, c, reason, pays, sqnr, unsafe)
     if not pays:
-        reason = f"{high}: no low-precision candidate"
+        misfits = [f"{c} ({_fits(layer, c)})" for c in candidates if c in _OPERAND_FORMATS]
+        reason = f"{high}: " + ("; ".join(misfits) if misfits else "no low-precision candidate")
     elif all(c in unsafe for c in pays):
         reason = f"{high}: " + "; ".join(f"{c} unsafe ({unsafe[c]})" for c in pays)
     else:
@@ -221,7 +238,8 @@ def _choose(layer: LayerBlockStats, tokens: int, times: dict[str, float], candid
 
 
 def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | str | None = None, steps: int = 4,
-         out: str | None = None, log: Callable[[str], None] | None = None, **flags: Any) -> Tuning:
+         min_gain: float = MIN_GAIN, out: str | None = None, log: Callable[[str], None] | None = None,
+         **flags: Any) -> Tuning:
     """Choose each linear layer's format for ``target`` (module docstring); writes ``out`` (a layer-formats
     file, :mod:`mixprec.lowp.layer_formats`) when given.
 
@@ -229,6 +247,8 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
         config: a :class:`~mixprec.train.config.TrainConfig`; else one from ``flags`` (train's flag names).
         candidates: recipe names (or one comma-separated string); default :func:`default_candidates`.
         steps: batches of the run's data the safety measurement sees (training as the base recipe between them).
+        min_gain: how much faster than bf16 a format must make a layer (0: the fastest safe format, paying or not:
+            a study of the numerics alone).
     """
     from ..planning.targets import get_target
     from ..train.build import build_run
@@ -238,6 +258,8 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
 
     if steps < 1:
         raise TuneError(f"--steps must be >= 1, got {steps}")
+    if not min_gain >= 0:
+        raise TuneError(f"--min-gain must be >= 0, got {min_gain}")
     tgt = get_target(target)
     if isinstance(candidates, str):
         candidates = [c for c in candidates.split(",") if c.strip()]
@@ -279,15 +301,15 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
     compile_fp8 = bool(low) and tgt.kind == "cuda" and tgt.fp8_matmul  # --compile auto there
     times = _layer_times(sorted(shapes), cands, tgt, compile_fp8=compile_fp8)
     choices = tuple(_choose(lay, tokens[lay.name], times[(lay.out_features, lay.in_features, tokens[lay.name])],
-                            cands, tgt.name) for lay in layers)
-    thresholds = {"sqnr_margin_db": SQNR_MARGIN_DB, "max_underflow": MAX_UNDERFLOW, "min_gain": MIN_GAIN,
+                            cands, tgt.name, min_gain) for lay in layers)
+    thresholds = {"sqnr_margin_db": SQNR_MARGIN_DB, "max_underflow": MAX_UNDERFLOW, "min_gain": min_gain,
                   "ideal_sqnr_db": {f: round(ideal_sqnr_db(f), 2) for f in whatif}, "steps": steps,
                   "compiled": compile_fp8}
     result = Tuning(target=tgt.name, candidates=cands, layers=choices, path=out, thresholds=thresholds)
     if out is not None:
         from ..lowp.layer_formats import save
 
-        save(out, run.model, {c.name: (c.format, c.reason) for c in choices}, target=tgt.name,
-             thresholds=thresholds, model_name=config.model.name)
+        save(out, {c.name: (c.format, c.reason) for c in choices}, model=run.model, model_name=config.model.name,
+             target=tgt.name, thresholds=thresholds)
     return result
 

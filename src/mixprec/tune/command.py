@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="comma-separated formats to consider (default: the FP8/FP4 recipes the target has units "
                         "for, bf16-mixed and fp32)")
     g.add_argument("--steps", type=int, default=4, help="batches the safety measurement sees (default 4)")
+    g.add_argument("--min-gain", type=float, default=1.05, metavar="X",
+                   help="how much faster than bf16 a format must make a layer to be chosen (default 1.05; 0: the "
+                        "fastest safe format, paying or not, to study the numerics alone)")
     g.add_argument("--out", dest="formats_out", default="layer-formats.json", metavar="FILE",
                    help="where to write the layer-formats file (default layer-formats.json)")
     p.set_defaults(func=tune_main)
@@ -35,7 +38,7 @@ def tune_main(args: argparse.Namespace) -> int:
     from .api import tune
 
     result = tune(config_from_args(args), target=args.target, candidates=args.candidates, steps=args.steps,
-                  out=args.formats_out, log=lambda line: print(line, file=sys.stderr))
+                  min_gain=args.min_gain, out=args.formats_out, log=lambda line: print(line, file=sys.stderr))
     print(result.table())
     counts: dict[str, int] = {}
     for c in result.layers:
