@@ -34,9 +34,9 @@ __all__ = ["LOWP_DTYPES", "Efficiency", "GPU_EFFICIENCY", "CPU_EFFICIENCY", "Hos
            "StepTime", "step_time", "efficiency_for"]
 
 
-OP_HOST_S = 13.5e-6
+OP_HOST_S = 13.2e-6
 """Fitted: host time per op of an eager GPU step (:class:`HostCost`)."""
-MODULE_HOST_S = 131e-6
+MODULE_HOST_S = 133e-6
 """Fitted: host time per ``nn.Module`` call of an eager GPU step."""
 TORCHAO_LAYER_S = 3.13e-3
 """Fitted: host time per torchao low-precision layer per eager step."""
