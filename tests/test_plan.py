@@ -106,8 +106,10 @@ def test_gpu_target_applies_cudas_autocast_lists_and_real_fp8(monkeypatch):
     assert norm_dtypes(traces["h100-sxm"]) == {"fp32"}  # CUDA's autocast runs layer_norm in fp32
     assert norm_dtypes(traces["cpu"]) == {"bf16"}  # CPU's leaves it in its input's bf16
     monkeypatch.undo()
-    gpu = plan(precisions="fp8-mixed", target="h100-sxm", model="transformer", batch_size=16, **FLAGS)
-    a100 = plan(precisions="fp8-mixed", target="a100-80gb", model="transformer", batch_size=16, **FLAGS)
+    # the tiny transformer's layers are all below torchao's FP8 size rule: --fp8-layers all converts them anyway
+    gpu = plan(precisions="fp8-mixed", target="h100-sxm", model="transformer", batch_size=16, fp8_layers="all", **FLAGS)
+    a100 = plan(precisions="fp8-mixed", target="a100-80gb", model="transformer", batch_size=16, fp8_layers="all",
+                **FLAGS)
     assert "fp8" in gpu.recipes[0].flops  # torch._scaled_mm on an H100
     assert "fp8" not in a100.recipes[0].flops  # no FP8 GEMMs on an A100: the emulated bf16 path
 
@@ -266,8 +268,8 @@ def test_replayed_fp8_scales_give_the_trace_of_running_them(monkeypatch):
 
     def trace():
         calls.clear()
-        tr = Planner(config=TrainConfig.from_flags(optimizer="adamw"), target="h100-sxm", model=LinearNormLinear,
-                     batch=batch).trace("fp8-mixed")[0]
+        tr = Planner(config=TrainConfig.from_flags(optimizer="adamw", fp8_layers="all"), target="h100-sxm",
+                     model=LinearNormLinear, batch=batch).trace("fp8-mixed")[0]
         return [(o.name, o.flops, o.dtype, o.nbytes, o.phase) for o in tr.ops], tr.peak_bytes, tr.totals, len(calls)
 
     ops, peak, totals, ran = trace()

@@ -21,9 +21,9 @@ from torch import nn
 from ..errors import UsageError, check_keywords
 from ..precision import layers_entry
 from .kernels import KernelTimes
-from .roofline import StepTime, efficiency_for, step_time
+from .roofline import Execution, StepTime, efficiency_for, step_time
 from .targets import Target, get_target
-from .trace import FakeModelSource, StepTrace, TraceError, planning_fake_mode, trace_step
+from .trace import FakeModelSource, StepTrace, TraceError, _target_capabilities, planning_fake_mode, trace_step
 
 __all__ = ["RecipePlan", "Plan", "plan", "PlanError", "Planner", "TaskLoss"]
 
@@ -117,12 +117,12 @@ def _scaled(trace: StepTrace, batch_size: int) -> StepTrace:
 
 
 def _recipe_plan(trace: StepTrace, target: Target, *, tf32: bool, notes: list[str], scaled_ops: float,
-                 kernel_times: KernelTimes | None) -> RecipePlan:
+                 kernel_times: KernelTimes | None, execution: Execution | None = None) -> RecipePlan:
     dtype_map = {"fp32": "tf32"} if tf32 and "tf32" in target.peak_flops else {}
     ops = trace.ops
     untimed = kernel_times.untimed if kernel_times is not None else 0
     measured = _measured(ops, target, kernel_times)
-    t = step_time(ops, target, dtype_map=dtype_map, kernel_times=measured)
+    t = step_time(ops, target, dtype_map=dtype_map, kernel_times=measured, execution=execution)
     if kernel_times is not None and kernel_times.untimed > untimed:
         notes = notes + [f"{kernel_times.untimed - untimed} distinct GEMM/convolution/attention calls priced by the "
                          f"roofline, not timed on this CPU: the plan's {kernel_times.total_budget_s:.0f} s "
@@ -205,7 +205,7 @@ def plan(
         traced, scale = "real", n / len(small)
     plans = tuple(planner.recipe_plan(tr, tf32=tf, notes=notes, scaled_ops=scale) for tr, notes, tf in results)
     return Plan(target=planner.target, recipes=plans, model=planner.model_name, batch_size=len(planner.batch),
-                traced=traced, efficiency_source=efficiency_for(planner.target).source)
+                traced=traced, efficiency_source=_efficiency_source(planner.target))
 
 
 class Planner:
@@ -255,7 +255,14 @@ class Planner:
 
     def recipe_plan(self, trace: StepTrace, *, tf32: bool, notes: list[str], scaled_ops: float = 1.0) -> RecipePlan:
         return _recipe_plan(trace, self.target, tf32=tf32, notes=notes, scaled_ops=scaled_ops,
-                            kernel_times=self.kernel_times)
+                            kernel_times=self.kernel_times, execution=self.execution(trace))
+
+    def execution(self, trace: StepTrace) -> Execution:
+        """How the traced step would run on a GPU target: its host reads, compiled or not, whose FP8 layers."""
+        recipe_config, _ = self.config.recipe.for_recipe(trace.recipe)
+        return Execution(syncs=trace.syncs, compiled=_compiles(self.config.run.compile, recipe_config, self.target),
+                         torchao=_torchao_layers(recipe_config, self.target), lowp_layers=trace.lowp_layers,
+                         module_calls=trace.module_calls, untraced_ops=trace.saved_outputs)
 
     def step_time(self, ops, *, dtype_map: dict[str, str] | None = None) -> StepTime:
         return step_time(ops, self.target, dtype_map=dtype_map,
@@ -309,6 +316,42 @@ def _inputs(config, model, batch, data=None) -> tuple[Callable[[], nn.Module], s
         return model_from_config(config.model, data)
 
     return build, config.model.name, as_batch(batch), data
+
+
+def _efficiency_source(target: Target) -> str:
+    from .roofline import GPU_HOST
+
+    source = efficiency_for(target).source
+    return source if target.kind == "cpu" else f"{source}; host dispatch {GPU_HOST.source}"
+
+
+def _compiles(setting: Any, recipe_config, target: Target) -> bool:
+    """Whether a run with ``--compile setting`` compiles: on, off, or auto (FP8/FP4 recipes on CUDA where every
+    GEMM runs on real units: :meth:`mixprec.precision.Recipe.compiles`, answered for the target)."""
+    if setting == "auto":
+        lin = _linear_recipe(recipe_config)
+        return target.kind == "cuda" and lin is not None and _target_capabilities(target).lowp_units(lin.name)
+    return setting in (True, "on")
+
+
+def _torchao_layers(recipe_config, target: Target) -> bool:
+    """Whether the run's low-precision layers are torchao's: ``--fp8-impl torchao``, or auto where the target has
+    units for the recipe and torchao is installed here (:func:`mixprec.lowp.impls.auto_fp8_impl`)."""
+    from ..lowp.impls import auto_fp8_impl
+
+    lin = _linear_recipe(recipe_config)
+    if lin is None or target.kind == "cpu" or recipe_config.fp8_impl == "scratch":
+        return False
+    return recipe_config.fp8_impl == "torchao" or auto_fp8_impl(lin, _target_capabilities(target)) == "torchao"
+
+
+def _linear_recipe(recipe_config):
+    """The low-precision linear recipe of an FP8/FP4 recipe config, else None."""
+    from ..lowp.recipes import linear_recipe
+    from ..precision import resolve_recipe
+
+    spec = resolve_recipe(recipe_config.precision)
+    return None if spec.fp8 is None else linear_recipe(spec.fp8, **recipe_config.linear_options())
 
 
 def _canonical(name: str) -> str:

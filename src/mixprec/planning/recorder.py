@@ -4,13 +4,15 @@ Every aten op of the step passes through :class:`StepRecorder`, above ``FakeTens
 storage not seen before is an allocation, alive until Python drops it (a weak reference's callback marks the
 free); the live total after every op gives the peak and its moment (the bookkeeping of PyTorch's ``MemTracker``,
 which a test checks agrees; categories are decided after the step, :mod:`.trace`). Work: each op's FLOPs
-(:func:`mixprec.flops.op_flops`), the dtype it computes in, the bytes it moves (views move nothing), and on the
-cpu target the calls :mod:`.kernels` times.
+(:func:`mixprec.flops.op_flops`), the dtype it computes in, the bytes it moves (views move nothing), whether an
+eager run dispatches it at all and whether a low-precision linear layer issued it (:mod:`.roofline` prices the
+host's side from these), and on the cpu target the calls :mod:`.kernels` times.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..flops import op_flops
 from .kernels import TIMED_OPS, KernelSpec, kernel_spec
 
-__all__ = ["Alloc", "OpRecord", "StepRecorder"]
+__all__ = ["Alloc", "OpRecord", "StepRecorder", "LOWP_MODULES"]
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                 torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8"}
@@ -53,6 +55,15 @@ class OpRecord:
     phase: str
     kernel: KernelSpec | None = None
     """The call, to be timed for real (:mod:`.kernels`)."""
+    dispatched: bool = True
+    """False for what only tracing records: fake tensors' metadata queries (``prim::device``) and the ``detach``
+    autograd adds after the planner's saved-tensor unpack hook (:meth:`StepRecorder.note_unpack`)."""
+    lowp: bool = False
+    """Issued by a low-precision linear layer (its quantisers, casts and GEMMs; :data:`LOWP_MODULES`)."""
+
+
+LOWP_MODULES = ("mixprec.lowp.", "mixprec.formats", "torchao.")
+"""Python modules whose code is a low-precision linear layer's: an op with one of them on the stack is ``lowp``."""
 
 
 class StepRecorder(TorchDispatchMode):
@@ -62,9 +73,16 @@ class StepRecorder(TorchDispatchMode):
     apart (:attr:`phase_peak`): they scale differently with the batch.
     """
 
-    def __init__(self, workspace=None, time_kernels: bool = False) -> None:
+    def __init__(self, workspace=None, time_kernels: bool = False, mark_lowp: bool = False) -> None:
         super().__init__()
         self._time_kernels = time_kernels
+        self._mark_lowp = mark_lowp
+        self.unpacked = 0
+        """Saved inputs unpacked by a hook since the last op (:meth:`note_unpack`)."""
+        self.saved_outputs = 0
+        """Saved outputs unpacked by a hook: each a forward ``detach`` an unhooked run dispatches."""
+        self.module_calls: list[int] = []
+        """For each ``nn.Module`` call, the number of ops recorded before it (:meth:`note_module_call`)."""
         self._workspace = workspace
         """``(op name, positional args, outputs) -> bytes`` a kernel allocates and frees inside the op."""
         self.phase = "setup"
@@ -135,6 +153,29 @@ class StepRecorder(TorchDispatchMode):
         return [a for a in self.allocs if a.born <= seq and (a.died is None or a.died > seq)]
 
     # -- ops -------------------------------------------------------------------------------------------
+    def note_unpack(self, t: torch.Tensor) -> None:
+        """Call from a saved-tensor unpack hook. Hooked, autograd detaches each unpacked tensor that requires grad;
+        unhooked, only saved outputs, once when saved and once when unpacked. So the ``detach`` after a saved input
+        is the hook's (not dispatched), and a saved output is a forward ``detach`` the trace lacks."""
+        current = getattr(torch._C, "_current_autograd_node", lambda: None)()
+        if current is not None and t.grad_fn is current:
+            self.saved_outputs += 1
+        else:
+            self.unpacked += 1
+
+    def note_module_call(self) -> None:
+        """Call from a module forward pre-hook: a module call's Python comes before the next op."""
+        self.module_calls.append(len(self.ops))
+
+    def _artefact(self, info: _OpInfo) -> bool:
+        if not self.unpacked:
+            return False
+        if info.name == "detach":
+            self.unpacked -= 1
+            return True
+        self.unpacked = 0
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -160,8 +201,10 @@ class StepRecorder(TorchDispatchMode):
         kernel = None
         if flops and self._time_kernels and info.name in TIMED_OPS:
             kernel = kernel_spec(func, args, kwargs, out_bytes=sum(t.numel() * t.element_size() for t in outputs))
+        dispatched = not info.query and not self._artefact(info)
         self.ops.append(OpRecord(name=info.name, flops=flops, dtype=_bucket(info, positional), nbytes=nbytes,
-                                 phase=self.phase, kernel=kernel))
+                                 phase=self.phase, kernel=kernel, dispatched=bool(dispatched),
+                                 lowp=self._mark_lowp and _in_lowp_code()))
         return out
 
 
@@ -171,6 +214,8 @@ class _OpInfo:
     is_view: bool
     mutable: bool
     scaled_mm: bool
+    query: bool
+    """A ``prim`` op (``prim::device``): a tensor's metadata, which only a Python tensor subclass dispatches."""
     may_have_flops: bool
     """Whether a FLOP formula knows the op; the others count 0 without asking."""
 
@@ -193,9 +238,18 @@ def _op_info(func) -> _OpInfo:
         name = packet.__name__
         info = _OP_INFO[func] = _OpInfo(name=name, is_view=func.is_view or name in _ALIASING,
                                         mutable=func._schema.is_mutable,
-                                        scaled_mm=name.startswith("_scaled_mm"),
+                                        scaled_mm=name.startswith("_scaled_mm"), query=func.namespace == "prim",
                                         may_have_flops=packet in CUSTOM_FORMULAS or packet in _fc.flop_registry)
     return info
+
+
+def _in_lowp_code() -> bool:
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_globals.get("__name__", "").startswith(LOWP_MODULES):
+            return True
+        f = f.f_back
+    return False
 
 
 def _leaves(args: tuple, kwargs: dict) -> tuple[list, list]:

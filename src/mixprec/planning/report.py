@@ -63,8 +63,11 @@ def format_plan(p) -> str:
     for r in p.recipes:
         timed = (f"GEMMs/convolutions/attention timed on this CPU {_time(r.time.timed_s)} in {r.time.timed_ops} "
                  "calls, " if r.time.timed_ops else "")
+        host = (f"host overhead {_time(r.time.overhead_s)} over {r.time.ops} ops" if t.kind == "cpu" else
+                f"host dispatch {_time(r.time.host_s)}, the GPU waiting {_time(r.time.overhead_s)}, "
+                f"{r.time.ops} kernels")
         lines.append(f"  {r.recipe}: FLOPs {_flops(r.flops)}; {timed}GEMMs {_time(r.time.gemm_s)}, other ops "
-                     f"{_time(r.time.memory_s)}, host overhead {_time(r.time.overhead_s)} over {r.time.ops} ops")
+                     f"{_time(r.time.memory_s)}, {host}")
         for n in r.notes:
             lines.append(f"    note: {n}")
     lines += ["", verdict(p)]

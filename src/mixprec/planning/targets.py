@@ -42,6 +42,9 @@ class Target:
     source: str
     launch_s: float = 4e-6
     """Least time one op takes (a GPU kernel's launch), the roofline's floor per op; 0 on the cpu target."""
+    measured_flops: dict[str, float] = dataclasses.field(default_factory=dict)
+    """FLOP/s of a large square GEMM measured on the board, where known: no GEMM of a model is faster, so
+    :mod:`.roofline` caps a GEMM's efficiency at ``measured / peak``."""
 
     @property
     def fp8_matmul(self) -> bool:
@@ -64,9 +67,10 @@ class Target:
         return dataclasses.asdict(self)
 
 
-def _gpu(name, description, memory_gb, bandwidth_gbs, source, **tflops) -> Target:
+def _gpu(name, description, memory_gb, bandwidth_gbs, source, measured=None, **tflops) -> Target:
     return Target(name=name, description=description, kind="cuda", memory_bytes=int(memory_gb * 1e9),
-                  peak_flops={k: v * T for k, v in tflops.items()}, bandwidth=bandwidth_gbs * 1e9, source=source)
+                  peak_flops={k: v * T for k, v in tflops.items()}, bandwidth=bandwidth_gbs * 1e9, source=source,
+                  measured_flops={k: v * T for k, v in (measured or {}).items()})
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in [
@@ -79,7 +83,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
          fp32=67, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9),
     _gpu("h200", "NVIDIA H200 SXM 141GB", 141, 4800,
          "NVIDIA H200 Tensor Core GPU datasheet, SXM column (dense: TF32 494.7, BF16/FP16 989.4, FP8 1,978.9 "
-         "TFLOPS; 4.8 TB/s HBM3e)",
+         "TFLOPS; 4.8 TB/s HBM3e); measured: 8192^3 matmuls on one H200 (torch 2.11, CUDA events, mean of 10 "
+         "after 3 warm-ups; benchmarks/h200-2026-12-04)",
+         measured=dict(fp32=51, tf32=413, bf16=800, fp16=772, fp8=1447),
          fp32=67, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9),
     _gpu("b200", "NVIDIA B200 (HGX B200, per GPU)", 180, 8000,
          "NVIDIA HGX B200 datasheet, 8-GPU totals divided by 8 and halved for dense (FP32 75, TF32 1,100, "

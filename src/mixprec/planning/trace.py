@@ -6,12 +6,16 @@ optimizer's state made first by a step on zero gradients, untraced). A GPU targe
 run the recipe: CUDA's autocast lists (through the scratch autocast, on CPU tensors), no emulation, real FP8 GEMMs
 where it has them; the built-in models' attention is told the target.
 
-Host reads are modelled as the healthy branch (fake tensors have no values):
+The step is the unguarded ``Recipe.backward`` and ``Recipe.step`` (train's step guard adds a few 0-dim device
+ops), its value checks modelled as the healthy branch (fake tensors have no values):
 
 1. ``Recipe.backward``: the finite-loss check -- finite;
 2. ``Recipe.step``: the skip decision of loss-scaled recipes -- no skip (``unscale_``'s check is traced);
 3. ``Recipe.step`` with ``--clip-grad-norm``: the finite-norm check -- finite;
-4. :func:`mixprec.fp8.fp8_scale` on CPU tensors reads ``amax``; fake tensors take its device path.
+4. the FP8 scale on CPU tensors reads ``amax``; fake tensors take its device path.
+
+The host reads a guarded step still makes (:meth:`mixprec.precision.Recipe.step_reads`: a native GradScaler's or a
+non-fused optimizer's skip decision) are where :attr:`StepTrace.syncs` has the host wait for a GPU.
 
 Memory categories are :mod:`mixprec.memory`'s, plus buffers and **temporary** (everything else alive at the peak;
 on the cpu target also kernel workspace, :mod:`.workspace`). Initialisation that reads values is a
@@ -71,6 +75,14 @@ class StepTrace:
     notes: list[str]
     path: str
     """``fake`` (the model built under fake tensors) or ``real-then-fake``."""
+    syncs: tuple[int, ...] = ()
+    """Where a guarded step reads a value on the host: before ``ops[i]`` for each ``i``."""
+    lowp_layers: int = 0
+    """Linear layers the recipe converted to low precision."""
+    module_calls: tuple[int, ...] = ()
+    """GPU targets: for each ``nn.Module`` call of the step, the number of ops before it."""
+    saved_outputs: int = 0
+    """Forward ``detach`` ops an unhooked run dispatches that the trace does not record (one per saved output)."""
 
 
 # ------------------------------------------------------------------------------------------ fake mode
@@ -299,13 +311,13 @@ def trace_step(
         optimizer_state = static_memory(model, optimizer, recipe.master).optimizer_state
         rec = _recorder_with_residents(model, optimizer, recipe, fbatch, target)
         params = list(model.parameters())
-        tracker = SavedTensorTracker(exclude=params)
+        tracker = _Tracker(rec, exclude=params)
         saved: list[tuple[Any, str]] = []
         tracker.on_save = lambda t, c: saved.append((rec.alloc_of(t), c))
         try:
-            with rec, _replayed_scales(rec, fake_mode is not None):
-                _step(model, recipe, optimizer, fbatch, rec, tracker, autocast_for(model),
-                      loss_fn=loss_fn, default_loss=default_loss, clip_grad_norm=clip_grad_norm)
+            with rec, _replayed_scales(rec, fake_mode is not None), _module_calls(rec, target):
+                syncs = _step(model, recipe, optimizer, fbatch, rec, tracker, autocast_for(model),
+                              loss_fn=loss_fn, default_loss=default_loss, clip_grad_norm=clip_grad_norm)
         except UsageError:  # a TraceError, or the model contract's (targets that fit no task...)
             raise
         except Exception as e:  # noqa: BLE001 -- the model does something fake tensors cannot
@@ -324,9 +336,37 @@ def trace_step(
         f"the model could not be built under fake tensors ({models.fake_error}), so it was built for real once "
         "(--fallback-real) and traced as a fake copy"]
     notes += _kept_out(recipe)
+    conversion = recipe.fp8_conversion
     return StepTrace(recipe=recipe.name, label=recipe.label, batch_size=len(batch), totals=totals,
                      at_peak=_at_peak(rec), peak_bytes=rec.peak, phase_peak=dict(rec.phase_peak),
-                     batch_bytes=_batch_bytes(rec), ops=rec.ops, notes=notes, path=models.path)
+                     batch_bytes=_batch_bytes(rec), ops=rec.ops, notes=notes, path=models.path, syncs=syncs,
+                     lowp_layers=len(conversion.converted) if conversion is not None else 0,
+                     module_calls=tuple(rec.module_calls), saved_outputs=rec.saved_outputs)
+
+
+@contextlib.contextmanager
+def _module_calls(rec: StepRecorder, target: Target) -> Iterator[None]:
+    """On GPU targets, tell ``rec`` of every module call (a forward pre-hook on all modules, removed on exit)."""
+    if target.kind == "cpu":
+        yield
+        return
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda module, args: rec.note_module_call())
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class _Tracker(SavedTensorTracker):
+    """The saved-tensor tracker, telling the recorder of each unpack (:meth:`.recorder.StepRecorder.note_unpack`)."""
+
+    def __init__(self, rec: StepRecorder, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._rec = rec
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self._rec.note_unpack(t)
+        return t
 
 
 def _kept_out(recipe: Recipe) -> list[str]:
@@ -379,7 +419,8 @@ def _replayed_scales(rec: StepRecorder, fake: bool) -> Iterator[None]:
 def _recorder_with_residents(model, optimizer, recipe, fbatch, target: Target) -> StepRecorder:
     cpu = target.kind == "cpu"
     rec = StepRecorder(workspace=cpu_workspace if cpu else None,  # see .workspace
-                       time_kernels=cpu)  # see .kernels
+                       time_kernels=cpu,  # see .kernels
+                       mark_lowp=not cpu)  # see .roofline: priced apart on GPU targets
     rec.register(model.parameters(), "parameters")
     rec.register(model.buffers(), "buffers")
     rec.register((v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
@@ -391,10 +432,12 @@ def _recorder_with_residents(model, optimizer, recipe, fbatch, target: Target) -
 
 
 def _step(model, recipe, optimizer, fbatch, rec: StepRecorder, tracker, autocast_ctx, *, loss_fn, default_loss,
-          clip_grad_norm) -> None:
-    """What ``Recipe.backward`` and ``Recipe.step`` do, with their host reads modelled."""
+          clip_grad_norm) -> tuple[int, ...]:
+    """What ``Recipe.backward`` and ``Recipe.step`` do, with their value checks modelled; returns where a guarded
+    step reads on the host (before the optimizer's step, where :meth:`Recipe.step_reads` says it reads)."""
     from ..train.contract import ModelCall, compute_loss
 
+    reads = recipe.step_reads(optimizer) is not None
     optimizer.zero_grad(set_to_none=True)
     rec.phase = "forward"
     with tracker, autocast_ctx:
@@ -402,19 +445,22 @@ def _step(model, recipe, optimizer, fbatch, rec: StepRecorder, tracker, autocast
         loss = compute_loss(out, fbatch, loss_fn=loss_fn, default=default_loss)
     del out
     rec.phase = "backward"
-    recipe.scaler.scale(loss).backward()  # host read 1: the loss is finite
+    recipe.scaler.scale(loss).backward()  # check 1: the loss is finite
+    loss.detach()  # the step's loss, kept for the epoch's mean (train.step.accumulate_step)
     del loss
     rec.phase = "optimizer"
     if recipe.master is not None:
         recipe.master.copy_grads_to_master()
     recipe.scaler.unscale_(optimizer)
-    if clip_grad_norm is not None:  # host read 3: the norm is finite
+    if clip_grad_norm is not None:  # check 3: the norm is finite
         torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
                                        clip_grad_norm, error_if_nonfinite=False)
-    optimizer.step()  # host read 2: the gradients are finite, the step is taken
+    syncs = (len(rec.ops),) if reads else ()
+    optimizer.step()  # check 2: the gradients are finite, the step is taken
     recipe.scaler.update()
     if recipe.master is not None:
         recipe.master.write_back()
+    return syncs
 
 
 def _at_peak(rec: StepRecorder) -> dict[str, int]:
