@@ -126,6 +126,11 @@ class _BlockMatmul(torch.autograd.Function):
 
 
 def _gemm_mode(device: torch.device, recipe: LinearRecipe, emulate: bool | None) -> str:
+    from .fp8 import planned_mode
+
+    planned = planned_mode()
+    if planned is not None:  # mixprec plan traces the path the target takes (lowp.fp8.planned_gemm_path)
+        return "real" if planned == "real" and recipe.name == "rowwise" and not recipe.wgrad_hp else "emulated"
     real = recipe.name == "rowwise" and hardware.has_lowp_units("rowwise", device)
     if emulate is False and not real:
         raise RuntimeError(f"block_linear(..., emulate=False) with the {recipe.name} recipe needs real kernels "

@@ -175,6 +175,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 _PLANNED = threading.local()
 
 
+def planned_mode() -> str | None:
+    """The GEMM path :func:`planned_gemm_path` set in this thread, or None (the device decides)."""
+    return getattr(_PLANNED, "mode", None)
+
+
 @contextlib.contextmanager
 def planned_gemm_path(mode: str | None):
     """Run every FP8 layer's GEMMs on the path ``mode`` (``"real"`` or ``"emulated"``) in this thread, whatever

@@ -141,6 +141,11 @@ def _check_candidates(candidates: Iterable[str], target) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _no_update(params) -> torch.optim.Optimizer:
+    """The one-layer plans' optimizer: one scalar, so the layer's forward and backward are the step."""
+    return torch.optim.SGD([torch.zeros((), requires_grad=True)], lr=0.0)
+
+
 def _layer_times(shapes: Iterable[tuple[int, int, int]], candidates: Sequence[str], target, *,
                  compile_fp8: bool) -> dict[tuple[int, int, int], dict[str, float]]:
     """``(out, in, tokens) -> candidate -> seconds`` of one linear layer's forward and backward on the target."""
@@ -157,13 +162,11 @@ def _layer_times(shapes: Iterable[tuple[int, int, int]], candidates: Sequence[st
         config = TrainConfig.from_flags(model="mlp", dataset="synthetic", fp8_layers="all", fp8_impl="scratch",
                                         compile="on" if compile_fp8 else "off")
         planner = Planner(config=config, target=target, model=make, batch=batch,
-                          loss_fn=lambda out, y: (out.float() - y).square().mean())
+                          loss_fn=lambda out, y: (out.float() - y).square().mean(), make_optimizer=_no_update)
         times[(n, k, m)] = {}
         for c in candidates:
-            tr, _, tf32 = planner.trace(c)
-            ops = [o for o in tr.ops if o.phase in ("forward", "backward")]
-            dtype_map = {"fp32": "tf32"} if tf32 and "tf32" in planner.target.peak_flops else {}
-            times[(n, k, m)][c] = planner.step_time(ops, dtype_map=dtype_map).total_s
+            tr, notes, tf32 = planner.trace(c)
+            times[(n, k, m)][c] = planner.recipe_plan(tr, tf32=tf32, notes=notes).step_time_s
     return times
 
 
