@@ -241,8 +241,8 @@ def _choose(layer: LayerBlockStats, tokens: int, times: dict[str, float], candid
 
 
 def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | str | None = None, steps: int = 4,
-         min_gain: float = MIN_GAIN, out: str | None = None, log: Callable[[str], None] | None = None,
-         **flags: Any) -> Tuning:
+         min_gain: float = MIN_GAIN, plan_batch_size: int | None = None, out: str | None = None,
+         log: Callable[[str], None] | None = None, **flags: Any) -> Tuning:
     """Choose each linear layer's format for ``target`` (module docstring); writes ``out`` (a layer-formats
     file, :mod:`mixprec.lowp.layer_formats`) when given.
 
@@ -252,6 +252,8 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
         steps: batches of the run's data the safety measurement sees (training as the base recipe between them).
         min_gain: how much faster than bf16 a format must make a layer (0: the fastest safe format, paying or not:
             a study of the numerics alone).
+        plan_batch_size: the batch the target will train on, where it differs from the one measured here (the
+            layers are priced at its tokens; default the run's batch size).
     """
     from ..planning.targets import get_target
     from ..train.build import build_run
@@ -261,6 +263,8 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
 
     if steps < 1:
         raise TuneError(f"--steps must be >= 1, got {steps}")
+    if plan_batch_size is not None and plan_batch_size < 1:
+        raise TuneError(f"--plan-batch-size must be >= 1, got {plan_batch_size}")
     if not min_gain >= 0:
         raise TuneError(f"--min-gain must be >= 0, got {min_gain}")
     tgt = get_target(target)
@@ -298,7 +302,8 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
 
         layers = [LayerBlockStats(n, type(m).__name__, m.in_features, m.out_features, None, {})
                   for n, m in linear_layers(run.model)]
-    tokens = {lay.name: (lay.tokens[1] if lay.tokens else config.optim.batch_size) for lay in layers}
+    scale = (plan_batch_size or config.optim.batch_size) / config.optim.batch_size
+    tokens = {lay.name: round((lay.tokens[1] if lay.tokens else config.optim.batch_size) * scale) for lay in layers}
     shapes = {(lay.out_features, lay.in_features, tokens[lay.name]) for lay in layers}
     say(f"tune: pricing {len(shapes)} layer shape(s) x {len(cands)} candidate(s) on {tgt.name}")
     compile_fp8 = bool(low) and tgt.kind == "cuda" and tgt.fp8_matmul  # --compile auto there

@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="comma-separated formats to consider (default: the FP8/FP4 recipes the target has units "
                         "for, bf16-mixed and fp32)")
     g.add_argument("--steps", type=int, default=4, help="batches the safety measurement sees (default 4)")
+    g.add_argument("--plan-batch-size", type=int, default=None, metavar="N",
+                   help="the batch size the target will train with, if not --batch-size (the safety measurement runs "
+                        "on --batch-size here; the layers are priced at N's tokens)")
     g.add_argument("--min-gain", type=float, default=1.05, metavar="X",
                    help="how much faster than bf16 a format must make a layer to be chosen (default 1.05; 0: the "
                         "fastest safe format, paying or not, to study the numerics alone)")
@@ -38,7 +41,7 @@ def tune_main(args: argparse.Namespace) -> int:
     from .api import tune
 
     result = tune(config_from_args(args), target=args.target, candidates=args.candidates, steps=args.steps,
-                  min_gain=args.min_gain, out=args.formats_out, log=lambda line: print(line, file=sys.stderr))
+                  min_gain=args.min_gain, plan_batch_size=args.plan_batch_size, out=args.formats_out, log=lambda line: print(line, file=sys.stderr))
     print(result.table())
     counts: dict[str, int] = {}
     for c in result.layers:
