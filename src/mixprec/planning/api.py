@@ -329,9 +329,22 @@ def _compiles(setting: Any, recipe_config, target: Target) -> bool:
     """Whether a run with ``--compile setting`` compiles: on, off, or auto (FP8/FP4 recipes on CUDA where every
     GEMM runs on real units: :meth:`mixprec.precision.Recipe.compiles`, answered for the target)."""
     if setting == "auto":
-        lin = _linear_recipe(recipe_config)
-        return target.kind == "cuda" and lin is not None and _target_capabilities(target).lowp_units(lin.name)
+        lins = [lin for lin in (_linear_recipe(recipe_config), *_file_recipes(recipe_config)) if lin is not None]
+        caps = _target_capabilities(target)
+        return target.kind == "cuda" and bool(lins) and all(caps.lowp_units(lin.name) for lin in lins)
     return setting in (True, "on")
+
+
+def _file_recipes(recipe_config) -> list:
+    """The low-precision linear recipes a ``--layer-formats`` file puts layers in (as Recipe.compiles counts)."""
+    if not getattr(recipe_config, "layer_formats", None):
+        return []
+    from ..lowp.layer_formats import LOWP_FORMATS, load
+    from ..lowp.recipes import linear_recipe
+    from ..precision import resolve_recipe
+
+    return [linear_recipe(resolve_recipe(f).fp8) for f in sorted(load(recipe_config.layer_formats).formats())
+            if f in LOWP_FORMATS]
 
 
 def _torchao_layers(recipe_config, target: Target) -> bool:

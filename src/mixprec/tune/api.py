@@ -224,7 +224,7 @@ def _choose(layer: LayerBlockStats, tokens: int, times: dict[str, float], candid
     if ok:
         c = ok[0]
         s = sqnr[c]
-        speed = (f"pays {pays[c]:.2f}x on {target_name}" if pays[c] >= 1 else
+        speed = (f"pays {pays[c]:.2f}x on {target_name}" if pays[c] >= MIN_GAIN else
                  f"{pays[c]:.2f}x bf16's speed on {target_name}, chosen for --min-gain {min_gain:g}")
         reason = f"{c}: {speed}, " + ("exact" if s is None or math.isinf(s) else f"SQNR {s:.1f} dB")
         return LayerChoice(layer.name, shape, tokens, c, reason, pays, sqnr, unsafe)
@@ -238,6 +238,71 @@ def _choose(layer: LayerBlockStats, tokens: int, times: dict[str, float], candid
         reason = (f"{high}: {best} would not pay on {target_name} ({pays[best]:.2f}x at "
                   f"{shape[0]} x {shape[1]}, {tokens} tokens)")
     return LayerChoice(layer.name, shape, tokens, high, reason, pays, sqnr, unsafe)
+
+
+def _whole_step(config, assignment: dict[str, str], *, base: str, target, model: nn.Module, folder: str) -> float:
+    """The planner's step time of the whole model with ``assignment`` (layer -> format), as the run would go."""
+    import os
+
+    from ..lowp.layer_formats import save
+    from ..planning.api import Planner
+
+    path = os.path.join(folder, f"candidate-{len(os.listdir(folder))}.json")
+    save(path, assignment, model=model, model_name=config.model.name, target=target.name)
+    planner = Planner(config=config.with_flags(layer_formats=path, precision=base), target=target)
+    tr, notes, tf32 = planner.trace(base + "+layers")
+    return planner.recipe_plan(tr, tf32=tf32, notes=notes).step_time_s
+
+
+def _refine(choices: list[LayerChoice], options: dict[str, list[str]], step: Callable[[dict[str, str]], float],
+            starts: Iterable[dict[str, str]], say: Callable[[str], None]) -> tuple[dict[str, str], float]:
+    """Per-layer choices priced alone do not add up exactly (a compiled step fuses across layers): start from the
+    fastest of ``starts`` (the per-layer choices, each uniform candidate on the layers it is safe for) and move one
+    group of same-shaped layers at a time to another safe option while the whole step gets faster."""
+    best, best_t = None, math.inf
+    for a in starts:
+        t = step(a)
+        if t < best_t:
+            best, best_t = dict(a), t
+    groups: dict[tuple, list[str]] = {}
+    for c in choices:
+        groups.setdefault((c.shape, c.tokens, tuple(options[c.name])), []).append(c.name)
+    for (_, _, opts), names in groups.items():
+        for o in opts:
+            if all(best[n] == o for n in names):
+                continue
+            trial = {**best, **{n: o for n in names}}
+            t = step(trial)
+            if t < best_t:
+                best, best_t = trial, t
+    say(f"tune: whole-step plan {best_t * 1e3:.3f} ms")
+    return best, best_t
+
+
+def _whole_model(choices: list[LayerChoice], low: Sequence[str], base: str, target, model: nn.Module, config,
+                 plan_batch_size: int | None, say: Callable[[str], None]) -> list[LayerChoice]:
+    """:func:`_refine` on the whole model's plan; layers it moved say so in their reason."""
+    import tempfile
+
+    high = "bf16" if base == "bf16-mixed" else "fp32"
+    options = {c.name: [f for f in low if f in c.pays and f not in c.unsafe] + [high] for c in choices}
+    starts = [{c.name: c.format for c in choices}]
+    starts += [{c.name: (f if f in options[c.name] else high) for c in choices} for f in low]
+    plan_config = config.with_flags(batch_size=plan_batch_size or config.optim.batch_size, compile="auto")
+    with tempfile.TemporaryDirectory() as folder:
+        def step(a: dict[str, str]) -> float:
+            return _whole_step(plan_config, a, base=base, target=target, model=model, folder=folder)
+
+        alone = step(starts[0])
+        best, best_t = _refine(choices, options, step, starts, say)
+    out = []
+    for c in choices:
+        if best[c.name] != c.format:
+            c = dataclasses.replace(c, format=best[c.name], reason=(
+                f"{best[c.name]}: the whole step plans faster so ({best_t * 1e3:.3f} ms against "
+                f"{alone * 1e3:.3f} ms with each layer's own choice); alone: {c.reason}"))
+        out.append(c)
+    return out
 
 
 def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | str | None = None, steps: int = 4,
@@ -308,12 +373,14 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
     say(f"tune: pricing {len(shapes)} layer shape(s) x {len(cands)} candidate(s) on {tgt.name}")
     compile_fp8 = bool(low) and tgt.kind == "cuda" and tgt.fp8_matmul  # --compile auto there
     times = _layer_times(sorted(shapes), cands, tgt, compile_fp8=compile_fp8)
-    choices = tuple(_choose(lay, tokens[lay.name], times[(lay.out_features, lay.in_features, tokens[lay.name])],
-                            cands, tgt.name, min_gain) for lay in layers)
+    choices = [_choose(lay, tokens[lay.name], times[(lay.out_features, lay.in_features, tokens[lay.name])],
+                       cands, tgt.name, min_gain) for lay in layers]
+    if low and min_gain > 0 and choices:
+        choices = _whole_model(choices, low, base, tgt, run.model, config, plan_batch_size, say)
     thresholds = {"sqnr_margin_db": SQNR_MARGIN_DB, "max_underflow": MAX_UNDERFLOW, "min_gain": min_gain,
                   "ideal_sqnr_db": {f: round(ideal_sqnr_db(f), 2) for f in whatif}, "steps": steps,
                   "compiled": compile_fp8}
-    result = Tuning(target=tgt.name, candidates=cands, layers=choices, path=out, thresholds=thresholds)
+    result = Tuning(target=tgt.name, candidates=cands, layers=tuple(choices), path=out, thresholds=thresholds)
     if out is not None:
         from ..lowp.layer_formats import save
 
