@@ -161,7 +161,7 @@ def _syncs() -> _Ops:
     return _Ops(torch.ops.aten._local_scalar_dense)
 
 
-def _syncs_per_step(watched: bool, scaled: bool, monkeypatch, steps=6) -> list[int]:
+def _syncs_per_step(watched: bool, scaled: bool, monkeypatch, steps=6, check="exact", log=False) -> list[int]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -180,21 +180,24 @@ def _syncs_per_step(watched: bool, scaled: bool, monkeypatch, steps=6) -> list[i
         per_step.append(counter.n - last[0])
         last[0] = counter.n
 
-    w = mixprec.watch(model, opt, scaler=scaler, every=100, plots=False) if watched else None
+    w = mixprec.watch(model, opt, scaler=scaler, every=100, plots=False, check=check) if watched else None
     with counter:
         _loop(model, opt, batches(steps), dtype=torch.float16 if scaled else torch.bfloat16, scaler=scaler,
-              on_step=mark)
+              on_step=mark, watch=w if log else None)
     if w is not None:
         w.close()
-        assert w.unsampled_reads == (steps - 1 if not scaled else 0)
+        assert w.unsampled_reads == (steps - 1 if not scaled and check == "exact" else 0)
     monkeypatch.undo()
     return per_step
 
 
-@pytest.mark.parametrize("scaled, added", [(False, 1), (True, 0)])
-def test_syncs_added_per_unsampled_step(monkeypatch, scaled, added):
+@pytest.mark.parametrize("scaled, check, added", [(False, "exact", 1), (True, "exact", 0), (False, "deferred", 0)])
+@pytest.mark.parametrize("log", [False, True], ids=["", "logged-loss"])
+def test_syncs_added_per_unsampled_step(monkeypatch, scaled, check, added, log):
+    """Without a scaler the exact check reads its flag once a step (a logged loss rides in that read); with one the
+    scaler's own decision costs the watch nothing, and ``check="deferred"`` leaves the flag for the next sample."""
     plain = _syncs_per_step(False, scaled, monkeypatch)
-    watched = _syncs_per_step(True, scaled, monkeypatch)
+    watched = _syncs_per_step(True, scaled, monkeypatch, check=check, log=log)
     # step 0 is sampled; steps 1.. are not: the watch adds exactly `added` reads to each of them
     assert [b - a for a, b in zip(plain[1:], watched[1:])] == [added] * (len(plain) - 1)
 
@@ -407,6 +410,7 @@ def test_train_watch_flag_reports_and_changes_nothing(cli, tmp_path, precision):
     assert cli(*flags, "--out", tmp_path / "watched", "--watch", "3")[0] == 0
     doc = json.loads((tmp_path / "watched" / "watch" / "watch.json").read_text())
     assert doc["watch"]["steps"] == 8 and (tmp_path / "watched" / "watch" / "steps.csv").exists()
+    assert doc["watch"]["source"] == "mixprec train" and doc["watch"]["dropped"] == 0  # advice in its flags' terms
     plain = torch.load(tmp_path / "plain" / "last.pt", weights_only=True)["model"]
     watched = torch.load(tmp_path / "watched" / "last.pt", weights_only=True)["model"]
     assert plain.keys() == watched.keys() and all(torch.equal(plain[k], watched[k]) for k in plain)

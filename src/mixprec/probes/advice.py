@@ -17,6 +17,11 @@ After these, what-if advice on the block formats (:mod:`.block_formats`), which 
 * ``block-format-filter`` -- layers whose SQNR in a format is far below the model's median: keep them out of
   that format (its recipe's layer filter);
 * ``block-format-range`` -- blocks whose scale clamps at its format's limit (their values lose range).
+
+Each fix is said in the terms of the loop the findings came from (``Findings.loop``, :data:`LOOPS`): mixprec
+train's flags for the doctor and ``mixprec train --watch``; in the user's own loop, what its code can change
+(``clip_grad_norm_``, the optimizer's learning rate, a module run with autocast off); under the Hugging Face or
+Lightning Trainer, their settings.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 from .attribution import display_path
 from .block_formats import SHORT
 
-__all__ = ["recommend", "THRESHOLDS"]
+__all__ = ["recommend", "THRESHOLDS", "LOOPS"]
 
 THRESHOLDS = {
     "underflow": 0.01,  # gradient underflow fraction worth changing the loss scale for...
@@ -40,6 +45,63 @@ THRESHOLDS = {
 
 MAX_NAMED = 5
 """Layers named in one recommendation, worst first."""
+
+_KEEP_IN_CODE = ("run {shown} with autocast off and fp32 inputs (in its parent's forward: with torch.autocast("
+                 "\"{device}\", enabled=False): h = module(h.float())), or use mixprec.autocast(dtype, model=model, "
+                 "keep_fp32={mods!r}) in place of torch.autocast")
+LOOPS: dict[str, dict[str, str]] = {
+    "mixprec": {
+        "lr_clip": "lower --lr, add --clip-grad-norm 1.0",
+        "lr": "lower --lr",
+        "keep": "mixprec train --keep-fp32 {flag} --amp-impl scratch, or keep_fp32={mods!r} in the API",
+        "keep_short": "--keep-fp32 {flag} --amp-impl scratch",
+        "bf16": "switch to bf16-mixed",
+        "init_scale": "--init-scale {scale:g}",
+        "scaler": "use fp16-mixed's dynamic scaler",
+        "master": "use {dt}-master (fp32 master weights) or --stochastic-rounding",
+    },
+    "torch": {
+        "lr_clip": "lower the optimizer's learning rate (lr), clip the gradients before opt.step() "
+                   "(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))",
+        "lr": "lower the optimizer's learning rate (lr)",
+        "keep": _KEEP_IN_CODE,
+        "bf16": "autocast to torch.bfloat16",
+        "init_scale": "torch.amp.GradScaler(init_scale={scale:g})",
+        "scaler": "scale the loss with torch.amp.GradScaler",
+        "master": "keep the weights in fp32 (autocast runs the math in {dt}), or let the optimizer step fp32 "
+                  "copies (mixprec.MasterWeights)",
+    },
+    "transformers": {
+        "lr_clip": "lower learning_rate, keep max_grad_norm=1.0 (TrainingArguments)",
+        "lr": "lower learning_rate (TrainingArguments)",
+        "keep": _KEEP_IN_CODE,
+        "bf16": "bf16=True in place of fp16=True (TrainingArguments)",
+        "init_scale": "a GradScaler with init_scale={scale:g} (accelerate's GradScalerKwargs)",
+        "scaler": "train with fp16=True (TrainingArguments), whose GradScaler scales the loss",
+        "master": "load the model's weights in fp32 and train with bf16=True or fp16=True (autocast runs the math "
+                  "in {dt})",
+    },
+    "lightning": {
+        "lr_clip": "lower the learning rate in configure_optimizers, clip with Trainer(gradient_clip_val=1.0)",
+        "lr": "lower the learning rate in configure_optimizers",
+        "keep": _KEEP_IN_CODE,
+        "bf16": "Trainer(precision=\"bf16-mixed\")",
+        "init_scale": "plugins=[MixedPrecision(\"16-mixed\", device, scaler=torch.amp.GradScaler(init_scale="
+                      "{scale:g}))]",
+        "scaler": "Trainer(precision=\"16-mixed\")",
+        "master": "a -mixed precision (\"bf16-mixed\" or \"16-mixed\": fp32 weights, autocast) in place of a -true "
+                  "one",
+    },
+}
+"""What each fix is called in each loop: mixprec train's flags, the user's own PyTorch code, the Hugging Face
+Trainer's arguments, the Lightning Trainer's."""
+
+
+def _say(report: Any, what: str, **values: Any) -> str:
+    """The fix ``what`` in the terms of the report's loop (``Findings.loop``)."""
+    loop = getattr(report, "loop", "mixprec")
+    device = str(report.title.get("device") or "cuda").split(":")[0]
+    return LOOPS.get(loop, LOOPS["mixprec"])[what].format(device=device, **values)
 
 
 def _pct(x: float) -> str:
@@ -67,10 +129,10 @@ def _faults(report: Any, low: str | None) -> list[dict[str, str]]:
     if replay is not None and replay.modules:
         shown, flag = _names(replay.modules)
         verb = "it runs" if len(replay.modules) == 1 else "they run"
-        text = (f"keep {shown} in fp32: the step is finite when {verb} in fp32 (mixprec train --keep-fp32 {flag} "
-                f"--amp-impl scratch, or keep_fp32={tuple(replay.modules)!r} in the API)")
+        keep = _say(report, "keep", shown=shown, flag=flag, mods=tuple(replay.modules))
+        text = f"keep {shown} in fp32: the step is finite when {verb} in fp32 ({keep})"
         if low == "fp16":
-            text += "; or switch to bf16-mixed, whose range is fp32's"
+            text += f"; or {_say(report, 'bf16')}, whose range is fp32's"
         h = report.history.summary()
         if fault.event is not None and fault.event.phase == "forward" and report.recipe_spec["loss_scaling"]:
             text += (f". The loss scaler cannot fix a forward overflow (it only scales gradients): it skipped "
@@ -80,11 +142,11 @@ def _faults(report: Any, low: str | None) -> list[dict[str, str]]:
         ev = fault.event
         what = replay.note if "outside the model" in replay.note else \
             f"{ev.phase} aten.{ev.op} in {display_path(ev.module)} is non-finite even in fp32"
-        return [{"kind": "not-precision", "text": f"{what}: not a precision problem; lower --lr, add "
-                                                  "--clip-grad-norm 1.0, or check the data and the loss"}]
+        return [{"kind": "not-precision", "text": f"{what}: not a precision problem; {_say(report, 'lr_clip')}, "
+                                                  "or check the data and the loss"}]
     if fault.classification == "optimizer step":
         return [{"kind": "not-precision",
-                 "text": "the optimizer step made the weights non-finite: lower --lr or add --clip-grad-norm 1.0"}]
+                 "text": f"the optimizer step made the weights non-finite: {_say(report, 'lr_clip')}"}]
     return []
 
 
@@ -104,8 +166,10 @@ def _fp16_ranges(report: Any, have_keep: bool) -> list[dict[str, str]]:
     over = [r["layer"] for r in report.ranges.layer_rows(0) if r["activations"]["fp16"]["overflow"] > 0]
     if over and not have_keep:
         shown, flag = _names(over)
+        short = "keep_short" if getattr(report, "loop", "mixprec") == "mixprec" else "keep"
+        keep = _say(report, short, shown=shown, flag=flag, mods=tuple(over))
         recs.append({"kind": "keep-fp32", "text": f"activations of {shown} exceed fp16's 65504: keep them in fp32 "
-                                                  f"(--keep-fp32 {flag} --amp-impl scratch) or switch to bf16-mixed"})
+                                                  f"({keep}) or {_say(report, 'bf16')}"})
     k_now, k_rec = _initial_log2_scale(report), report.recommended_log2_scale()
     if k_rec is None:
         return recs
@@ -118,18 +182,18 @@ def _fp16_ranges(report: Any, have_keep: bool) -> list[dict[str, str]]:
         worth = (now["underflow"] > THRESHOLDS["underflow"] and lost_now - lost_rec > THRESHOLDS["underflow_gain"]) \
             or (now["overflow"] > 0 and rec["overflow"] == 0) or skipped
         if worth:
-            text = f"start the loss scale at 2^{k_rec} = {2.0**k_rec:g} (--init-scale {2.0**k_rec:g}) instead of " \
-                   f"2^{k_now}: {change}"
+            text = f"start the loss scale at 2^{k_rec} = {2.0**k_rec:g} " \
+                   f"({_say(report, 'init_scale', scale=2.0**k_rec)}) instead of 2^{k_now}: {change}"
             if skipped:
                 text += f"; {skipped} step(s) were skipped while the scaler backed off"
             recs.append({"kind": "init-scale", "text": text})
     elif now["underflow"] > THRESHOLDS["underflow"]:
         recs.append({"kind": "init-scale", "text": f"{_pct(now['underflow'])} of gradients underflow fp16 without "
-                                                   f"loss scaling: use fp16-mixed's dynamic scaler (2^{k_rec} suits)"})
+                                                   f"loss scaling: {_say(report, 'scaler')} (2^{k_rec} suits)"})
     if lost_rec > THRESHOLDS["unfixable"]:
         recs.append({"kind": "switch-bf16", "text": f"even at the best loss scale {_pct(lost_rec)} of gradients over- "
                                                     "or underflow fp16, whose range is too narrow for this model: "
-                                                    "switch to bf16-mixed"})
+                                                    f"{_say(report, 'bf16')}"})
     return recs
 
 
@@ -151,14 +215,13 @@ def _lost_updates(report: Any) -> list[dict[str, str]]:
         more = f" and {len(huge) - MAX_NAMED} more" if len(huge) > MAX_NAMED else ""
         return [{"kind": "not-precision", "text": f"a typical update is larger than the weight it changes (median "
                                                   f"|d/w| > 1 in {shown}{more}): the learning rate is far too "
-                                                  "large; lower --lr"}]
+                                                  f"large; {_say(report, 'lr')}"}]
     low = [layer for layer in lu.layers if layer.dtype in ("bf16", "fp16")]
     frac = sum(x.lost for x in low) / max(1, sum(x.updated for x in low)) if low else 0.0
     if low and frac > THRESHOLDS["lost_updates"]:
         dt = low[0].dtype
         return [{"kind": "master-weights", "text": f"{_pct(frac)} of non-zero updates to {dt} weights are rounded "
-                                                   f"away (low(w + d) == w): use {dt}-master (fp32 master weights) "
-                                                   "or --stochastic-rounding"}]
+                                                   f"away (low(w + d) == w): {_say(report, 'master', dt=dt)}"}]
     if lu.lost_fraction > THRESHOLDS["lost_updates"]:
         return [{"kind": "master-weights", "text": f"{_pct(lu.lost_fraction)} of updates are below even fp32's "
                                                    "resolution: the learning rate is too small to move the weights"}]

@@ -66,6 +66,11 @@ class Findings:
     history: ScaleHistory
     block_formats: BlockFormatProfile | None = None
     """The block-format what-if section (None: not measured)."""
+    loop: str = "mixprec"
+    """Whose terms the advice is in (:data:`~.advice.LOOPS`): ``mixprec`` (mixprec train's flags), ``torch`` (the
+    user's own loop), ``transformers`` or ``lightning`` (their Trainer)."""
+    json_name: str = "doctor.json"
+    """The JSON file the text report points to for what it leaves out."""
 
     # -- derived facts --------------------------------------------------------------------------------
     @property
@@ -265,7 +270,7 @@ class Findings:
         if rows:
             lines += text_table(["step", "loss", "scale", "skipped", "cause"], rows)
         if len(recs) > 12:
-            lines.append(f"  (steps without events omitted; all {len(recs)} in doctor.json)")
+            lines.append(f"  (steps without events omitted; all {len(recs)} in {self.json_name})")
         return lines
 
     def render_recommendations(self) -> list[str]:

@@ -77,7 +77,7 @@ def _watching(run):
     every = run.config.run.watch
     if every is None:
         return contextlib.nullcontext()
-    from ..watching import watch
+    from ..watching.api import start
 
     out = os.path.join(run.config.run.out, "watch") if run.config.run.out else "mixprec-watch"
-    return watch(run.model, run.optimizer, scaler=run.recipe.scaler, out=out, every=every)
+    return start(run.model, run.optimizer, scaler=run.recipe.scaler, source="mixprec train", out=out, every=every)

@@ -19,7 +19,8 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any = N
     """Watch ``model`` and ``optimizer`` in the caller's own training loop (the loop does not change).
 
     Use as ``with mixprec.watch(model, opt, scaler=scaler, out="watch") as w:`` around the loop, or call
-    ``w.close()`` at the end. ``w.log(loss=..., grad_norm=...)`` is optional.
+    ``w.close()`` at the end. ``w.log(loss=..., grad_norm=...)`` is optional. A loop that skips non-finite
+    steps itself is watched as it is: each iteration it ends without a step is counted and its fault named.
 
     Args:
         scaler: the loop's ``torch.amp.GradScaler``, ``ShardedGradScaler`` or ``mixprec.DynamicLossScaler``;
@@ -28,8 +29,8 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any = N
         every: sample every N optimizer steps (step 0 first).
         on_fault: ``record`` (report, the loop goes on as it would) or ``raise`` (stop at the fault with
             :class:`~mixprec.errors.NonFiniteError`).
-        options: the other :class:`~.config.WatchConfig` fields (``formats``, ``localize``, ``max_captures``,
-            ``collapse_below``, ``skip_run``, ``lost_updates``, ``plots``, ``plot_seconds``, ``tensorboard``...).
+        options: the other :class:`~.config.WatchConfig` fields (``check``, ``formats``, ``localize``,
+            ``max_captures``, ``collapse_below``, ``skip_run``, ``lost_updates``, ``plots``, ``tensorboard``...).
 
     Raises:
         WatchError: a model without parameters, an optimizer that does not step the model's parameters, an

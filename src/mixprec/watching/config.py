@@ -34,6 +34,12 @@ class WatchConfig:
     """``record``: report a fault and let the loop go on as it would; ``raise``: stop the run with
     :class:`~mixprec.errors.NonFiniteError` (a fault the replay classifies as one, a loss-scale collapse, or a
     run of skipped steps; a loss-scale overflow that a smaller scale avoids never raises)."""
+    check: str = "exact"
+    """Without a loss scaler: ``exact`` reads the finite flag before every optimizer step (one read a step: a
+    fault is caught, replayed and captured before the update changes the weights); ``deferred`` keeps it on the
+    device until the next sample reads it (no read a step: for loops that skip non-finite steps themselves, whose
+    skipped iterations are still replayed and named; a non-finite step the loop applies is only counted, and finite
+    gradients whose fp32 reduction overflows count as non-finite: the exact re-check needs them)."""
     formats: tuple[str, ...] = DEFAULT_FORMATS
     """Formats the sampled ranges are projected onto."""
     localize: bool = True
@@ -67,6 +73,9 @@ class WatchConfig:
         if self.on_fault not in ("record", "raise"):
             raise WatchError(f"mixprec.watch(..., on_fault={self.on_fault!r}): choose on_fault='record' (report and "
                              "go on) or on_fault='raise' (stop the run at the fault)")
+        if self.check not in ("exact", "deferred"):
+            raise WatchError(f"mixprec.watch(..., check={self.check!r}): choose check='exact' (read the finite flag "
+                             "before every step) or check='deferred' (read it at the next sample)")
         for name in ("max_localized", "max_captures", "skip_run", "sample_elements"):
             v = getattr(self, name)
             if not (is_int(v) and v >= (1 if name == "skip_run" else 0)):

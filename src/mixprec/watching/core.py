@@ -4,15 +4,24 @@ It hooks the model's forward (a pre and a post hook on the root module: a traini
 a micro-batch; the flight recorder, :mod:`.recorder`, keeps what a replay needs), the optimizer's step (pre: the
 gradients are final and not applied; post: the update was applied), and reads the scaler through
 :class:`~mixprec.probes.loss_scale.ScalerReader` (never calls it). Framework callbacks (:mod:`mixprec.integrations`)
-drive the same events where a hook cannot see them. A step ends when the optimizer applied it, or when the
-scaler finished the iteration without ``optimizer.step()`` (a skip, seen at the next forward or at close).
+drive the same events where a hook cannot see them.
+
+A step is one iteration of the loop. It ends when the optimizer applied it; when the scaler finished the
+iteration without ``optimizer.step()`` (a skip, seen at the next forward or at close); or when the loop ended it
+without a step of its own (*dropped*, as a loop does that skips a non-finite loss or gradient): the gradients
+were reset after its backward (``zero_grad``: seen at the next forward, from a mark the end of each backward
+leaves on one gradient, or at a step with no gradients left), no backward reached its forward (seen at the next
+step; a micro-batch of gradient accumulation has one), or the loop stopped (at close). A dropped iteration is
+counted; what is left of it (its losses, seeds and gradients) is checked in one read, else it is replayed
+(:func:`~.recorder.localize`): its fault is named as any other.
 
 Host reads: every step's numbers stay on the device until the next sampled step reads them in one go. An
 unsampled step reads at most one small tensor of the watch's own: without a loss scaler, the finite flag of
 the gradients and losses in the step pre-hook (:meth:`Watch._check_finite`), before the update can mutate
-anything; with one, nothing (the scaler's own ``found_inf`` decides), except a fused optimizer's ``found_inf``
-and the new scale after a skip. Sampled steps (every ``every``) read the probes and write the reports; triggers
-replay the step. :attr:`Watch.host_reads` counts the reads.
+anything (``check="deferred"``: none, the flag waits for the next sample); with one, nothing (the scaler's own
+``found_inf`` decides), except a fused optimizer's ``found_inf`` and the new scale after a skip. A dropped
+iteration costs a read or a replay. Sampled steps (every ``every``) read the probes and write the reports;
+triggers replay the step. :attr:`Watch.host_reads` counts the reads.
 
 Numerics are never changed: hooks only read, replays run on deep copies (inert copies of the hooks) with the
 step's RNG state inside ``fork_rng`` and the autocast cache off, and the shadow optimizer step steps copies.
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -43,6 +53,11 @@ __all__ = ["Watch"]
 
 _FLUSH_AT = 512
 """Pending per-step device values read in one go at the latest after this many steps."""
+ADVICE_LOOPS = {"user loop": "torch", "mixprec train": "mixprec", "transformers Trainer": "transformers",
+                "lightning Trainer": "lightning"}
+"""A watch's ``source`` (who drives it), and the loop whose terms its advice is in."""
+DEFERRED = ("non-finite loss or gradients, read after the update (check='deferred'): not replayed; "
+            "check='exact' catches it before the update")
 
 
 @dataclasses.dataclass
@@ -56,17 +71,29 @@ class _Step:
     scale: torch.Tensor | float
     """The loss scale this step's backward uses (a device copy)."""
     batches: list[MicroBatch] = dataclasses.field(default_factory=list)
-    model_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    logged_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    logged: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Losses logged before the step's first forward (later ones belong to their micro-batch)."""
     grad_norm: Any = None
     checked: bool = False
     applied: bool = False
     closure: bool = False
-    nonfinite: bool | None = None
+    dropped: bool = False
+    """The loop ended the iteration without a step of its own (see the module docstring)."""
+    nonfinite: bool | torch.Tensor | None = None
+    """Known after the check; a device flag until the next read with ``check="deferred"``; None: unknown."""
+    cause: str | None = None
     grad_l2: float | None = None
     norms: dict[int, torch.Tensor] | None = None
     """A sampled step's per-gradient squared L2 norms from the finite check (by ``id(param)``), for the
     sampler's per-layer norms."""
+
+    @property
+    def model_losses(self) -> list[torch.Tensor]:
+        return [mb.loss for mb in self.batches if mb.loss is not None]
+
+    @property
+    def logged_losses(self) -> list[torch.Tensor]:
+        return self.logged + [t for mb in self.batches for t in mb.logged]
 
 
 @dataclasses.dataclass
@@ -92,6 +119,8 @@ class Watch:
                  driver: str = "hooks", source: str = "user loop") -> None:
         self.model, self.optimizer, self.scaler, self.config = model, optimizer, scaler, config
         self.source = source
+        self.advice_loop = ADVICE_LOOPS.get(source, "torch")
+        """Whose terms the report's advice is in (:data:`mixprec.probes.advice.LOOPS`)."""
         self._auto = driver == "hooks"
         self.device = step_device(model)
         """Where the step computes (its autocast, its CUDA RNG state) and where the watch's own tensors live: the
@@ -107,7 +136,9 @@ class Watch:
         self.faults: list[FaultAnalysis] = []
         self.triggers: list[dict[str, Any]] = []
         self.captures: list[dict[str, Any]] = []
-        self.skipped = self.nonfinite_steps = self.consecutive_skips = 0
+        self.skipped = self.nonfinite_steps = self.consecutive_skips = self.dropped = 0
+        """Steps without an applied update (the scaler's skips and the loop's), non-finite ones, the current run
+        of skips, and the iterations the loop ended without a step of its own."""
         self._fired: set[str] = set()
         self._first_nonfinite: int | None = None
         self._open: _Step | None = None
@@ -116,6 +147,9 @@ class Watch:
         self._closing = self.closed = False
         self.reader = ScalerReader(scaler, optimizer)
         stepped = [p for g in optimizer.param_groups for p in g["params"]]
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._grad_mark: tuple[torch.Tensor, Any, int] | None = None
+        """One gradient as the last backward left it: (parameter, weak reference to its grad, grad version)."""
         self._dtensor = any(hasattr(p, "to_local") for p in stepped)
         """Sharded (DTensor) parameters: local gradients, and the flag is reduced over the ranks."""
         self._devices_differ = any(p.device != self.device for p in stepped)
@@ -135,17 +169,27 @@ class Watch:
     def __enter__(self) -> Watch:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(_interrupted=exc_type is not None and not issubclass(exc_type, Exception))
 
-    def close(self) -> None:
-        """End the watch: account for the last step, write the final reports, remove every hook."""
+    def close(self, *, _interrupted: bool = False) -> None:
+        """End the watch: account for the last step, write the final reports, remove every hook.
+
+        An iteration the loop left without a step (it stopped, or raised at a fault) is checked as a dropped
+        one; not after an interrupt (KeyboardInterrupt, SystemExit), and not a forward that raised.
+        """
         if self.closed:
             return
         self._closing = True
         try:
-            if self._open is not None and (self._scaler_finished(self._open) or self._open.applied):
+            st = self._open
+            if st is not None and (self._scaler_finished(st) or st.applied):
                 self.close_step()
+            elif st is not None and st.batches and not _interrupted:
+                if self._mb is not None:  # a forward that raised: it has no output to replay against
+                    st.batches.remove(self._mb)
+                if st.batches:
+                    self._close_dropped()
             self._open = None
             self.flush(final=True)
             self.output.write(final=True, collective=True)
@@ -166,7 +210,7 @@ class Watch:
         st = self._open
         if st is not None:
             if loss is not None:
-                st.logged_losses.append(_scalar(loss, self.device))
+                (st.batches[-1].logged if st.batches else st.logged).append(_scalar(loss, self.device))
             if grad_norm is not None:
                 st.grad_norm = grad_norm.detach() if isinstance(grad_norm, torch.Tensor) else grad_norm
             return
@@ -183,7 +227,8 @@ class Watch:
     # -- reads --------------------------------------------------------------------------------------
     def _read(self, t: torch.Tensor, why: str) -> Any:
         """Every host read of the watch's own goes through here, counted by ``why``: ``check`` (the finite flag),
-        ``skipped-step`` (the new scale), ``sample``, ``flush`` (the pending per-step values), ``trigger``."""
+        ``skipped-step`` (the new scale), ``dropped`` (what is left of a dropped iteration), ``sample``,
+        ``flush`` (the pending per-step values), ``trigger``."""
         self.host_reads[why] += 1
         if why in ("check", "skipped-step") and (self._open is None or not self._open.sampled):
             self.unsampled_reads += 1
@@ -193,8 +238,12 @@ class Watch:
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not (torch.is_grad_enabled() and module.training):
             return
-        if self._auto and self._open is not None and self._scaler_finished(self._open):
-            self.close_step()
+        st = self._open
+        if st is not None and not st.applied:
+            if self._auto and self._scaler_finished(st):
+                self.close_step()
+            elif any(mb.backward for mb in st.batches) and self._grads_reset():
+                self._close_dropped()  # its gradients were reset after its backward, and no step came
         st = self._open or self.open_step()
         self._mb = MicroBatch(ModelInputs(tuple(args), dict(kwargs)), rng_state(self.device),
                               AutocastState.now(self.device.type))
@@ -206,9 +255,28 @@ class Watch:
         mb, self._mb = self._mb, None
         if mb is None or self._open is None:
             return
-        loss = mb.attach_seed(output)
+        loss = mb.attach_seed(output, self._on_backward)
         if loss is not None:
-            self._open.model_losses.append(loss.detach().to(self.device))
+            mb.loss = loss.detach().to(self.device)
+
+    def _on_backward(self) -> None:
+        """Inside a backward that reached the model's output: mark the gradients once it has ended. The mark is
+        queued from a callback queued now, so it runs after every callback the backward queues (DDP's copy of
+        the averaged gradients, FSDP's reduce-scatter)."""
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._mark_grads))
+
+    def _mark_grads(self) -> None:
+        p = next((p for p in self._params if p.grad is not None), None)
+        self._grad_mark = None if p is None else (p, weakref.ref(p.grad), p.grad._version)
+
+    def _grads_reset(self) -> bool:
+        """The marked gradient was set to None, replaced or changed in place (zeroed) since the last backward."""
+        if self._grad_mark is None:
+            return False
+        p, ref, version = self._grad_mark
+        g = p.grad
+        return g is None or g is not ref() or g._version != version
 
     def _on_pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._open or self.open_step()
@@ -225,6 +293,8 @@ class Watch:
         if st.closure and not st.checked:
             self.before_step(in_step=True)  # too late to stop it: the closure ran inside step()
         st.applied = True
+        if st.nonfinite is True and not st.dropped and not self.reader.enabled and not self._with_grads():
+            st.dropped = True  # the loop reset the non-finite gradients after the check: step() applied nothing
         if st.sampled:
             self.sampler.post_update(optimizer)
         if self._auto:
@@ -252,6 +322,11 @@ class Watch:
         if st.checked:
             return
         st.checked = True
+        self._split_dropped(st)
+        if self._updates_nothing(st):  # the loop ended the iteration and still called step(): nothing to apply
+            st.dropped = True
+            self._check_dropped(st)
+            return
         r = self.reader
         if r.enabled:
             if in_step and r.fused:
@@ -270,8 +345,9 @@ class Watch:
     def _check_finite(self, st: _Step) -> None:
         """The finite flag of a loop without a loss scaler: one pass over the gradients, one read.
 
-        Unsampled steps: each gradient's fp32 sum (an inf or NaN anywhere makes it non-finite), stacked with the
-        losses; finite values whose sum overflows are re-checked exactly (a second read, rare). A gradient norm
+        Unsampled steps: one value per gradient (:func:`_reductions`: an inf or NaN anywhere makes it non-finite),
+        stacked with the losses; finite values whose reduction overflows are re-checked exactly (a second read,
+        rare); ``check="deferred"`` keeps the flag on the device for the next read instead. A gradient norm
         the loop logged before the step (``w.log(grad_norm=...)``) replaces the pass (not for sharded parameters,
         whose own pass keeps the ranks agreeing). Sampled steps: each gradient's squared 2-norm
         (:func:`_squared_norms`), which also gives the per-layer norms and ``grad_l2``; a NaN square is a fault.
@@ -293,13 +369,16 @@ class Watch:
             if not self._dtensor:
                 st.norms = dict(zip(map(id, params), reduced))
         else:
-            reduced = [g.sum(dtype=torch.float32) for g in grads]
+            reduced = _reductions(grads)
         if self._devices_differ:
             reduced = [n.to(self.device) for n in reduced]
         vals = [n.reshape(()) for n in reduced] + [t.float().reshape(()) for t in losses]
         both = torch.stack(vals) if len(vals) > 1 or sharded else vals[0]  # a copy where it is reduced
         if sharded:  # every rank must agree: each gradient's reduction summed over the shards, and the losses
             dist.all_reduce(both)
+        if self.config.check == "deferred" and not st.sampled:
+            st.nonfinite = torch.isfinite(both).all().logical_not()  # read with the step's other values
+            return
         read = self._read(both, "check")
         values = read if isinstance(read, list) else [read]
         head, rest = values[:len(reduced)], values[len(reduced):]
@@ -314,6 +393,72 @@ class Watch:
         st.nonfinite = not finite
         if st.nonfinite:
             self._on_nonfinite(st, scaled=False)
+
+    # -- iterations the loop ended without a step ----------------------------------------------------
+    def _split_dropped(self, st: _Step) -> None:
+        """Forwards of this step that no backward reached, before the first one that had its backward: each was
+        an iteration the loop ended without a step (a non-finite loss it skipped). They become steps of their
+        own, closed before this one (whose number moves on; a sample armed at the first forward goes on with
+        it). A forward without backward after the first backward stays in the step (a skipped micro-batch of
+        an accumulation, or an extra forward the loop made)."""
+        first = next((i for i, mb in enumerate(st.batches) if mb.backward), 0)
+        dropped = [mb for mb in st.batches[:first] if mb.skipped]
+        if not dropped:
+            return
+        st.batches = [mb for mb in st.batches if mb not in dropped]  # (compared by identity)
+        for mb in dropped:
+            self._open = _Step(self.step, False, st.iteration, st.scale, batches=[mb])
+            self._close_dropped()
+        st.index = self.step
+        self._open = st
+
+    def _updates_nothing(self, st: _Step) -> bool:
+        """``step()`` was called on a step that has forwards and no gradient: none was backpropagated (a framework
+        that calls ``step()`` after a skipped backward), or the loop reset them after the backward."""
+        if not st.batches:
+            return False
+        if any(mb.backward for mb in st.batches):
+            if self._grad_mark is None or self._grad_mark[0].grad is not None:
+                return False
+        elif not any(mb.skipped for mb in st.batches):
+            return False  # no output needed a gradient: nothing tells a backward happened
+        return not self._with_grads()
+
+    def _close_dropped(self) -> None:
+        """Close the open step as an iteration the loop ended without a step of its own."""
+        st = self._open
+        if not st.dropped:
+            st.dropped = True
+            if st.nonfinite is None:
+                self._check_dropped(st)
+        self.close_step()
+
+    def _check_dropped(self, st: _Step) -> None:
+        """Was a dropped iteration non-finite? What is left of it (losses, the seeds its backward sent, the
+        gradients if the loop kept them) in one read; where that is finite or nothing is left (the loss the loop
+        tested never reaches the watch; ``zero_grad`` dropped the gradients), a replay decides and names the
+        fault (past ``max_localized``, the first non-finite op only)."""
+        scaled = self.reader.enabled
+        tensors = st.model_losses + st.logged_losses + [g for mb in st.batches for g in mb.seed if g is not None]
+        if any(mb.backward for mb in st.batches) and not self._grads_reset():
+            tensors += [local_tensor(p.grad) for p in self._with_grads()]
+        flag = None
+        if tensors:
+            ok = torch.stack([torch.isfinite(t).all().to(self.device) for t in tensors]).all()
+            flag = not self._read(ok, "dropped")
+        if flag:
+            st.nonfinite = True
+            self._on_nonfinite(st, scaled=scaled)
+        elif self.config.localize and not self._dtensor:
+            full = self._may_localize()
+            analysis = localize(self.model, st.batches, step=st.index, scale=self._scale_value(st), search=full,
+                                bisect=full and scaled)
+            st.nonfinite = analysis.classification != "not reproduced"
+            if st.nonfinite:
+                st.cause = analysis.describe(short=True)
+                self._on_nonfinite(st, scaled=scaled, analysis=analysis if full else None)
+        else:
+            st.nonfinite = flag
 
     def _with_grads(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -341,25 +486,29 @@ class Watch:
         if st is None:
             return
         enabled = self.reader.enabled
-        skipped = bool(st.nonfinite) if (st.applied and enabled) else not st.applied
+        if st.dropped:
+            skipped, nonfinite = True, st.nonfinite
+        else:
+            skipped = bool(st.nonfinite) if (st.applied and enabled) else not st.applied
+            nonfinite = skipped if enabled else st.nonfinite
         losses = st.logged_losses or st.model_losses
         loss = (losses[0] if len(losses) == 1 else torch.stack(losses).mean()) if losses else None
-        rec = StepValues(st.index, st.scale, loss, st.grad_l2, st.grad_norm, skipped,
-                         skipped if enabled else st.nonfinite, st.sampled)
-        if not st.applied and not enabled:
-            rec.cause = "no optimizer step"
+        rec = StepValues(st.index, st.scale, loss, st.grad_l2, st.grad_norm, skipped, nonfinite, st.sampled)
+        if st.dropped or (not st.applied and not enabled):
+            rec.cause = st.cause or "no optimizer step"
         if self.last is not None:
             self.last.next_scale = st.scale  # the scale this step used is the one the last step left
         self.last = rec
         self._pending.append(rec)
         self.step += 1
         self.skipped += skipped
+        self.dropped += st.dropped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         self._open = st  # the triggers and the sample still belong to this step
         try:
-            if skipped and enabled:
+            if skipped and enabled and not st.dropped:
                 self._on_skipped(st, rec)
-            elif st.nonfinite and self.faults and self.faults[-1].step == st.index:
+            elif st.nonfinite is True and self.faults and self.faults[-1].step == st.index:
                 rec.cause = self.faults[-1].describe(short=True)
             if st.sampled:
                 self.sampler.finish(st.index, self._scale_value(st))
@@ -386,21 +535,30 @@ class Watch:
         if self.consecutive_skips >= self.config.skip_run and "skip-run" not in self._fired:
             self._trigger("skip-run", st, f"{self.consecutive_skips} skipped steps in a row", raising=True)
 
-    def _on_nonfinite(self, st: _Step, *, scaled: bool) -> None:
+    def _may_localize(self) -> bool:
+        """Another fault may be replayed and classified (``max_localized``; the search stops at the first fault)."""
+        cfg = self.config
+        return (cfg.localize and not self._dtensor and len(self.faults) < cfg.max_localized
+                and not any(f.is_fault for f in self.faults))
+
+    def _on_nonfinite(self, st: _Step, *, scaled: bool, analysis: FaultAnalysis | None = None) -> None:
+        """Count a non-finite step; replay and classify it (``analysis``: done already); trigger on the first."""
         self.nonfinite_steps += 1
         first = self._first_nonfinite is None
         self._first_nonfinite = st.index if first else self._first_nonfinite
-        analysis = None
         cfg = self.config
-        if (cfg.localize and not self._dtensor and len(self.faults) < cfg.max_localized
-                and not any(f.is_fault for f in self.faults)):
+        if analysis is None and self._may_localize():
             analysis = localize(self.model, st.batches, step=st.index, scale=self._scale_value(st), bisect=scaled)
+        if analysis is not None:
             self.faults.append(analysis)
         if first or (analysis is not None and analysis.is_fault):
-            what = analysis.describe() if analysis is not None else f"step {st.index}: non-finite loss or gradients"
+            what = analysis.describe() if analysis is not None else \
+                f"step {st.index}: {st.cause or 'non-finite loss or gradients'}"
             if analysis is None and cfg.localize and self._dtensor:
                 what += (" (not localised: the model is sharded (FSDP2) and the replay needs a whole copy of it on "
                          "one rank; each rank's capture holds its own shard)")
+            if st.dropped:
+                what += " (the loop ended this iteration without an optimizer step)"
             raising = not scaled or (analysis is not None and analysis.is_fault)
             self._trigger("nonfinite", st, what, raising=raising, analysis=analysis)
 
@@ -409,7 +567,7 @@ class Watch:
         self._fired.add(kind)
         entry: dict[str, Any] = {"step": st.index, "kind": kind, "description": description, "capture": None,
                                  "capture_bytes": None}
-        if self.output.out is not None and len(self.captures) < self.config.max_captures:
+        if self.output.out is not None and st.batches and len(self.captures) < self.config.max_captures:
             n = len(self.captures) + 1
             name = ("capture.pt" if n == 1 else f"capture-{n}.pt")
             if self.world_size > 1:
@@ -449,8 +607,9 @@ class Watch:
             return
         slots: list[tuple[StepValues, str]] = []
         tensors: list[torch.Tensor] = []
+        deferred = [rec for rec in ready if isinstance(rec.nonfinite, torch.Tensor)]
         for rec in ready:
-            for field in ("scale", "loss", "grad_l2", "grad_norm", "next_scale"):
+            for field in ("scale", "loss", "grad_l2", "grad_norm", "next_scale", "nonfinite"):
                 v = getattr(rec, field)
                 if isinstance(v, torch.Tensor):
                     slots.append((rec, field))
@@ -458,8 +617,23 @@ class Watch:
         if tensors:
             for (rec, field), v in zip(slots, self._read(torch.stack(tensors), "flush")):
                 setattr(rec, field, v)
+        for rec in deferred:
+            rec.nonfinite = bool(rec.nonfinite)
+            rec.cause = rec.cause or (DEFERRED if rec.nonfinite else None)
         self.output.add_steps(ready)
         self._pending = [r for r in self._pending if r.next_scale is None]
+        for rec in deferred:
+            if rec.nonfinite:
+                self._deferred_fault(rec)
+
+    def _deferred_fault(self, rec: StepValues) -> None:
+        """``check="deferred"``: an applied step whose flag, read now, was non-finite (its pre-update weights are
+        gone, so it is counted and reported, not replayed)."""
+        self.nonfinite_steps += 1
+        if self._first_nonfinite is None:
+            self._first_nonfinite = rec.step
+            self._trigger("nonfinite", _Step(rec.step, False, None, rec.scale), f"step {rec.step}: {DEFERRED}",
+                          raising=True)
 
 
 def _scalar(v: Any, device: torch.device) -> torch.Tensor:
@@ -469,6 +643,23 @@ def _scalar(v: Any, device: torch.device) -> torch.Tensor:
         t = v.detach().float()
         return (t.reshape(()) if t.numel() == 1 else t.mean()).to(device)
     return torch.tensor(float(v), device=device)
+
+
+def _reductions(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """An unsampled check's one value per gradient, non-finite if the gradient is (finite values can overflow it:
+    the caller re-checks those): fp32 sums of CPU gradients (on a CPU the fastest pass over the bytes), and one
+    fused ``torch._foreach_norm`` per device and dtype for the others (one multi-tensor kernel, not one per
+    gradient)."""
+    out: list[torch.Tensor] = []
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        if g.device.type == "cpu":
+            out.append(g.sum(dtype=torch.float32))
+        else:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    for gs in groups.values():
+        out += torch._foreach_norm(gs, 2, dtype=torch.float32)
+    return out
 
 
 def _squared_norms(grads: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:

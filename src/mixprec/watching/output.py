@@ -109,7 +109,7 @@ class Output:
         profile, lost = w.sampler.profile(), self._lost_updates()
         triggers = [{**t, "rank": w.rank} for t in w.triggers]
         faults = list(w.faults)
-        counters = {"skipped": w.skipped, "nonfinite_steps": w.nonfinite_steps}
+        counters = {"skipped": w.skipped, "nonfinite_steps": w.nonfinite_steps, "dropped": w.dropped}
         if collective and w.world_size > 1:
             profile, lost, triggers, counters, faults = _reduce(w, profile, lost, triggers, counters, faults)
         self._series_from(w.sampler.samples)
@@ -117,13 +117,14 @@ class Output:
         last_scale = self.history.final_scale if self.history.total else w.reader.init_scale
         findings = Findings(title=title, recipe_spec=spec, precision_map=None, ranges=profile,
                             loss_scale=last_scale if math.isfinite(last_scale) else 1.0,
-                            gradient_loss=GradientLoss(), faults=faults, lost_updates=lost, history=self.history)
+                            gradient_loss=GradientLoss(), faults=faults, lost_updates=lost, history=self.history,
+                            loop=w.advice_loop, json_name="watch.json and steps.csv")
         unsampled = max(0, w.step - len(w.sampler.samples))
         reads = {"total": sum(w.host_reads.values()), "by_reason": dict(w.host_reads), "unsampled": w.unsampled_reads,
                  "unsampled_steps": unsampled, "per_unsampled_step": _reads_rule(w)}
-        info = {"source": w.source, "every": w.config.every, "steps": w.step, "samples": len(w.sampler.samples),
-                "on_fault": w.config.on_fault, "scaler": w.reader.kind, "world_size": w.world_size,
-                "host_reads": reads, "captures": [t for t in triggers if t.get("capture")],
+        info = {"source": w.source, "check": w.config.check, "every": w.config.every, "steps": w.step,
+                "samples": len(w.sampler.samples), "on_fault": w.config.on_fault, "scaler": w.reader.kind,
+                "world_size": w.world_size, "host_reads": reads, "captures": [t for t in triggers if t.get("capture")],
                 "sampling": _sampling(w), **counters}
         return WatchReport(findings=findings, watch=info, triggers=triggers, samples=w.sampler.samples,
                            series=self.series)
@@ -204,6 +205,9 @@ def _sampling(w: Any) -> dict[str, Any]:
 
 
 def _reads_rule(w: Any) -> str:
+    if not w.reader.enabled and w.config.check == "deferred":
+        return ("0: check='deferred': the finite flag of the gradients and loss waits on the device for the next "
+                "sample (a non-finite step the loop applies is counted there, not replayed)")
     if not w.reader.enabled:
         return "1: the finite flag of the gradients and loss, before the optimizer step"
     if w.reader.fused:

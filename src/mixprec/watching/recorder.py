@@ -4,10 +4,14 @@ For each forward of a training step (each micro-batch) :class:`MicroBatch` keeps
 arguments, the CPU (and CUDA) RNG state before it ran, the autocast state, and the *seed*: the gradient backward
 sent into the model's output. The seed makes the replay independent of the user's loss, which the watch never
 sees: a replay's loss is the model's own loss times the seed, or ``sum(output * seed)``, whose gradient with
-respect to the output is exactly the seed. :func:`localize` replays the micro-batches on copies of the model
-(:mod:`mixprec.probes.replay`; the weights are still the failing step's: the check runs before the update, and a
-scaler skips it) and classifies the first non-finite op. :func:`save_capture` writes the step as plain tensors,
-numbers and strings (``torch.load(path, weights_only=True)``); :func:`analyze_capture` reruns the replay from it.
+respect to the output is exactly the seed; a forward that no backward reached (the loop skipped it) replays
+its forward alone. Whether a backward reached it (:attr:`MicroBatch.backward`) is how the watch tells an
+iteration the loop ended without a step from a micro-batch of gradient accumulation. :func:`localize` names a
+batch that holds inf/nan as the fault (the data, not the model), else replays the micro-batches on copies of the
+model (:mod:`mixprec.probes.replay`; the weights are still the failing step's: the check runs before the update,
+and a skipped step changed nothing) and classifies the first non-finite op. :func:`save_capture` writes the step
+as plain tensors, numbers and strings (``torch.load(path, weights_only=True)``); :func:`analyze_capture` reruns
+the replay from it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import copy
 import dataclasses
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,10 +34,11 @@ from ..memory import local_tensor
 from ..probes.nonfinite import all_finite
 from ..probes.observer import dtype_name
 from ..probes.replay import FaultAnalysis, ModelInputs, locate, replay_step
+from ..train.contract import Batch
 from .config import WatchError
 
-__all__ = ["AutocastState", "MicroBatch", "localize", "save_capture", "load_capture", "analyze_capture",
-           "CAPTURE_FORMAT"]
+__all__ = ["AutocastState", "MicroBatch", "batch_nonfinite", "localize", "save_capture", "load_capture",
+           "analyze_capture", "CAPTURE_FORMAT"]
 
 CAPTURE_FORMAT = "mixprec.watch.capture/1"
 LOSS_OUTSIDE = "non-finite loss (computed outside the model: its gradient reached the model non-finite)"
@@ -76,7 +81,7 @@ class AutocastState:
         return cls(d["device_type"], _DTYPES.get(d["dtype"]), _DTYPES.get(d["scratch"]))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class MicroBatch:
     """One forward of a training step, as the replay needs it (see the module docstring)."""
 
@@ -84,11 +89,29 @@ class MicroBatch:
     rng: tuple[torch.Tensor, torch.Tensor | None]
     autocast: AutocastState
     seed_kind: str | None = None
-    """``loss`` (the model returned its loss), ``outputs`` (gradients of its outputs) or None (no grad)."""
+    """``loss`` (the model returned its loss), ``outputs`` (gradients of its outputs) or None (no output needs a
+    gradient: whether a backward ran cannot be seen)."""
     seed: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    loss: torch.Tensor | None = None
+    """The model's own loss (detached, on the watch's device), if it returned one."""
+    logged: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """Losses the loop handed ``watch.log`` after this forward."""
 
-    def attach_seed(self, output: Any) -> torch.Tensor | None:
-        """Hook the output tensors whose gradient is the seed; returns the model's own loss, if it has one."""
+    @property
+    def backward(self) -> bool:
+        """A backward reached the model's output (its seed arrived)."""
+        return any(g is not None for g in self.seed)
+
+    @property
+    def skipped(self) -> bool:
+        """No backward reached an output that needed one: the loop dropped this forward."""
+        return self.seed_kind is not None and not self.backward
+
+    def attach_seed(self, output: Any, on_backward: Callable[[], None] | None = None) -> torch.Tensor | None:
+        """Hook the output tensors whose gradient is the seed; returns the model's own loss, if it has one.
+
+        ``on_backward`` is called inside the backward, when the first seed arrives.
+        """
         loss = find_loss(output)
         targets = [loss] if loss is not None else [t for t in output_tensors(output) if t.requires_grad]
         if not targets:
@@ -96,18 +119,21 @@ class MicroBatch:
         self.seed_kind = "loss" if loss is not None else "outputs"
         self.seed = [None] * len(targets)
         for i, t in enumerate(targets):
-            t.register_hook(_Keep(self.seed, i))
+            t.register_hook(_Keep(self.seed, i, on_backward))
         return loss
 
 
 class _Keep:
     """A tensor hook that keeps the gradient (returns None: the gradient is unchanged)."""
 
-    def __init__(self, slots: list, i: int) -> None:
-        self.slots, self.i = slots, i
+    def __init__(self, slots: list, i: int, on_first: Callable[[], None] | None) -> None:
+        self.slots, self.i, self.on_first = slots, i, on_first
 
     def __call__(self, grad: torch.Tensor) -> None:
+        first = not any(g is not None for g in self.slots)
         self.slots[self.i] = grad.detach()
+        if first and self.on_first is not None:
+            self.on_first()
 
 
 def output_tensors(o: Any) -> list[torch.Tensor]:
@@ -173,11 +199,23 @@ def _seed_fault(batches: list[MicroBatch], step: int, scale: float) -> FaultAnal
     return FaultAnalysis(step, None, LOSS_OUTSIDE, loss_scale=scale)
 
 
+def batch_nonfinite(batches: list[MicroBatch]) -> list[str]:
+    """The micro-batches' input tensors that hold inf/nan, named as the trainer names them
+    (:meth:`~mixprec.train.contract.Batch.nonfinite`; the watch sees no targets: they go to the loop's loss)."""
+    many = len(batches) > 1
+    return [f"micro-batch {i} {what}" if many else what for i, mb in enumerate(batches)
+            for what in Batch(tuple(mb.inputs.args), dict(mb.inputs.kwargs), None).nonfinite()]
+
+
 def localize(model: nn.Module, batches: list[MicroBatch], *, step: int, scale: float, search: bool = True,
              bisect: bool = True) -> FaultAnalysis:
-    """Replay the step's micro-batches on copies of ``model``; the first non-finite op, classified."""
+    """The step's fault: a batch holding inf/nan (``non-finite batch``, nothing replayed), else the first
+    non-finite op of the micro-batches replayed on copies of ``model``, classified."""
     if not batches:
         return FaultAnalysis(step, None, "not reproduced", loss_scale=scale)
+    bad = batch_nonfinite(batches)
+    if bad:
+        return FaultAnalysis(step, None, "non-finite batch", loss_scale=scale, data=tuple(bad))
     device_type = batches[0].autocast.device_type
     with _ambient_autocast_off(device_type):
         for mb in batches:

@@ -55,7 +55,9 @@ class WatchReport:
         w = self.watch
         reads = w["host_reads"]
         by = ", ".join(f"{k} {v}" for k, v in sorted(reads["by_reason"].items())) or "none"
-        lines = [f"1. Watch: {w['skipped']} skipped, {w['nonfinite_steps']} non-finite of {w['steps']} steps",
+        dropped = w.get("dropped", 0)
+        by_loop = f" ({dropped} ended by the loop without an optimizer step)" if dropped else ""
+        lines = [f"1. Watch: {w['skipped']} skipped{by_loop}, {w['nonfinite_steps']} non-finite of {w['steps']} steps",
                  f"  host reads of its own per unsampled step: {reads['per_unsampled_step']}; {reads['unsampled']} "
                  f"on {reads['unsampled_steps']} unsampled steps; all reads: {by}"]
         if not self.triggers:
