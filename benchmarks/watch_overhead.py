@@ -17,7 +17,8 @@ the sampled step's share.
 
 ``--clip MAX_NORM``: both loops clip the gradients' norm before the step (as the tutorial does against NaNs)
 and the watched loop hands the norm to the watch, whose unsampled finite check then reads that norm instead of
-reducing every gradient itself.
+reducing every gradient itself. ``--check deferred``: the watch keeps its finite flag on the device until the next
+sample (no read per step; for loops that skip non-finite steps themselves).
 
 Also reported: the cost of one sampled step (a watch sampling every step against one that never samples,
 per step, minus each other), and the host syncs the watch adds per unsampled step, counted by a dispatcher
@@ -127,7 +128,8 @@ def measure(model_name: str, recipe: str, args) -> dict:
         holder: list = [None]
         step, scaler = _loop(m, opt, recipe, device, clip=args.clip, watch=holder)
         w = None if every is None else mixprec.watch(m, opt, scaler=scaler, every=every, plots=False,
-                                                      tensorboard=False, sample_elements=args.sample_elements)
+                                                      tensorboard=False, sample_elements=args.sample_elements,
+                                                      check=args.check)
         holder[0] = w
         return step, w
 
@@ -176,6 +178,7 @@ def measure(model_name: str, recipe: str, args) -> dict:
     wq.close()
     return {"model": model_name, "recipe": recipe, "params": sum(p.numel() for p in init.parameters()),
             "batch_size": batch_size, "every": args.every, "sample_elements": args.sample_elements,
+            "check": args.check, "rounds": args.rounds,
             "step_ms": {k: 1e3 * statistics.median(v) for k, v in per_round.items()},
             "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
             "unsampled_ratio": statistics.median(unsampled_ratios),
@@ -192,7 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--batches", type=int, default=16, help="distinct batches cycled through")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--sample-steps", type=int, default=10, help="steps timed for the cost of a sampled step")
     p.add_argument("--sync-steps", type=int, default=20, help="unsampled steps whose syncs are counted")
     p.add_argument("--sample-elements", type=int, default=mixprec.probes.subsample.DEFAULT_SAMPLE_ELEMENTS,
@@ -201,6 +204,8 @@ def main(argv=None) -> int:
                    help="both loops clip the gradients' norm (clip_grad_norm_) before the step; the watched one "
                         "hands it to the watch (w.log(grad_norm=...)), whose check then reads it instead of "
                         "summing every gradient itself")
+    p.add_argument("--check", choices=("exact", "deferred"), default="exact",
+                   help="the watch's check: exact (read the finite flag before every step) or deferred")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: perf_counter (a quiet machine); cpu: the process's CPU time, for a loaded CPU-only "
@@ -220,7 +225,8 @@ def main(argv=None) -> int:
         args.batch_size, args.batches = 16, 4
     print(f"# mixprec.watch overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"device {args.device}, every={args.every}, {torch.get_num_threads()} threads, {args.clock} clock, "
-          f"sample_elements={args.sample_elements}" + (f", clip_grad_norm_ {args.clip:g}" if args.clip else ""))
+          f"sample_elements={args.sample_elements}, check={args.check}"
+          + (f", clip_grad_norm_ {args.clip:g}" if args.clip else ""))
     print("| model | recipe | plain step | watched step | ratio (median) | min..max | unsampled only | "
           "one sampled step | syncs added / unsampled step |")
     print("|---|---|---|---|---|---|---|---|---|")
