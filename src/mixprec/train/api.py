@@ -1,11 +1,4 @@
-"""``mixprec.train.fit``: train from a notebook or script, no command line.
-
-Everything ``mixprec train`` does, with Python objects where the CLI takes names: a model may be a module
-instance, a factory or a ``module:callable`` string; data a built-in name, a factory, a string, or the
-``(train, test)`` pair a factory would return (datasets or ``(inputs, labels)`` tensor pairs); the loss a
-callable or a string. The model is called as the model contract says (:mod:`mixprec.train.contract`): tuple
-and dict batches, tensor / tuple / ``ModelOutput`` outputs, its own loss when it returns one. Other settings are the CLI's flags as keywords (``epochs=3``, ``init_scale=1024``).
-"""
+"""``mixprec.train.fit``: everything ``mixprec train`` does, from Python, with objects where the CLI takes names."""
 
 from __future__ import annotations
 
@@ -30,19 +23,13 @@ def fit(model: nn.Module | Callable | str = "mlp", data: Any = "fashion-mnist", 
     """Train ``model`` on ``data`` with a precision recipe; returns the per-epoch history and the summary.
 
     Args:
-        model: an ``nn.Module`` (trained in place: it is converted to the recipe's param dtype and device),
-            a factory (called with the arguments it declares among ``input_shape``, ``num_classes``,
-            ``vocab_size``, ``block_size``), a ``module:callable`` string, or a built-in name.
-        data: a built-in name (``fashion-mnist``, ``digits``, ``text``...), a factory or ``module:callable``
-            returning ``(train, test)``, or that pair itself.
-        precision: a recipe name (``fp32``, ``amp``, ``bf16-mixed``, ``fp8-mixed``...).
-        loss: ``loss(model output, targets) -> scalar`` (the raw output: a tensor, a tuple, a ``ModelOutput``);
-            default: the loss the model returns, else the task's (cross-entropy, BCE, MSE; see ``task``).
-        flags: any ``mixprec train`` flag by its Python name (``epochs``, ``batch_size``, ``lr``, ``out``,
-            ``task="regression"``...); ``optimizer`` may also be a factory ``(params, [lr, ...]) ->
-            torch.optim.Optimizer``. Callables are used as handed (this process trains; nothing is imported
-            again); the run's config records them as ``module:qualname``. ``resume`` without ``out`` continues in
-            the checkpoint's folder, as ``mixprec train --resume`` does.
+        model: an ``nn.Module`` (trained in place: converted to the recipe's param dtype and device), a factory,
+            a ``module:callable`` string, or a built-in name.
+        data: a built-in name, a factory or ``module:callable`` returning ``(train, test)``, or that pair.
+        loss: ``loss(model output, targets) -> scalar`` on the raw output; default: the model's own loss, else
+            the task's.
+        flags: any ``mixprec train`` flag by its Python name; ``optimizer`` may also be a factory
+            ``(params, [lr, ...])``. Callables are used as handed and recorded as ``module:qualname``.
     """
     check_keywords("fit", flags, (set(TrainConfig().flags()) - {"dataset"}) | {"data"}, hints={"dataset": "data"})
     if flags.get("resume") is not None and "out" not in flags:

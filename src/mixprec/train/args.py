@@ -1,13 +1,8 @@
 """The flags of ``mixprec train`` (``bench`` and ``doctor`` reuse them) and the config they make.
 
-Every flag is a field of :class:`~mixprec.train.config.TrainConfig` under the same name (``--init-scale``
-→ ``init_scale``), so :func:`config_from_args` is one call to :meth:`TrainConfig.from_flags`. Defaults are
-not written here: each flag's default, and the "(default X)" of its help, are read from the config
-dataclasses (the loss-scaler flags' from :class:`~mixprec.precision.ScalerConfig`).
-
-``mixprec train`` adds its flags with ``typed_only=True``: a flag the user did not type is then absent
-from the parsed namespace, so :func:`typed_flags` returns exactly what was typed — what ``--resume`` applies
-to the checkpoint's config. ``bench`` and ``doctor`` get every flag with its default.
+Every flag is a :class:`~mixprec.train.config.TrainConfig` field of the same name, and its default and help's
+"(default X)" come from the config dataclasses. With ``typed_only=True`` (``mixprec train``) an untyped flag is
+absent from the namespace, so :func:`typed_flags` is exactly what ``--resume`` applies.
 """
 
 from __future__ import annotations
@@ -80,12 +75,7 @@ def _show(default: Any) -> str:
 
 
 def add_train_arguments(p: argparse.ArgumentParser, *, with_precision: bool = True, typed_only: bool = False) -> None:
-    """Every flag of ``mixprec train`` but the output ones (bench reuses them, minus --precision).
-
-    Args:
-        typed_only: leave flags the user does not type out of the namespace (``mixprec train``); otherwise
-            each gets its config default.
-    """
+    """Every flag of ``mixprec train`` but the output ones; ``typed_only`` leaves untyped flags out."""
     _recipe_arguments(_Flags(p.add_argument_group("recipe"), typed_only), with_precision)
     _model_and_data_arguments(_Flags(p.add_argument_group("model and data"), typed_only))
     _optim_arguments(_Flags(p.add_argument_group("optimisation"), typed_only))

@@ -1,15 +1,8 @@
 """Self-attention for the built-in transformer and GPT, with the attention kernel that is fast where it runs.
 
-On the CPU, PyTorch's flash-attention kernel is several times *slower* in bf16 than in fp32 at this project's
-shapes (its backward above all; the measurements are in benchmarks/README.md): under autocast that one op made
-the whole bf16-mixed transformer step barely faster than fp32 although its matmuls ran much faster. So on the
-CPU a bf16 q/k/v is attended in fp32 and the result cast back: the softmax and the two small batched matmuls
-cost less in fp32 than the bf16 kernel's overhead, and the numerics are better, not worse. fp16 is left as it
-is (emulated with fp32 carriers on CPUs under --amp-impl auto, or the native kernels). Elsewhere (CUDA) attention
-runs in the input dtype, as autocast wants.
-The choice is made here, below both autocasts (torch's and mixprec's), so a doctor precision map shows it.
-``mixprec plan`` traces a GPU target on fake CPU tensors; :func:`planned_device` tells this module which device
-to choose for instead (training never sets it: the tensors' device decides).
+On the CPU a bf16 q/k/v is attended in fp32 and cast back (faster there, and no less accurate); elsewhere
+attention runs in the input dtype. The choice is made below both autocasts, so a doctor precision map shows it;
+:func:`planned_device` lets ``mixprec plan`` choose for a GPU target while tracing on CPU.
 """
 
 from __future__ import annotations
@@ -38,9 +31,8 @@ _PLANNED = threading.local()
 
 @contextlib.contextmanager
 def planned_device(device_type: str | None):
-    """Choose the attention kernel in this thread as on ``device_type`` (``"cuda"``, ``"cpu"``), whatever the
-    tensors' device: ``mixprec plan`` traces a GPU target on fake CPU tensors. None: the tensors' device
-    decides, as always. Restored on exit."""
+    """Choose the attention kernel in this thread as on ``device_type`` (None: the tensors' device). Restored
+    on exit."""
     prev = getattr(_PLANNED, "device_type", None)
     _PLANNED.device_type = device_type
     try:

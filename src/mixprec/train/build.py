@@ -1,15 +1,7 @@
-"""The one place a config becomes a run: :func:`build_run`.
-
-``train``, bench's worker (through ``train``) and ``doctor`` (CLI and API) all call it; nothing else builds a
-recipe, data, model, wrapper and optimizer for training. The order matters and lives only here: check the
-output paths and that a ``--resume`` continues the saved run (both before anything is built, so a mistake
-costs nothing) → join the process group (it picks this rank's device) → recipe (for that device and world
-size) → data → seeded model → ``recipe.convert_module`` → DDP/FSDP wrapper → ``recipe.build_optimizer``
-(over fp32 master copies where the recipe has them) → the rank's loader.
-
-Before the model is converted, :func:`probe` runs one no-grad forward of two samples through the model
-contract (:mod:`.contract`): user code that does not fit fails now, in one line, and the task is settled
-(inferred from the targets and the output, or ``--task``), with what the run says once about it.
+"""The one place a config becomes a run: :func:`build_run`, called by ``train`` (and bench through it) and
+``doctor``. The build order lives only here (docs/architecture.md): output and ``--resume`` checks → process
+group and device → recipe → data → seeded model → :func:`probe` → ``recipe.convert_module`` → DDP/FSDP wrapper
+→ ``recipe.build_optimizer`` → the rank's loader.
 """
 
 from __future__ import annotations
@@ -103,14 +95,8 @@ class Run:
 
 
 def optimizer_factory(config: OptimConfig) -> OptimizerFactory:
-    """``params -> optimizer`` for the config's optimizer (the recipe decides which tensors it gets).
-
-    The fused implementation where PyTorch has one for these tensors (CPU or CUDA, fp32, plain tensors): one
-    kernel per step instead of a Python loop over parameters (benchmarks/README.md has the step times). Loss
-    scaling stays exact: both GradScaler and mixprec's DynamicLossScaler hand a fused optimizer its
-    ``found_inf`` and report the skip.
-    FSDP's sharded (DTensor) parameters and low-precision parameters get the foreach implementation.
-    ``--optimizer module:callable``: the user's factory (:mod:`.optimizers`), imported and checked now.
+    """``params -> optimizer`` for the config's optimizer: fused where PyTorch has it for these tensors (plain
+    fp32), else foreach; ``--optimizer module:callable`` is the user's factory (:mod:`.optimizers`), checked now.
     """
 
     if is_reference(config.optimizer):
@@ -149,12 +135,8 @@ implementation does (tests/test_recipes.py); low-precision params get foreach.""
 
 def build_schedule(config: TrainConfig, optimizer: torch.optim.Optimizer,
                    batches_per_epoch: int) -> tuple[TrainConfig, LRSchedule | None]:
-    """The run's schedule over ``optimizer``'s groups, and the config with its total steps fixed.
-
-    A cosine/linear schedule without ``--lr-total-steps`` spans the run's planned optimizer steps; the number
-    goes into the config (so checkpoints and ``--metrics-json`` hold it). A resumed run takes the
-    checkpoint's number instead, so extending ``--epochs``/``--max-steps`` does not re-shape the schedule.
-    """
+    """The run's schedule over ``optimizer``'s groups, and the config with its total steps fixed (the planned
+    optimizer steps, or a resumed run's checkpoint's, so extending a run does not re-shape the schedule)."""
     o = config.optim
     if o.lr_schedule == "constant" and not o.lr_warmup_steps:
         return config, None
@@ -227,17 +209,8 @@ def loss_from_config(config: ModelConfig) -> LossFn | None:
 
 def probe(model: nn.Module, data: DataSource, config: TrainConfig, loss_fn: LossFn | None, *,
           seed: int = 0) -> tuple[Objective, tuple[str, ...]]:
-    """One no-grad forward of two samples through the model contract; returns the run's objective and what
-    the run says once about it.
-
-    It settles the task (``--task``, else inferred from the targets and the output, with the data source's
-    hint) and checks that the targets fit it; it says which keys of a dict batch ``forward`` does not take;
-    and for a language model that computes its own loss it compares that loss with cross-entropy on the
-    logits as they are and shifted by one: a model that shifts its labels inside (Hugging Face causal LMs)
-    gets no token accuracy, and when the data's targets are already the next tokens its labels are not passed
-    at all (they would be shifted twice) and the task's cross-entropy trains it. Anything that does not fit
-    is one line (UserCodeError / ContractError) naming the tensor at fault.
-    """
+    """One no-grad forward of two samples through the model contract: settles the task and returns the run's
+    objective and what the run says once. User code that does not fit raises UserCodeError / ContractError."""
     call = ModelCall(model)
     batch = _probe_batch(data, seed)
     first = next(iter(model.parameters()), None)
@@ -418,15 +391,8 @@ def build_run(
 ) -> Run:
     """Resolve device and recipe, load data, build, convert and wrap the model, create the optimizer.
 
-    Under torchrun this joins the process group (``--strategy ddp|fsdp``) and shards the data by rank.
-    Output paths and a ``--resume`` are checked first (:func:`.outputs.check_outputs`,
-    :func:`.resume.check_resume`), before anything is built.
-
-    Args:
-        data, model, loss_fn, make_optimizer: use these instead of what the config names (the doctor API
-            passes the user's batches, a copy of the user's module, their loss and optimizer). A given
-            model is used as it is (not re-seeded); it is converted and wrapped like a built-in one.
-            ``loss_fn(output, targets)`` gets the model's raw output (the explicit ``--loss`` of the contract).
+    ``data``, ``model``, ``loss_fn``, ``make_optimizer`` replace what the config names; a given model is not
+    re-seeded but is converted and wrapped; ``loss_fn(output, targets)`` gets the model's raw output.
     """
     config.validate()
     lock = check_outputs(config.run, lock=True)

@@ -1,18 +1,11 @@
 """The checkpoint file: atomic writes, safe loads (what a run saves and when: :mod:`.checkpointer`).
 
-A checkpoint is one file holding model, optimizer, recipe (loss scaler, master weights), RNG states,
-position (epoch, batch, global step), the run's config and resolved mechanism, and the metrics so far. It
-is written to a temporary file in the same folder, flushed to disk, then renamed over ``last.pt``:
-``os.replace`` is atomic, so a crash at any moment leaves either the old checkpoint or the new one.
-
-Loading uses ``torch.load(weights_only=True)`` (no pickled code runs) and validates everything before
-touching the model, so a checkpoint that is not ours or is corrupt raises
-:class:`~mixprec.errors.CheckpointError` and leaves the model and optimizer as they were.
-
-Under torchrun the file is the same: rank 0 writes it, with full (unsharded) model and optimizer state
-from :func:`mixprec.train.distributed.state_dicts`, and records ``world_size``; a resume must use the same
-number of processes. :func:`read_run` reads only a checkpoint's config and mechanism (the file memory-mapped,
-no tensor read), so a resume is checked before anything is built.
+One file holds model, optimizer, recipe state, RNG states, position, config, resolved mechanism and metrics. It
+is written to a temporary file and renamed over ``last.pt``, so a crash leaves the old checkpoint or the new one.
+Loading uses ``torch.load(weights_only=True)`` and validates everything before touching the model: a bad file
+raises :class:`~mixprec.errors.CheckpointError` and changes nothing. Under torchrun rank 0 writes full state
+(:func:`mixprec.train.distributed.state_dicts`) and records ``world_size``. :func:`read_run` reads only config
+and mechanism (memory-mapped, no tensor read), so a resume is checked before anything is built.
 """
 
 from __future__ import annotations
@@ -90,11 +83,8 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
 
 
 def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
-    """Atomically write ``payload`` (plus format/version tags and a digest) to ``path``.
-
-    A failed write (disk full, read-only folder) raises :class:`OutputError` naming the path and
-    the cause; the temporary file is removed and a previous checkpoint at ``path`` stays as it was.
-    """
+    """Atomically write ``payload`` (plus tags and a digest) to ``path``. A failed write raises
+    :class:`OutputError` naming path and cause, and leaves a previous checkpoint as it was."""
     path = Path(path)
     payload = {"format": FORMAT, "version": VERSION, **payload}
     payload["digest"] = _digest({k: v for k, v in payload.items() if k != "digest"})
@@ -166,9 +156,7 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first local header, or an
 
 
 def _file_kind(path: str | os.PathLike, p: Path) -> str:
-    """What the file is by its first bytes: ``"a zip archive"`` (what ``torch.save`` writes) or ``"a pickle"``
-    (protocol 2+, as torch's legacy format and ``pickle.dump`` write); anything else is refused here, so
-    random bytes are never described as pickled objects."""
+    """``"a zip archive"`` or ``"a pickle"`` by the file's first bytes; anything else is refused here."""
     try:
         with open(p, "rb") as f:
             head = f.read(4)
@@ -255,14 +243,8 @@ def _check_version(path: str | os.PathLike, p: Path, ckpt: dict[str, Any]) -> No
 
 
 def load_checkpoint(path: str | os.PathLike, *, world_size: int | None = None) -> dict[str, Any]:
-    """Read and validate a checkpoint (tags, version, digest, every field's type); nothing is applied to any
-    model here. Whether it is the same run as the current config is :mod:`.resume`'s question.
-
-    Args:
-        path: a checkpoint file, or a folder holding ``last.pt``.
-        world_size: the current number of processes; must equal the checkpoint's (1 if it has none),
-            because the data order and the steps per epoch depend on it.
-    """
+    """Read and validate a checkpoint file or a folder's ``last.pt`` (tags, version, digest, field types);
+    nothing is applied here. ``world_size`` must equal the checkpoint's. Same-run checks: :mod:`.resume`."""
     p = resolve_checkpoint_path(path)
     ckpt = _read(path, p)
     _validate(path, p, ckpt)
@@ -277,12 +259,8 @@ def load_checkpoint(path: str | os.PathLike, *, world_size: int | None = None) -
 
 
 def read_run(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The stored config (nested or flat dict) and mechanism of the run a checkpoint holds, read cheaply:
-    the file is memory-mapped, so no tensor is read; the digest is checked when the run resumes.
-
-    The mechanism is what the run's recipe resolved to (:func:`mechanism`); checkpoints that predate it
-    give ``{"impl": ...}`` from their recipe state.
-    """
+    """The stored config (nested or flat dict) and mechanism (:func:`mechanism`) of a checkpoint, memory-mapped
+    so no tensor is read; the digest is checked when the run resumes."""
     p = resolve_checkpoint_path(path)
     ckpt = _read(path, p, mmap=True)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:

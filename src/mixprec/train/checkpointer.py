@@ -1,9 +1,5 @@
-"""A run's checkpoints: what :class:`Checkpointer` saves, when, and how a run resumes from it.
-
-The file format (atomic write, validated load) is :mod:`.checkpoint`'s; whether a checkpoint continues the
-current config is :mod:`.resume`'s, checked before the run was built. Here the built run is restored from
-the file — weights, optimizer, recipe state (loss scaler, master weights), RNG, position, history — so a
-resumed run is bit-identical to one that never stopped.
+"""A run's checkpoints: what :class:`Checkpointer` saves, when, and how a run resumes from it, bit-identical to
+one that never stopped. File format: :mod:`.checkpoint`; same-run checks: :mod:`.resume`.
 """
 
 from __future__ import annotations
@@ -54,11 +50,8 @@ class TrainState:
 class Checkpointer:
     """Resume, cadence and save of one run's ``last.pt`` (``--out``, ``--checkpoint-every``, ``--resume``).
 
-    Nothing non-finite is ever written: :meth:`save` checks parameters, optimizer state and master weights
-    first (one pass over them, at save points only) and returns the reason to stop instead. A checkpoint
-    taken mid-epoch also holds the epoch's running sums, so the resumed epoch's metrics cover all its steps;
-    one taken after the epoch's last step resumes into the evaluation of that epoch, then the next epoch.
-    Under torchrun every rank calls :meth:`save` (gathering FSDP state is a collective); rank 0 writes.
+    Nothing non-finite is ever written. Under torchrun every rank calls :meth:`save` (a collective); rank 0
+    writes.
     """
 
     def __init__(self, run: Run) -> None:
@@ -116,11 +109,8 @@ class Checkpointer:
                        f"(step {state.global_step})")
 
     def save(self, state: TrainState, epoch: int, batch: int, meter: Any = None) -> str | None:
-        """Write ``last.pt`` for position (epoch, batch) — no file without ``--out``.
-
-        Returns None, or why the run must stop: the state is not finite (then nothing is written, and the
-        previous ``last.pt`` stays). ``meter``: the interrupted epoch's EpochMeter, for a mid-epoch position.
-        """
+        """Write ``last.pt`` for position (epoch, batch) (no file without ``--out``). Returns None, or why the run
+        must stop when the state is not finite (then nothing is written)."""
         run = self.run
         if not _state_finite(run):
             return (f"the weights or optimizer state became non-finite by step {state.global_step} (epoch {epoch})"

@@ -1,11 +1,7 @@
-"""``mixprec train``: the tutorial's ``train.py``, grown up (argument handling only).
+"""``mixprec train``: argument handling only (``--resume``: :mod:`mixprec.train.resume`).
 
-``--resume DIR`` continues the run saved there with its own config: only the flags typed on the command line
-apply to it, and only those a resume may change (:mod:`mixprec.train.resume`).
-
-Exit codes: 0 the run finished; 1 it stopped with its reason (non-finite, skipped steps, diverged ranks) or
-could not write its outputs; 2 a usage mistake; 3 out of memory in a step (:mod:`mixprec.train.oom`); 130
-interrupted.
+Exit codes: 0 finished; 1 stopped with its reason or could not write its outputs; 2 a usage mistake; 3 out of
+memory in a step (:mod:`mixprec.train.oom`); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -63,11 +59,8 @@ def train_main(args: argparse.Namespace) -> int:
 
 
 def _finish_together() -> None:
-    """Every rank has logged its outcome and rank 0 has written its files (``train`` ends in a barrier): the
-    run is decided. torchrun stops the ranks still running once one exits non-zero (SIGTERM), which would
-    report a rank that merely had not finished exiting as killed (-15); from here on SIGTERM is ignored, so
-    each rank exits with the run's own code. The launcher still ends a rank that hangs on exit (SIGKILL after
-    its grace period)."""
+    """The run is decided (``train`` ended in a barrier): ignore SIGTERM from here on, so torchrun's stop of the
+    ranks still exiting does not turn their exit code into -15."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 

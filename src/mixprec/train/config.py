@@ -1,19 +1,10 @@
-"""Training configuration in sections, as torchtitan does: one small frozen dataclass per component.
+"""Training configuration in sections: one small frozen dataclass per component, the one place a default lives.
 
-``TrainConfig`` holds five sections: :class:`ModelConfig`, :class:`DataConfig`,
-:class:`~mixprec.precision.RecipeConfig` (with its :class:`~mixprec.precision.ScalerConfig`),
-:class:`OptimConfig` and :class:`RunConfig`. Every field has a docstring. Two flat views exist because
-users and checkpoints think in flags: :meth:`TrainConfig.from_flags` builds a config from flag names
-(``precision=``, ``model=``, ``init_scale=`` ...; the CLI and the tests use it) and :meth:`TrainConfig.flags`
-returns them. :meth:`TrainConfig.to_dict` / :meth:`TrainConfig.from_dict` are the nested form stored in
-checkpoints and ``results.json`` (``from_dict`` also reads the flat dicts older checkpoints hold). A config
-holds the canonical recipe name (``amp`` becomes ``fp16-mixed``), so equal runs have equal configs.
-
-These dataclasses are the one place a default lives: the CLI's flags and their help, ``build_model`` and the
-Python API take theirs from here. Checks go through :mod:`mixprec.validate`.
-
-Defaults reproduce the tutorial: SimpleNet (one Linear 784→10) on Fashion-MNIST, SGD lr 0.01, batch 64,
-5 epochs, a log line every 100 batches.
+``TrainConfig`` holds :class:`ModelConfig`, :class:`DataConfig`, :class:`~mixprec.precision.RecipeConfig`,
+:class:`OptimConfig` and :class:`RunConfig`. :meth:`TrainConfig.from_flags` / :meth:`TrainConfig.flags` are the
+flat flag view; :meth:`TrainConfig.to_dict` / :meth:`TrainConfig.from_dict` the nested form in checkpoints and
+``results.json`` (``from_dict`` also reads flat dicts). Recipe names are canonical, so equal runs have equal
+configs. Defaults reproduce the tutorial (SimpleNet on Fashion-MNIST, SGD lr 0.01, batch 64, 5 epochs).
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """How mixprec calls your model: the one contract train, bench, doctor and the Python APIs share.
 
-**Batches.** A loader yields one of:
+**Batches.** ``(inputs, targets)`` → ``model(inputs)``; ``(input_1, ..., input_n, targets)`` →
+``model(input_1, ..., input_n)``; a dict → ``model(**batch)``, targets under ``labels`` (or ``label``,
+``targets``, ``target``), kept in the call only when ``forward`` takes them; keys ``forward`` does not accept
+are left out, and the run says which. A tuple batch's targets go to a ``forward`` parameter named ``targets``
+or ``labels``.
 
-- ``(inputs, targets)`` — the model is called as ``model(inputs)``;
-- ``(input_1, ..., input_n, targets)`` — ``model(input_1, ..., input_n)``;
-- a dict (the Hugging Face convention) — ``model(**batch)``. The targets are ``batch["labels"]`` (or
-  ``label``, ``targets``, ``target``); ``labels`` stays in the call when ``forward`` takes it (so a Hugging
-  Face model computes its own loss), and is taken out otherwise. Keys ``forward`` does not accept are left
-  out of the call (as the Hugging Face Trainer's ``remove_unused_columns`` does), and the run says which.
+**Outputs.** A tensor (the logits); a tuple or list (a 0-dim tensor is the loss, the first tensor with
+dimensions the logits); a dict, a Hugging Face ``ModelOutput`` or any object with ``logits`` / ``loss``.
 
-When ``forward`` has a parameter named ``targets`` or ``labels`` (nanoGPT's ``forward(idx, targets=None)``,
-Hugging Face's ``labels=``), the targets of a tuple batch are passed to it by that name.
+**Loss.** An explicit ``--loss`` (on the raw output), else the model's own loss, else the task's
+(:mod:`mixprec.train.tasks`). Anything else is a :class:`ContractError` (exit 2), one line.
 
-**Outputs.** The model may return a tensor (the logits); a tuple or list (nanoGPT's ``(logits, loss)``,
-``(logits,)``, Hugging Face's ``return_dict=False`` order ``(loss, logits, ...)``: a 0-dim tensor is the loss,
-the first tensor with dimensions the logits); a dict, a Hugging Face ``ModelOutput`` (a dict subclass) or any
-object with ``logits`` / ``loss`` attributes. Nothing here imports transformers.
-
-**Loss.** An explicit ``--loss`` wins (it receives the model's raw output and the targets); else the loss the
-model returned; else the task's default (:mod:`mixprec.train.tasks`).
-
-Anything else is a :class:`ContractError` (exit 2) whose one line says what came back and what mixprec
-expects.
-
-**Dtypes.** :func:`normalize_inputs` / :func:`normalize_targets` are applied by every data source, for
-tensor pairs and Datasets alike: float64 inputs become float32 (the model's parameters are float32; the
-data source says so once), integer targets of any width become int64 (what ``cross_entropy`` indexes
-with), float targets stay floating point (float64 ones become float32).
+**Dtypes.** :func:`normalize_inputs` / :func:`normalize_targets`: float64 becomes float32, integer targets int64.
 """
 
 from __future__ import annotations
@@ -229,12 +215,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 class ModelCall:
-    """How to call one model with a :class:`Batch`, worked out once from its ``forward`` signature.
-
-    Args:
-        model: the user's module (wrappers are looked through for the signature; the call goes to ``model``
-            itself, so DDP and FSDP hooks run).
-    """
+    """How to call one model with a :class:`Batch`, worked out once from its ``forward`` signature (wrappers are
+    looked through for the signature; the call goes to ``model`` itself, so DDP and FSDP hooks run)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.name = type(unwrap(model)).__name__
@@ -284,10 +266,7 @@ class ModelCall:
 @dataclasses.dataclass(eq=False)
 class Objective:
     """How a step gets its loss from a model and a batch: the call, the task, and an explicit ``--loss``.
-
-    train, bench and doctor (its fp32 reference pass and its replays on copies of the model) all get their
-    losses here, so the contract's rule is applied once.
-    """
+    Every loss in train, bench and doctor comes from here."""
 
     call: ModelCall
     """How the model is called (worked out from its ``forward`` once)."""

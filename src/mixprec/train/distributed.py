@@ -1,83 +1,17 @@
 """Multi-process training under ``torchrun``: process group, DDP / FSDP2 wrapping, reductions, consistency.
 
-mixprec has no launcher and no communication of its own: ``torchrun --nproc_per_node=N -m mixprec train
---strategy ddp|fsdp`` starts N processes, each reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and joins one process group: ``gloo`` when the run's
-device is the CPU, ``nccl`` on CUDA (each process then takes GPU ``LOCAL_RANK``). The loop calls the
-helpers below; with one process every one of them is a no-op, so the loop has one path.
+Each process joins one group from torchrun's environment (``gloo`` on CPU, ``nccl`` on CUDA with GPU
+``LOCAL_RANK``); with one process every helper is a no-op, so the loop has one path. What a recipe means for
+FSDP2 is the recipe's (:meth:`mixprec.precision.Recipe.fsdp_policy`); this module holds no precision knowledge.
 
-Strategies
-----------
-- ``ddp``: :class:`~torch.nn.parallel.DistributedDataParallel`. Every rank holds the whole model; the
-  backward all-reduces (averages) the gradients, so every rank applies the same update and the
-  parameters stay bit-identical. The recipe is unchanged (autocast, master weights, loss scaling).
-- ``fsdp``: FSDP2 :func:`~torch.distributed.fsdp.fully_shard`, one unit per normalization layer (kept
-  in fp32, as autocast keeps norms), per element of every ``nn.ModuleList`` (the transformer's blocks),
-  plus the root. Each rank stores 1/N of every parameter in fp32; what the recipe means for FSDP is the
-  recipe's own knowledge (:meth:`mixprec.precision.Recipe.fsdp_policy`: params all-gathered in the compute
-  dtype, gradients reduce-scattered in fp32; master-weight recipes refused, since the sharded fp32 params
-  are FSDP's master copy).
-
-Data
-----
-:class:`~mixprec.train.data.loaders.BatchLoader` draws one permutation per ``(seed, epoch)`` on every rank and
-gives rank ``r`` positions ``r, r + N, r + 2N, ...`` (``DistributedSampler``'s striding). Step ``j`` of
-rank ``r`` with batch ``B`` therefore covers positions ``r + N*i`` for ``i`` in ``[jB, (j+1)B)``, and
-the union over ranks is exactly positions ``[jNB, (j+1)NB)``: the ``j``-th batch of one process with
-batch ``N*B`` and the same seed. DDP averages the per-rank mean losses' gradients, which equals the
-gradient of the mean over the union when ranks have equal batches (they do: shards are padded by
-wrapping to equal length). So ``N`` ranks x batch ``B`` train the same model as 1 process x batch
-``N*B``, up to fp32 summation order; under bf16-mixed also up to bf16 rounding, because each rank's
-weight-gradient GEMM rounds its partial sum to bf16 (tests/test_distributed.py checks both).
-
-Every rank seeds the same RNG (weights, data order, stochastic rounding): DDP replicas must round the
-same way to stay identical, and one saved RNG state resumes them all.
-
-Gradient accumulation (``--grad-accum K``): the loop runs K micro-batches per optimizer step, each
-backward but the last inside :func:`no_sync` (DDP ``no_sync()``, FSDP2
-``set_requires_gradient_sync(False)``), so gradients are reduced once per step; the recipe then unscales,
-checks, clips, steps and updates the scale once.
-
-Loss scaling
-------------
-Every rank must skip the same steps and hold the same scale, or the replicas diverge. DDP's all-reduce
-spreads an inf from any rank's backward to all, but an inf that appears after the reduction (or in one
-FSDP shard) is seen by one rank only, so ``found_inf`` itself is all-reduced: mixprec's
-:class:`~mixprec.scaler.DynamicLossScaler` does it when a process group exists, and for ``--amp-impl
-native`` the recipe builds PyTorch's
-:class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` instead of ``torch.amp.GradScaler``
-when the run has several processes (same rule, same state dict, plus the all-reduce; it handles plain and
-DTensor gradients). :func:`check_consistency` (``--check-consistency
-N``) proves it at run time: every N steps it all-gathers scale, skipped-step count and a parameter
-checksum and stops with :class:`RankDivergenceError` when ranks disagree.
-
-Checkpoints
------------
-One file, written by rank 0 (:func:`state_dicts`): DDP saves the inner module's state dict (the same keys
-as a one-process run); FSDP gathers full, CPU-offloaded state dicts with
-``torch.distributed.checkpoint.state_dict`` (a collective: every rank calls it, rank 0 gets the tensors;
-the optimizer state is keyed by parameter name). The scaler, master weights and RNG state are the same
-on every rank, so rank 0's are saved; the running losses of an interrupted epoch differ per rank, so every
-rank's are saved (:func:`rows_over_ranks`). On resume every rank reads the file (so ``--out`` must be on a
-filesystem all ranks see) and :func:`load_state_dicts` applies it; FSDP re-shards the full tensors.
-Resuming needs the same world size and strategy: the data order and the steps per epoch depend on them.
-
-Non-finite losses: recipes without loss scaling raise NonFiniteError before backward, on the loss of
-*this* rank. If one rank raised while the others entered backward, their collectives would pair up wrongly
-or wait forever, so the recipe all-reduces a non-finite flag first (no host sync) and poisons every rank's
-loss when any rank's is bad: all ranks stop at the same step and save the same last good state. The loop's
-guarded steps raise nothing: the recipe all-reduces the step's flag (MAX) and every rank halts at the same
-step, read by every rank at the same log line, checkpoint or epoch end (:mod:`mixprec.guard`). Every other
-stop rule decides on values that are equal on every rank too (see :mod:`.stops`); the loop logs the stop on
-every rank and ends in :func:`barrier`, so no rank exits before rank 0 has written its files.
-
-Out of memory in a step is local to a rank: the rank stops at once, outside any collective, and leaves its
-reason in the process group's store (:func:`stop_alone`); a peer whose collective then fails for the lost
-connection finds the reason there (:func:`peer_stop`) and stops with it, and one that waits on (NCCL) is
-ended by torchrun. Both ignore torchrun's SIGTERM once they are stopping, so each rank gets its line out.
-
-Not covered: BatchNorm running statistics under FSDP stay per rank (each rank normalizes its own batches;
-rank 0's are saved). DDP broadcasts rank 0's buffers before every forward, so they agree there.
+Guarantees: N ranks x batch B train the same model as one process x batch N*B, up to summation order (and bf16
+rounding under bf16-mixed): :class:`~mixprec.train.data.loaders.BatchLoader` strides one permutation per
+``(seed, epoch)`` over ranks and pads shards to equal length; every rank seeds the same RNG. Every rank skips
+the same steps, holds the same scale and stops at the same step (``found_inf`` and non-finite flags are
+all-reduced); :func:`check_consistency` proves it every N steps. Checkpoints are one file written by rank 0
+(:func:`state_dicts`, every rank's running losses via :func:`rows_over_ranks`); resuming needs the same world
+size and strategy. Out of memory is local to a rank: :func:`stop_alone` / :func:`peer_stop`.
+BatchNorm running statistics under FSDP stay per rank. See docs/architecture.md, "Distributed".
 """
 
 from __future__ import annotations
@@ -152,8 +86,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def resolve_strategy(strategy: str) -> str:
-    """``auto`` → ``ddp`` when torchrun started several processes (as Lightning's and accelerate's "auto"
-    do), else ``none``; any other strategy as given."""
+    """``auto`` → ``ddp`` when torchrun started several processes, else ``none``; others as given."""
     if strategy != "auto":
         return strategy
     initialized = dist.is_available() and dist.is_initialized()
@@ -162,12 +95,8 @@ def resolve_strategy(strategy: str) -> str:
 
 
 def setup(strategy: str, device: torch.device) -> tuple[DistEnv, torch.device]:
-    """Join torchrun's process group (or reuse one that exists) and pick this rank's device.
-
-    Returns the environment and the device to train on (``cuda:LOCAL_RANK`` under torchrun on CUDA).
-    Raises ConfigError when ``--strategy`` and the launch disagree: several processes with strategy
-    ``none`` (each would train its own copy), or ``ddp``/``fsdp`` without torchrun.
-    """
+    """Join torchrun's process group (or reuse one) and return it with this rank's device. Raises ConfigError
+    when ``--strategy`` and the launch disagree."""
     global _owns_process_group
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else _env_int("WORLD_SIZE", 1)
@@ -223,10 +152,8 @@ _STOP_KEY = "mixprec/stop"
 
 
 def stop_alone(reason: str) -> None:
-    """This rank stops on its own, outside any collective (out of memory in a step): leave the reason in the
-    process group's store for the ranks that wait for it in a collective (:func:`peer_stop`), and ignore
-    torchrun's SIGTERM from here on, so that a peer that stopped first does not cut this rank's line short.
-    No-op on one process."""
+    """Stop this rank outside any collective: leave the reason in the store for :func:`peer_stop` and ignore
+    SIGTERM from here on. No-op on one process."""
     if not _active():
         return
     with contextlib.suppress(Exception):  # no store (a group without one): torchrun ends the peers
@@ -298,11 +225,8 @@ def wrap_model(model: nn.Module, recipe, strategy: str, device: torch.device) ->
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Skip the gradient all-reduce / reduce-scatter of backwards run inside (gradient accumulation).
-
-    Put forward and backward of every micro-batch but the last inside; the last one's backward then
-    reduces the accumulated gradients once. No-op for a plain module or when ``enabled`` is False.
-    """
+    """Skip the gradient reduction of backwards run inside (every micro-batch but the last); no-op for a plain
+    module or when ``enabled`` is False."""
     if not enabled:
         yield
     elif isinstance(model, nn.parallel.DistributedDataParallel):
@@ -365,12 +289,7 @@ def max_over_ranks(x: float, device: torch.device) -> float:
 
 
 def eval_shard(n: int) -> tuple[torch.Tensor, int]:
-    """This rank's evaluation indices and how many of them are real.
-
-    Rank ``r`` takes ``r, r + N, ...``, padded with index 0 to ``ceil(n / N)`` so every rank runs the same
-    number of batches (FSDP's forward is a collective). Only the first ``n_real`` entries count; the
-    padding is evaluated and ignored. On one process: ``arange(n)``, all real.
-    """
+    """This rank's strided evaluation indices, padded with index 0 to ``ceil(n / N)``, and how many are real."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if _active() else (0, 1)
     idx = torch.arange(rank, n, world)
     per_rank = math.ceil(n / world)
@@ -388,12 +307,8 @@ def _full_options():
 
 
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Full model and optimizer state dicts to save from rank 0.
-
-    FSDP: gathered with ``torch.distributed.checkpoint.state_dict`` — a collective every rank must call;
-    rank 0 gets CPU tensors, the others empty dicts. DDP and plain modules: local state dicts (DDP's
-    without the ``module.`` prefix, so the keys match a one-process run).
-    """
+    """Full model and optimizer state dicts to save from rank 0, keyed as in a one-process run. Under FSDP a
+    collective every rank must call (rank 0 gets CPU tensors, the others empty dicts)."""
     if _is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -446,14 +361,8 @@ def _checksum(params: Iterable[torch.Tensor]) -> tuple[float, float]:
 
 
 def check_consistency(model: nn.Module, *, step: int, scale: float, skipped: int, device: torch.device) -> None:
-    """All-gather loss scale, skipped-step count and a parameter checksum; raise if ranks differ.
-
-    Debug aid for ``--check-consistency N`` (one all-gather and a host sync per call). Under FSDP each
-    rank holds different shards, so only scale and skipped steps are compared. No-op on one process.
-
-    Raises:
-        RankDivergenceError: naming the step, the quantity and every rank's value.
-    """
+    """All-gather loss scale, skipped-step count and a parameter checksum; raise RankDivergenceError if ranks
+    differ. Syncs the host. Under FSDP only scale and skipped steps are compared. No-op on one process."""
     if not _active():
         return
     names = ["loss scale", "skipped steps"]

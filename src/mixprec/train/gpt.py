@@ -1,7 +1,7 @@
 """A small GPT: the decoder-only transformer language model, shaped like nanoGPT / GPT-2.
 
-``GPT(vocab_size, block_size, n_layers=, n_heads=, d_model=)`` maps token ids ``idx`` of shape
-``(B, T)``, ``T <= block_size``, to next-token logits ``(B, T, vocab_size)``:
+``GPT(vocab_size, block_size, n_layers=, n_heads=, d_model=)`` maps token ids ``(B, T)``, ``T <= block_size``,
+to next-token logits ``(B, T, vocab_size)``:
 
     x = wte[idx] + wpe[0..T-1]                          token + learned position embeddings
     for each block:
@@ -9,25 +9,8 @@
         x = x + down(gelu(up(ln2(x))))                  MLP, 4 * d_model hidden features
     logits = ln_f(x) @ wte.T                            head weight-tied to the token embedding
 
-Attention is ``scaled_dot_product_attention(q, k, v, is_causal=True)`` (through
-:func:`mixprec.train.attention.attention`, fp32 on the CPU for bf16 inputs): softmax(q k^T / sqrt(d_head))
-with everything above the diagonal masked, so the logits at position t depend only on tokens 0..t
-(the test checks this exactly). One fused ``qkv`` Linear (d_model -> 3 d_model) feeds all heads.
-
-Initialisation follows nanoGPT (after GPT-2): every Linear and Embedding weight ~ N(0, 0.02), biases 0,
-and the two projections that write into the residual stream (``attn.proj``, ``mlp.down``) get std
-``0.02 / sqrt(2 * n_layers)``, so the residual stream's variance does not grow with depth (each block
-adds two such terms). With weights this small the logits at init are near zero and the loss is close to
-``ln(vocab_size)``, the loss of a uniform guess. Only the global RNG is used: ``torch.manual_seed(s)``
-before construction fixes the weights.
-
-Mixed precision: with ``d_model`` a multiple of 16 every Linear in the blocks (qkv: d -> 3d, proj: d -> d,
-up: d -> 4d, down: 4d -> d) has both dimensions a multiple of 16, so ``convert_to_fp8`` swaps all of them.
-The head is not a separate Linear weight: it is named ``head`` (kept out of FP8 by the default filter,
-as for every classifier head: the logits are the most sensitive GEMM) and its weight *is* ``wte.weight``.
-Tying halves the embedding parameters and survives ``model.to(dtype)``, because ``Module.to`` converts
-each Parameter in place and a shared Parameter is visited once. :func:`lm_loss` computes the
-cross-entropy in fp32 whatever the logits' dtype.
+Initialisation follows nanoGPT, from the global RNG only. With ``d_model`` a multiple of 16 every block Linear
+is FP8-convertible; the tied ``head`` is kept out of FP8 by the default filter.
 """
 
 from __future__ import annotations
@@ -117,12 +100,8 @@ def _check_sizes(vocab_size, block_size, n_layers, n_heads, d_model, dropout) ->
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer language model (see the module docstring).
-
-    Raises:
-        ModelError: a non-positive size, ``d_model % n_heads != 0``, or dropout outside [0, 1);
-            at forward time, input that is not ``(B, T)`` or longer than ``block_size``.
-    """
+    """Decoder-only transformer language model (see the module docstring). Raises ModelError for bad sizes,
+    and at forward time for input that is not ``(B, T)`` with ``T <= block_size``."""
 
     def __init__(self, vocab_size: int, block_size: int, *, n_layers: int, n_heads: int, d_model: int,
                  dropout: float = 0.0):
@@ -166,16 +145,8 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats per token) of ``logits`` (B, T, V) against ``targets`` (B, T).
-
-    The logits are flattened to ``(B*T, V)`` and cast to fp32 first. Under ``torch.autocast`` (and
-    mixprec's autocast) that cast changes nothing, because ``cross_entropy`` is on the fp32 list and runs in
-    fp32 anyway. It matters where there is no autocast but the model itself is low precision
-    (``bf16-true``, ``fp16-master``, ``bf16-master`` recipes): the head then returns bf16/fp16 logits, and a
-    log-softmax in bf16 (8 significant bits) rounds the loss and the softmax probabilities that make its
-    gradient to about 3 significant decimal digits, and returns the mean loss rounded to bf16 as well.
-    The gradient flows back through the cast, so the head still receives it in its own dtype.
-    """
+    """Mean next-token cross-entropy (nats per token) of ``logits`` (B, T, V) against ``targets`` (B, T),
+    computed in fp32 whatever the logits' dtype (low-precision-parameter recipes have no autocast to do it)."""
     if logits.ndim != 3 or targets.shape != logits.shape[:2]:
         raise ModelError(
             f"lm_loss takes logits (B, T, V) and targets (B, T), got {tuple(logits.shape)} and {tuple(targets.shape)}"

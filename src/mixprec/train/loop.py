@@ -1,16 +1,9 @@
-"""The training loop: epochs, steps, evaluation, logging — one code path for every recipe.
+"""The training loop: epochs, steps, evaluation, logging — one code path for every recipe, on every rank.
 
-It reads like nanoGPT's loop. The pieces it calls each live in their own small unit: the step
-(:mod:`.step`, which only calls the recipe's hooks), the run it trains (:func:`.build.build_run`), the
-epoch's accounting (:class:`.meter.EpochMeter`), checkpoints and resume (:class:`.checkpoint.Checkpointer`)
-and the rules that stop a run early (:class:`.stops.StopRules`). Under torchrun the same loop runs on every
-rank; :mod:`.distributed` supplies the reductions, each a no-op in a one-process run.
-
-A step that neither logs, evaluates, checks nor checkpoints reads nothing on the host (where the optimizer can skip
-on the device, :meth:`~mixprec.precision.Recipe.step_reads`): the steps' skips and faults stay on the device in a
-:class:`~mixprec.guard.StepGuard`, read where the loop reads anyway. A run that halted since (a non-finite loss or
-gradient without a loss scaler, too many skipped steps in a row) skipped every step after the halt whole, so the
-loop stops there, with the step where it happened, rewound to the last good state (:func:`_halted`).
+It calls :mod:`.step`, :func:`.build.build_run`, :class:`.meter.EpochMeter`, :class:`.checkpointer.Checkpointer`
+and :class:`.stops.StopRules`. A step that neither logs, evaluates, checks nor checkpoints reads nothing on the
+host: skips and faults stay in a :class:`~mixprec.guard.StepGuard`, and a run that halted stops at the halt,
+rewound to the last good state (:func:`_halted`).
 """
 
 from __future__ import annotations
@@ -151,12 +144,8 @@ def _train_epoch(run: Run, state: TrainState, epoch: int, total: int, checkpoint
 
 def _halted(run: Run, state: TrainState, epoch: int, checkpointer: Checkpointer, meter: EpochMeter,
             stops: StopRules) -> str | None:
-    """Read the step guard (one host read): why the run must stop, when it halted since the last read, or None.
-
-    Every step after the halt was skipped whole, so the state is the last good one: the loop's position, step and
-    epoch sums are rewound to it, and it is saved as the stop at the halt would have saved it — before the faulty
-    step (a non-finite loss or gradient), or after the last of too many skipped steps in a row. The batch at fault
-    is fetched again by its position (:func:`~.baddata.batch_at`)."""
+    """Read the step guard (one host read): why the run must stop if it halted since the last read, else None.
+    Position, step and epoch sums are rewound to the last good state, which is saved."""
     reading = run.ctx.guard.read()
     state.consecutive_skips = reading.consecutive
     if not reading.halted:

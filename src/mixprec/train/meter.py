@@ -1,10 +1,7 @@
 """What one epoch measured: losses, step times, skipped steps and one memory sample.
 
-Nothing here reads a tensor on the host per step: losses are kept as device tensors and summed there; the
-epoch record reads them once at the end, and skipped steps are counted by the run's
-:class:`~mixprec.guard.StepGuard` on the device (as of its last read). A step need not wait for the device, so on
-CUDA a step's time is the elapsed time between CUDA events recorded after consecutive steps (read when the epoch's
-record or a checkpoint needs them); on CPU, where ops finish before they return, wall-clock differences.
+Nothing here reads a tensor on the host per step: losses are summed on the device and read once per epoch; step
+times are CUDA events on CUDA (read with the record or a checkpoint), wall-clock on the CPU.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ __all__ = ["EpochMeter", "test_metrics"]
 
 
 def test_metrics(task: Any, metrics: dict[str, float | None], loss: float) -> dict[str, Any]:
-    """The :class:`EpochRecord` fields of an evaluation: the task's name and main metric (as a record key),
-    ``test_loss``, ``test_accuracy`` (None for tasks without one) and the task's other metrics by their
-    record keys (``test_f1``, ``test_r2``, ``bits_per_char``...)."""
+    """The :class:`EpochRecord` fields of an evaluation (task, main metric, ``test_loss``, the task's metrics)."""
     fields = {"task": task.name, "metric": METRIC_KEYS[task.main], "test_loss": loss, "test_accuracy": None}
     for name, value in metrics.items():
         if name != "loss":
@@ -42,11 +37,7 @@ def test_metrics(task: Any, metrics: dict[str, float | None], loss: float) -> di
 
 class EpochMeter:
     """Per-step accounting of one epoch; :meth:`record` turns it into the epoch's :class:`EpochRecord`.
-
-    Args:
-        sample_at: the batch index whose step is watched for saved activations (the first step after
-            warm-up, when optimizer state exists).
-    """
+    ``sample_at``: the batch whose step is watched for saved activations."""
 
     def __init__(self, run: Run, *, sample_at: int, first_batch: int, partial: dict[str, Any] | None = None,
                  guard: StepGuard | None = None) -> None:
@@ -119,10 +110,7 @@ class EpochMeter:
             self.loss_sum += loss
 
     def state_dict(self) -> dict[str, Any]:
-        """The running sums a mid-epoch checkpoint keeps, so a resumed epoch reports all its steps.
-
-        Under torchrun the losses are each rank's own (the record averages them over ranks), so every rank's
-        are kept, one row per rank (a collective: every rank calls this, as it calls ``Checkpointer.save``)."""
+        """The running sums a mid-epoch checkpoint keeps, one row per rank (a collective: every rank calls it)."""
         losses = torch.stack(self.losses).detach().float() if self.losses else torch.zeros(0, device=self.run.device)
         return {
             "n_steps": self.n_steps, "skipped": self.skipped, "step_times": list(self.step_times),

@@ -1,23 +1,12 @@
 """Models for the trainer, chosen to exercise different parts of a mixed-precision policy.
 
-- ``simplenet``: the tutorial's model, one ``nn.Linear(784, 10)`` (attribute ``fc``). Only a matmul.
-- ``mlp``: Linear/ReLU stack. Matmuls plus elementwise ops.
-- ``cnn``: two [conv3x3 - BatchNorm - ReLU - maxpool 2x2] blocks and a linear head. Convolutions run
-  in the low dtype under autocast while BatchNorm keeps fp32 statistics; with low-precision parameters
-  (``*-true``/``*-master`` recipes) the running statistics themselves become low precision.
-- ``transformer``: a small pre-norm encoder classifier. LayerNorm, softmax inside attention and GELU
-  are the ops a cast policy must keep or promote correctly. The blocks are written out (not
-  ``nn.TransformerEncoderLayer``, whose inference fast path runs one fused kernel that autocast never
-  sees). Attention is :class:`~mixprec.train.attention.SelfAttention`: a fused qkv Linear (so FP8 converts
-  it), and on the CPU an fp32 attention kernel for low-precision inputs, because PyTorch's bf16 CPU
-  flash-attention is several times slower than its fp32 one (see :mod:`mixprec.train.attention`).
-- The cnn stores its convolutions channels-last and feeds them channels-last inputs (oneDNN's fast layout).
-
-  Tokens: for images ``(C, H, W)``, non-overlapping ``p x p`` patches, where ``p`` is the largest
-  divisor of both H and W that is ``<= patch_size`` (28x28 with 7 -> 16 tokens of 7x7; 8x8 with 7 ->
-  4 tokens of 4x4); the patch actually used is ``model.patch_size``. For sequences ``(L,)`` each position
-  is a token with one scalar feature; for ``(L, D)`` each row is a token with D features. A learned
-  CLS token and learned positional embeddings are added; the head reads the CLS token.
+- ``simplenet``: one ``nn.Linear(784, 10)`` (attribute ``fc``);
+- ``mlp``: Linear/ReLU stack;
+- ``cnn``: two [conv3x3 - BatchNorm - ReLU - maxpool] blocks and a linear head, channels-last;
+- ``transformer``: a pre-norm encoder classifier with :class:`~mixprec.train.attention.SelfAttention`, blocks
+  written out so autocast sees every op. Images become ``p x p`` patch tokens, ``p`` the largest common divisor
+  of H and W ``<= patch_size`` (``model.patch_size``); sequences give one token per position; a CLS token
+  feeds the head.
 
 Initialisation uses only the global RNG, so ``torch.manual_seed(s)`` before ``build_model`` fixes it.
 """
@@ -186,17 +175,8 @@ def build_model(
 ) -> nn.Module:
     """Build a classifier taking ``(B, *input_shape)`` float inputs and returning ``(B, num_classes)`` logits.
 
-    Args:
-        model: the config's model section, or a built-in name; its sizes are :class:`ModelConfig`'s with
-            ``sizes`` (``width=``, ``depth=``, ``channels=``, ``d_model=``, ``n_heads=``, ``n_layers=``,
-            ``patch_size=``) changed.
-        dropout: dropout probability (0: no dropout layers at all).
-
-    Only the options of the chosen model are checked; the others are ignored.
-
-    Raises:
-        ModelError: unknown name, a non-positive size, ``d_model % n_heads != 0``, or an input shape the
-            model cannot take. The message names the flag to change.
+    ``model`` is the config's model section or a built-in name, with ``sizes`` overriding
+    :class:`ModelConfig`'s. Only the chosen model's options are checked. Raises ModelError naming the flag.
     """
     config = model if isinstance(model, ModelConfig) else ModelConfig(name=model)
     config = dataclasses.replace(config, **sizes) if sizes else config

@@ -1,23 +1,11 @@
 """Out of memory in a training step: a clean stop that says what fits.
 
-PyTorch raises :class:`torch.OutOfMemoryError` when the device allocator cannot serve a request (a CPU
-allocation failure is a ``RuntimeError`` "can't allocate memory", when the kernel does not kill the process
-first). :func:`mixprec.train.step.accumulate_step` turns either into :class:`StepOutOfMemoryError` naming the
-phase it happened in (forward, backward, optimizer step); the loop stops the run with one line (:func:`message`):
-the step, the recipe, the batch size, and what fits —
-
-- the largest batch the planner predicts for this model, recipe and device (:mod:`mixprec.planning.fits`: one
-  step traced under fake tensors, with a time limit), where the entry point passes it down (``mixprec train`` and
-  bench do; the planner sits above the trainer, so the trainer does not ask it itself);
-- the ``--batch-size`` and ``--grad-accum`` that keep the effective batch (batch x accumulation) with it;
-- where the last checkpoint is: nothing is written after an out-of-memory error (an optimizer step that
-  failed half-way leaves the state suspect), so the last one stays as it was.
-
-``mixprec train`` exits with :data:`EXIT_CODE`. Under torchrun a rank that ran out of memory ends at once,
-with no collective (the others may be waiting in one the failed rank will never join), and leaves its line in
-the process group's store (:func:`mixprec.train.distributed.stop_alone`): where every rank failed (the same
-model and batch everywhere) each stops with its own line; a rank whose peer failed alone stops with the
-peer's line when its collective breaks (gloo), or is ended by torchrun while it waits (NCCL).
+:func:`mixprec.train.step.accumulate_step` turns a device or CPU allocation failure into
+:class:`StepOutOfMemoryError` naming the phase; the loop stops with one line (:func:`message`): the step, the
+recipe, the batch size, the largest batch the planner predicts (passed down by the entry points), the
+``--batch-size``/``--grad-accum`` that keep the effective batch, and the last checkpoint (nothing is written after
+the error). ``mixprec train`` exits with :data:`EXIT_CODE`. Under torchrun the rank stops alone
+(:func:`mixprec.train.distributed.stop_alone`).
 """
 
 from __future__ import annotations
@@ -40,10 +28,7 @@ EXIT_CODE = 3
 130 interrupted)."""
 
 class StepOutOfMemoryError(torch.OutOfMemoryError):
-    """A training step ran out of memory. ``phase``: ``forward``, ``backward`` or ``optimizer step``.
-
-    A :class:`torch.OutOfMemoryError`, so code that catches PyTorch's catches this too; the message is one
-    line (:func:`message`) once the loop has stopped the run."""
+    """A training step ran out of memory in ``phase``; a :class:`torch.OutOfMemoryError` subclass."""
 
     def __init__(self, text: str, *, phase: str) -> None:
         super().__init__(text)
@@ -59,9 +44,8 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 def message(run: Run, e: StepOutOfMemoryError, *, step: int, epoch: int, batch: int, kept: str,
             largest_batch: Callable[[Run], int | str] | None = None) -> str:
-    """The stop's one line. ``kept``: what the last checkpoint is (a clause); ``largest_batch``: the planner's
-    answer for the run (:func:`mixprec.planning.fits.largest_batch`, which the entry points above the trainer
-    pass down), or None where it was not asked."""
+    """The stop's one line. ``kept``: a clause on the last checkpoint; ``largest_batch``: the planner's answer,
+    or None."""
     o, device = run.config.optim, run.device
     flags = f"--batch-size {o.batch_size}" + (f" --grad-accum {o.grad_accum}" if o.grad_accum > 1 else "")
     rank = f" on rank {run.rank} of {run.world_size}" if run.world_size > 1 else ""

@@ -1,18 +1,13 @@
 """``--optimizer module:callable``: the user's own optimizer, built over the tensors the recipe steps.
 
-The factory is called with the parameters as its first argument — the list :meth:`Recipe.build_optimizer
-<mixprec.precision.Recipe.build_optimizer>` passes: the model's parameters, their fp32 master copies for the
-``*-master`` recipes, DTensor shards under FSDP — and, by keyword, whichever of ``lr``, ``weight_decay``,
-``momentum`` and ``betas`` (the last only when ``--betas`` is given) its signature declares (all of them with
-``**kwargs``), as :func:`mixprec.train.usercode.call_declared` does for model factories::
+The factory gets the parameters :meth:`Recipe.build_optimizer <mixprec.precision.Recipe.build_optimizer>` passes
+first, and by keyword whichever of ``lr``, ``weight_decay``, ``momentum`` and ``betas`` it declares::
 
     def lion(params, lr, weight_decay):
         return MyLion(params, lr=lr, weight_decay=weight_decay)
 
-It must return a ``torch.optim.Optimizer`` over exactly those tensors. A flag the factory cannot receive
-(``--betas``, a non-zero ``--momentum`` or ``--weight-decay``) is refused rather than ignored; ``--lr`` has a
-default and is passed only if declared (otherwise the factory's own rate is the schedule's base). Every
-failure is a one-line :class:`~mixprec.train.usercode.UserCodeError` naming the reference.
+It must return a ``torch.optim.Optimizer`` over exactly those tensors. A flag it cannot receive is refused, not
+ignored; every failure is a one-line :class:`~mixprec.train.usercode.UserCodeError`.
 """
 
 from __future__ import annotations

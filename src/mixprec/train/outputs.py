@@ -1,18 +1,9 @@
 """Output paths checked before the first step, so a mistake costs nothing and nothing the user had is lost.
 
-Rules, for ``--out``, ``--metrics-json`` and ``--resume``:
-
-- an empty path (an unset shell variable) is refused, never read as "the current folder" or "no resume";
-- a folder is created and test-written now; a file where a folder is expected, a read-only location or a
-  folder given as the JSON path is refused now, not after the training it would lose
-  (:func:`check_folder`, the one check ``mixprec train``, ``bench`` and ``doctor`` all use);
-- a run never writes over a checkpoint it did not resume from: ``--out DIR`` holding another run's
-  ``last.pt`` needs ``--resume DIR`` (continue it) or ``--overwrite`` (replace it); a resumed run's ``--out`` is
-  the folder it resumes from unless typed (:func:`mixprec.train.resume.continue_in`);
-- no output may be another output or the checkpoint being resumed (``--metrics-json OUT/last.pt``);
-- one writer per folder: the writing process holds ``OUT/.mixprec.lock`` (:class:`OutputLock`) while it
-  runs, so a second run on a live ``--out`` — even with ``--overwrite``, which is for a finished run's
-  files — is refused naming the other run (host, pid, command).
+For ``--out``, ``--metrics-json`` and ``--resume``: an empty path is refused; a folder is created and
+test-written now (:func:`check_folder`); a run never writes over a checkpoint it did not resume from (that needs
+``--resume`` or ``--overwrite``); no output may be another output or the resumed checkpoint; one writer per
+folder (:class:`OutputLock`).
 """
 
 from __future__ import annotations
@@ -41,11 +32,7 @@ LOCK_NAME = ".mixprec.lock"
 
 def check_outputs(run: RunConfig, *, lock: bool = False, command: str = "mixprec train") -> OutputLock | None:
     """Raise ConfigError (exit 2, one line naming the fix) for any output path that cannot be used.
-
-    ``lock``: also take ``--out``'s :class:`OutputLock` if this process is the writing rank (rank 0, or the
-    only process), before the check for another run's ``last.pt``, so a live run is named as such. Returns
-    the lock (None without ``--out``, without ``lock`` or on another rank).
-    """
+    ``lock``: on the writing rank, also take and return ``--out``'s :class:`OutputLock` (else None)."""
     for flag, value in (("--out", run.out), ("--metrics-json", run.metrics_json), ("--resume", run.resume)):
         if value is not None and not str(value).strip():
             raise ConfigError(f"{flag} is empty (an unset shell variable?); give a path or drop {flag}")
@@ -84,11 +71,8 @@ def check_outputs(run: RunConfig, *, lock: bool = False, command: str = "mixprec
 
 
 def check_folder(folder: str | os.PathLike, flag: str, *, value: str | os.PathLike | None = None) -> None:
-    """Create ``folder`` if needed and prove it can be written (a temporary file, removed at once); raise
-    ConfigError naming ``flag`` otherwise. ``value``: what the user typed, when ``folder`` is its parent.
-
-    Nothing of the user's is touched: a file in the way is refused, and folders this call created are
-    removed again if the folder turns out not to be writable."""
+    """Create ``folder`` if needed and prove it can be written; raise ConfigError naming ``flag`` otherwise.
+    ``value``: what the user typed, when ``folder`` is its parent. Nothing of the user's is touched."""
     folder = os.fspath(folder)
     said = f"{flag} {folder if value is None else os.fspath(value)}"
     where = "the folder" if value is None else f"its folder {folder}"
@@ -137,17 +121,9 @@ _HELD_LOCK = threading.Lock()
 
 
 class OutputLock:
-    """This process is the one writing a folder: an exclusive ``flock`` on ``FOLDER/.mixprec.lock``.
-
-    The kernel drops the lock when the holder's file is closed, so a run killed with SIGKILL (or one whose
-    host died, on a filesystem that shares locks) leaves a lock anyone can take: the file's text — host,
-    pid, command, start time — only names the holder in the refusal, and, found in a lock nobody holds, is
-    taken over with a note. Where the filesystem has no ``flock``, the text alone decides: a live pid on
-    this host, or any other host's, refuses; a dead pid on this host is taken over with a note.
-
-    Within one process the lock is shared (a count): one process's runs are sequential, and the API may
-    build a run, train it and build another on the same folder. :meth:`release` (also when the object is
-    garbage collected, and at exit by the kernel) removes the file.
+    """This process is the one writing a folder: an exclusive ``flock`` on ``FOLDER/.mixprec.lock``, whose text
+    (host, pid, command) names the holder in a refusal; a stale lock is taken over with a note. Without
+    ``flock`` the text alone decides. Counted within one process, so the API may build several runs on one folder.
     """
 
     def __init__(self, folder: str, state: list[Any]) -> None:

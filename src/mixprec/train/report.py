@@ -146,9 +146,7 @@ def _main_cell(r: RunSummary) -> str:
 
 
 def summary_table(rows: list[RunSummary]) -> str:
-    """The tutorial's comparison table: recipe | peak memory | avg epoch time | the task's main metric (test
-    accuracy; language models: test loss / bits per char or token; regression: R²; multilabel: F1) |
-    skipped | scale."""
+    """The tutorial's comparison table: recipe | peak memory | avg epoch time | main metric | skipped | scale."""
     first = rows[0] if rows else None
     if first is not None and first.task == "lm":
         quality_head = f"test loss / bits per {'char' if first.bits_per_char is not None else 'token'}"

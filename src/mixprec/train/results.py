@@ -1,15 +1,8 @@
 """What a training run reports: one :class:`EpochRecord` per epoch, one :class:`RunSummary`, a :class:`TrainResult`.
 
-Each number has one name, the same as an attribute, a JSON key of ``--metrics-json`` and a checkpoint's
-``history`` (``rec.epoch_time_s`` is ``rec.to_dict()["epoch_time_s"]``). Every record names its ``task``
-(:mod:`mixprec.train.tasks`) and its main ``metric``, the key of the record that holds it: ``test_accuracy``
-(classify, binary), ``test_f1`` (multilabel), ``test_r2`` (regression), ``test_loss`` (lm). The fields of
-other tasks (``test_f1``, ``test_r2``, ``test_mse``, ``test_mae``, ``test_token_accuracy``,
-``test_perplexity``, ``bits_per_char``, ``bits_per_token``) appear in ``to_dict()`` only when set, so a
-classifier's JSON has no null columns for them.
-
-The records are read-only mappings too (``rec["epoch_time_s"]``, ``rec.get("bits_per_char")``): code written
-against the JSON form (bench's timing, the tests) reads them unchanged.
+Each number has one name: the attribute, the ``--metrics-json`` key and the checkpoint ``history`` key. Every
+record names its ``task`` and its main ``metric`` (the key that holds it); other tasks' fields appear in
+``to_dict()`` only when set. Records are read-only mappings too (``rec["epoch_time_s"]``).
 """
 
 from __future__ import annotations
@@ -240,9 +233,7 @@ class RunSummary(_TaskRecord):
     @classmethod
     def from_history(cls, history: list[EpochRecord], *, stopped: str | None, skipped_steps: int,
                      task: str, metric: str, **run: Any) -> RunSummary:
-        """The summary of ``history``; ``task`` and ``metric`` name the run's task and main metric (a run
-        with no epoch yet still has them); ``run`` holds the fields that describe the run itself (recipe,
-        impl, model, dataset, device, world_size, strategy, grad_accum, compile_time_s)."""
+        """The summary of ``history``; ``run`` holds the fields that describe the run itself."""
         mems = [h.memory for h in history if h.memory]
         peak = max(mems, key=lambda m: m["total"]) if mems else None
         cuda_peak = max((m.get("cuda_peak_allocated") or 0 for m in mems), default=0)

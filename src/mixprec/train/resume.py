@@ -1,23 +1,11 @@
 """Resume from the run itself: ``mixprec train --resume DIR [--epochs 10 ...]``.
 
-A checkpoint stores its run's config. A resumed run takes that config and applies only the flags the user
-typed; of those, only :data:`RESUME_MAY_CHANGE` (how long to train, where outputs go, what is shown, where the
-data lies and how it is loaded) may differ from the checkpoint. Anything else would make the resumed run
-another run, so it is refused, in one line naming each flag with both values — before anything is built
-(the checkpoint's config is read without reading its tensors).
-
-Values are compared as the config stores them, so spellings of the same thing are equal: recipe aliases
-(``--precision bf16`` is ``bf16-mixed``, the config stores canonical names), ``--strategy auto`` and what it
-resolves to, ``1,28,28`` and ``[1, 28, 28]``. ``--device`` and ``--amp-impl`` may be typed with any value that
-resolves to the mechanism the checkpoint ran (:func:`mixprec.train.checkpoint.mechanism`: native or scratch,
-the dtype facts, the matmul dtype): ``--device cuda`` after ``auto`` on a GPU machine is the same run;
-``--amp-impl scratch`` after a native run is not. That check runs even when neither flag is typed, because
-``auto`` can resolve differently on another machine.
-
-A resumed run continues where it is: in the folder of the checkpoint it resumes (``--resume DIR`` in DIR,
-``--resume FILE`` in FILE's folder), not in the ``--out`` the run was first given, so a run folder that was
-copied or moved continues in the copy and leaves the original as it is (:func:`continue_in`). A stored
-``--metrics-json`` inside the old ``--out`` moves with it; one outside stays. A flag typed now wins.
+A resumed run takes the checkpoint's config and applies the flags the user typed; only
+:data:`RESUME_MAY_CHANGE` may differ, anything else is refused in one line naming each flag with both values,
+before anything is built. Values compare as the config stores them (aliases equal); ``--device`` and
+``--amp-impl`` must resolve to the checkpoint's mechanism (:func:`mixprec.train.checkpoint.mechanism`), checked
+even when not typed. A resumed run continues in the checkpoint's folder, not the first ``--out``
+(:func:`continue_in`).
 """
 
 from __future__ import annotations
@@ -53,12 +41,8 @@ _MECHANISM_FLAGS = ("device", "amp_impl")
 
 
 def resume_config(typed: dict[str, Any]) -> TrainConfig:
-    """The config of ``mixprec train --resume DIR ...``: the checkpoint's, with the flags the user typed.
-
-    ``typed`` holds only the flags given on the command line (it must include ``resume``). ``--overwrite``
-    is not inherited: it applied to the run that first wrote the checkpoint. Raises CheckpointError (one
-    line naming every refused flag with both values) when a typed flag would change the run.
-    """
+    """The checkpoint's config with the ``typed`` flags applied (``--overwrite`` is not inherited). Raises
+    CheckpointError naming every refused flag with both values."""
     path = typed["resume"]
     stored, mech = _stored(path)
     config = stored.with_flags(**{"overwrite": False, **continue_in(stored, path, typed), **typed})

@@ -1,28 +1,10 @@
 """The learning-rate schedule: ``--lr-schedule constant|cosine|linear``, ``--lr-warmup-steps``, ``--min-lr``.
 
-The schedule is a pure function of the optimizer-step counter (``global_step``, the number of optimizer steps
-taken before this one), so a resumed run, which restores the counter, sets exactly the learning rates the
-uninterrupted run set; nothing else is saved. Before every optimizer step the loop sets each parameter group's
-``lr`` to :meth:`LRSchedule.rate` of that step. For a step ``s`` of a schedule over ``T`` steps with ``W``
-warmup steps, base rate ``lr`` (``--lr``, or the group's own rate for a user optimizer) and floor ``min``:
-
-- warmup, ``s < W``: ``lr * s / W`` — linear from 0 (step 0 runs at 0, as Hugging Face's schedules do);
-- then, with ``p = (s - W) / (T - W)`` (clamped to 1): ``constant`` ``lr``; ``linear`` ``min + (lr - min) *
-  (1 - p)``; ``cosine`` ``min + (lr - min) * (1 + cos(pi * p)) / 2``. Both reach ``min`` at step ``T`` and
-  stay there (the last step of a run of ``T`` steps is ``T - 1``, just above the floor).
-
-**T, the schedule's total** (``--lr-total-steps``, default: the run's planned optimizer steps): ``min(epochs x
-ceil(batches per epoch / grad_accum), --max-steps)`` — the steps the loop will take, computed when the run is
-first built and stored in its config (checkpoints, ``--metrics-json``). A resume keeps it, so extending a run
-with ``--epochs`` or ``--max-steps`` trains the extra steps at the floor instead of re-shaping the steps
-already taken.
-
-**Skipped steps count.** A step the loss scaler skips (inf/nan gradients) advances ``global_step`` like any
-other, so the schedule follows the step counter, ends where the run ends, and a skipped step's rate is simply
-not used. (PyTorch's ``LambdaLR`` stepped every iteration does the same.)
-
-A user optimizer with several parameter groups keeps their ratios: each group's rate is its own base rate
-(what the factory gave it) times the schedule's shape, and its floor ``min * base / lr``.
+A pure function of ``global_step`` (skipped steps count), so a resumed run sets exactly the uninterrupted run's
+rates. For step ``s`` over ``T`` steps, ``W`` warmup steps, base ``lr`` and floor ``min``: warmup ``lr * s / W``;
+then with ``p = (s - W) / (T - W)`` clamped to 1, ``constant`` ``lr``, ``linear`` ``min + (lr - min) * (1 - p)``,
+``cosine`` ``min + (lr - min) * (1 + cos(pi * p)) / 2``. ``T`` (``--lr-total-steps``) defaults to the run's
+planned optimizer steps, fixed at the first build and kept on resume. Several parameter groups keep their ratios.
 """
 
 from __future__ import annotations

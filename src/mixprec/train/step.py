@@ -1,10 +1,7 @@
 """One optimizer step and one evaluation: the only code that runs a model forward and backward.
 
-The step never asks which precision it runs; it calls the recipe's hooks (see :mod:`mixprec.precision`)
-on a small :class:`StepContext` — model, recipe, optimizer, objective, device, clip — so ``train``, ``bench``
-(through the trainer) and ``doctor`` share it without knowing about each other's runs. The model is called
-and its loss taken by the model contract (:class:`~mixprec.train.contract.Objective`): any batch shape,
-any output shape, the model's own loss or the task's.
+The step never asks which precision it runs: it calls the recipe's hooks (:mod:`mixprec.precision`) on a
+:class:`StepContext`, and takes the loss through :class:`~mixprec.train.contract.Objective`.
 """
 
 from __future__ import annotations
@@ -56,12 +53,8 @@ def train_step(
     step: int | None = None,
     tracker: SavedTensorTracker | None = None,
 ) -> tuple[torch.Tensor, StepResult]:
-    """One optimizer step on one batch: forward under the recipe's autocast, scaled backward, unscale/clip/step.
-
-    ``train_step(ctx, xb, yb)``, ``train_step(ctx, x1, x2, yb)`` or ``train_step(ctx, batch)`` (a dict, a tuple or
-    a :class:`~mixprec.train.contract.Batch`). Returns the (unscaled, detached) loss tensor — not read on the
-    host here — and the StepResult.
-    """
+    """One optimizer step on one batch (``xb, yb``, ``x1, x2, yb``, or one batch). Returns the unscaled, detached
+    loss tensor (not read on the host) and the StepResult."""
     raw = batch[0] if len(batch) == 1 else batch
     return accumulate_step(ctx, [raw], step=step, tracker=tracker)
 
@@ -73,17 +66,12 @@ def accumulate_step(
     step: int | None = None,
     tracker: SavedTensorTracker | None = None,
 ) -> tuple[torch.Tensor, StepResult]:
-    """One optimizer step over K micro-batches (gradient accumulation; K = 1 is a plain step).
-
-    Each micro-batch's loss is weighted by its share of the step's samples, so the accumulated gradient is
-    that of the mean loss over all of them, as if they were one batch. The (scaled) backwards accumulate
-    into ``.grad``; under DDP/FSDP only the last one reduces gradients across ranks. Then the recipe
-    unscales, checks, clips, steps and updates the scale once. ``tracker`` watches the first forward.
+    """One optimizer step over K micro-batches (K = 1 is a plain step); the gradient is that of the mean loss
+    over all their samples. ``tracker`` watches the first forward.
 
     Returns the step's mean loss (detached, not read on the host) and the StepResult. Raises
-    :class:`~mixprec.train.oom.StepOutOfMemoryError` naming the phase (forward, backward, optimizer step) where
-    memory ran out. With ``ctx.guard`` nothing is read on the host where the optimizer can skip on the device, and
-    a non-finite loss halts the run on the device instead of raising (:mod:`mixprec.guard`).
+    :class:`~mixprec.train.oom.StepOutOfMemoryError` naming the phase. With ``ctx.guard`` nothing is read on
+    the host and a non-finite loss halts the run on the device instead of raising (:mod:`mixprec.guard`).
     """
     model, recipe = ctx.model, ctx.recipe
     guarded = {} if ctx.guard is None else {"guard": ctx.guard}  # (callers that patch the hooks pass no guard)
@@ -116,14 +104,9 @@ def accumulate_step(
 
 @torch.no_grad()
 def evaluate(ctx: StepContext, data: DataSource, *, batch_size: int = 1000) -> tuple[dict[str, float | None], float]:
-    """The task's metrics (:meth:`~mixprec.train.tasks.Task.finish`, by name without the ``test_`` prefix) and
-    the mean loss over ``data``'s test split, under the recipe's autocast.
-
-    Under torchrun each rank evaluates a strided shard, padded so all ranks run the same number of forwards
-    (FSDP gathers parameters in each); the padding is not counted: a batch that is part padding is cut to its
-    real samples before the forward, one that is all padding runs and is ignored. The sums are all-reduced,
-    so every rank returns the whole set's numbers.
-    """
+    """The task's metrics (:meth:`~mixprec.train.tasks.Task.finish`, without the ``test_`` prefix) and the mean
+    loss over ``data``'s test split, under the recipe's autocast. Under torchrun every rank returns the whole
+    set's numbers (padding of the strided shards is not counted)."""
     model, task = ctx.model, ctx.task
     was_training = model.training
     model.eval()
@@ -154,12 +137,8 @@ def evaluate(ctx: StepContext, data: DataSource, *, batch_size: int = 1000) -> t
 
 
 def compile_warmup(ctx: StepContext, batches: list[Any]) -> float:
-    """Trigger ``torch.compile``'s compilation of forward and backward for each batch shape, and leave no trace.
-
-    Runs forward and backward under the recipe's autocast, then restores what they touched — gradients
-    (dropped), buffers (BatchNorm statistics) and the RNG (dropout) — so the run that follows is the one it
-    would have been without the warm-up. Returns the wall time: the compile time, reported apart.
-    """
+    """Compile forward and backward for each batch shape and leave no trace (gradients, buffers and RNG are
+    restored). Returns the wall time spent."""
     from .. import hardware
 
     model = ctx.model

@@ -1,24 +1,12 @@
-"""Rules that end a run early.
+"""Rules that end a run early, each deciding on values equal on every rank, so all ranks stop at the same step.
 
-- Too many skipped steps in a row (``--max-consecutive-skips``): a loss scaler that backs off forever means
-  the loss itself is non-finite, and more steps will not fix it. Counted on the device
-  (:class:`~mixprec.guard.StepGuard`), which halts the run at the limit; the loop finds the halt at its next host
-  read and stops as if it had stopped then (:meth:`StopRules.too_many_skips` words it).
-- Ranks that diverged (``--check-consistency N``, debug): loss scale, skipped steps or parameters differ.
-  No state is saved then (no rank's can be trusted); the last checkpoint written stays.
+- Too many skipped steps in a row (``--max-consecutive-skips``): counted on the device
+  (:class:`~mixprec.guard.StepGuard`), which halts the run; :meth:`StopRules.too_many_skips` words it.
+- Ranks that diverged (``--check-consistency N``): nothing is saved; the last checkpoint stays.
+- After an epoch: most of its steps were skipped, or its mean training loss is not finite — a failure with its
+  reason, never a success with ``final_train_loss: null``.
 
-Under torchrun every rule decides on values that are equal on every rank (the scaler's all-reduced
-``found_inf``, all-gathered checks, losses averaged over ranks), so all ranks stop at the same step; the loop
-then logs the stop on every rank and ends in a barrier, so no rank exits before rank 0 has saved.
-- After an epoch: most of its steps were skipped, or its mean training loss is not finite. A loss scaler
-  that skips nearly every step trains nothing, whatever ``--max-consecutive-skips`` allows, so such a run
-  is a failure with its reason, never a success with ``final_train_loss: null``.
-
-A stop for non-finite values says whether the batch already held them (:mod:`.baddata`): then the data is at
-fault, not the model, and the message names the batch and the tensor instead of the recipe's remedies.
-
-A non-finite loss or gradient without a loss scaler halts the run on the device too (the step is skipped); the
-loop words that stop itself.
+A stop for non-finite values names the batch when the batch already held them (:mod:`.baddata`).
 """
 
 from __future__ import annotations
@@ -87,9 +75,8 @@ class StopRules:
     @staticmethod
     def after_epoch(record: EpochRecord, data: Callable[[int], str | None] = lambda j: None,
                     first_step: int = 0) -> str | None:
-        """Why an epoch that ran must count as a failure, or None. ``data(j)``: what the batch of the epoch's
-        ``j``-th step holds when it is at fault, asked for the first step whose loss is not finite;
-        ``first_step``: the global step of the epoch's first step."""
+        """Why an epoch that ran must count as a failure, or None. ``data(j)``: the fault of the batch of the
+        epoch's ``j``-th step, asked for the first non-finite one."""
         steps, skipped = record.steps, record.skipped_steps
         remedy = "lower --lr, add --clip-grad-norm, or run `mixprec doctor` to find the layer"
         if skipped >= MIN_SKIPPED and 2 * skipped > steps:

@@ -8,14 +8,9 @@
 | ``regression`` | float (B,) or (B, K) | same number per sample | MSE | R² (mean over outputs), MSE, MAE |
 | ``lm`` | token ids (B, T) | (B, T, V) | cross-entropy per token | loss, perplexity, bits per char/token, token accuracy |
 
-:func:`infer_task` picks the task from the first batch's targets and logits (and the data source's hint:
-the text corpus is a language model); ``--task`` overrides it and :func:`check_fit` then checks that the
-targets fit. Targets equal to ``-100`` (PyTorch's and Hugging Face's ``ignore_index``) are left out of the
-accuracy of ``classify`` and ``lm``, as cross-entropy leaves them out of the loss.
-
-Metrics are accumulated as float64 sums on the device (:meth:`Task.sums`, no host read per batch), summed
-across ranks, and turned into numbers once (:meth:`Task.finish`). The loss is accumulated by the evaluator
-for every task alike.
+:func:`infer_task` picks the task from the first batch (``--task`` overrides it; :func:`check_fit` checks the
+targets). Targets ``-100`` are left out of ``classify`` and ``lm`` accuracy, as out of the loss. Metrics are
+float64 sums on the device (:meth:`Task.sums`, no host read per batch), read once (:meth:`Task.finish`).
 """
 
 from __future__ import annotations
@@ -162,9 +157,7 @@ class Regression(Task):
 
 
 class LanguageModel(Task):
-    """Next-token prediction: the loss is the main metric, perplexity and bits per char (character-level
-    data) or per token follow from it; token accuracy is reported when the logits line up with the targets
-    (``aligned``; a model that shifts its labels inside, as Hugging Face causal LMs do, is checked once)."""
+    """Next-token prediction: loss, perplexity, bits per char or token; token accuracy when ``aligned``."""
 
     name, main, higher_is_better, n_sums = "lm", "loss", False, 2
 

@@ -1,14 +1,9 @@
 """User code by reference: ``--model``, ``--dataset`` and ``--loss`` may name a callable instead of a built-in.
 
-A reference is ``package.module:callable`` (importable from the current folder or ``PYTHONPATH``) or
-``path/to/file.py:callable`` (the file is loaded by path). bench's worker processes receive the same string
-and import it again, so a reference must not depend on anything the parent process did at run time.
-
-Factories are called with the keyword arguments they declare among the ones offered (``input_shape``,
-``num_classes``, ``vocab_size``, ``block_size``; all of them if the factory takes ``**kwargs``), found by
-inspecting the signature. Every failure — a module or attribute that does not import, a callable that
-raises, a return value of the wrong kind — is a :class:`UserCodeError` (exit 2) whose one line names the
-reference and what to fix; the callable's own message is quoted.
+A reference is ``package.module:callable`` or ``path/to/file.py:callable``; bench's workers import it again, so
+it must not depend on the parent's run-time state. Factories get the offered keyword arguments they declare
+(``input_shape``, ``num_classes``, ``vocab_size``, ``block_size``). Every failure is a :class:`UserCodeError`
+(exit 2) naming the reference and the fix.
 """
 
 from __future__ import annotations
@@ -127,9 +122,8 @@ def reference_of(obj: Any, flag: str) -> str:
 
 
 def in_process_reference(obj: Any, flag: str) -> str:
-    """A reference to ``obj`` for this process only (``fit``, which trains here): the run's config records it as
-    ``module:qualname`` and :func:`load_callable` returns ``obj`` itself, so nothing is imported again (a script's
-    top level runs once; a notebook's functions work)."""
+    """A reference to ``obj`` for this process only (``fit``): recorded as ``module:qualname``;
+    :func:`load_callable` returns ``obj`` itself, nothing is imported again."""
     if isinstance(obj, str):
         return obj
     if not callable(obj):

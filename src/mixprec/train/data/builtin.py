@@ -1,25 +1,13 @@
 """The built-in datasets: ``fashion-mnist``, ``mnist``, ``digits`` and ``synthetic``. Nothing is ever downloaded.
 
-Every one is small enough to live in memory as two tensors per split, so each loads into a
-:class:`~mixprec.train.data.sources.TensorData` (batches are one ``index_select``, no worker processes); on an
-accelerator its training split lives on the device (``resident``): one copy, batches indexed there, no per-step
-host-to-device transfer, the same batches as on the CPU.
+Each loads into a :class:`~mixprec.train.data.sources.TensorData`, its training split resident on the device.
 
-- ``fashion-mnist`` / ``mnist``: the four IDX files (``train-images-idx3-ubyte``,
-  ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each raw or
-  ``.gz``; read by :mod:`.idx`) from ``data_dir``; Fashion-MNIST falls back to the Debian package
-  ``dataset-fashion-mnist`` (``FASHION_MNIST_DIR``). Images become float32 ``(N, 1, 28, 28)`` normalised
-  exactly as the tutorial's ``ToTensor()`` + ``Normalize((0.5,), (0.5,))``: ``(x / 255 - 0.5) / 0.5``, so
-  values lie in [-1, 1].
-- ``digits``: scikit-learn's embedded 8x8 digits (1,797 images), ``(x / 16 - 0.5) / 0.5``, split 80/20
-  stratified by class with a fixed seed (``DIGITS_SPLIT_SEED``) that does not depend on the training
-  seed, so every run evaluates on the same test set.
-- ``synthetic``: a Gaussian mixture, one fixed random mean pattern per class plus unit noise. The means
-  are scaled so the distance between two class means is ``4 * sqrt(2)`` noise standard deviations
-  whatever the input size: a linear model can learn it (two classes are confused with probability
-  ``Phi(-2 * sqrt(2))``, about 0.2%, so the Bayes error with 10 classes is under 9 times that), but not
-  in zero steps, so accuracy above chance means the training worked. Its default sizes are
-  :class:`~mixprec.train.config.DataConfig`'s.
+- ``fashion-mnist`` / ``mnist``: the four IDX files (raw or ``.gz``, :mod:`.idx`) from ``data_dir``;
+  Fashion-MNIST falls back to ``FASHION_MNIST_DIR``. Images are float32 ``(N, 1, 28, 28)``,
+  ``(x / 255 - 0.5) / 0.5``, as the tutorial's ``Normalize((0.5,), (0.5,))``.
+- ``digits``: scikit-learn's 8x8 digits, split 80/20 with a fixed seed (``DIGITS_SPLIT_SEED``).
+- ``synthetic``: a Gaussian mixture a linear model can learn, but not in zero steps; sizes from
+  :class:`~mixprec.train.config.DataConfig`.
 """
 
 from __future__ import annotations
@@ -247,15 +235,8 @@ def load_dataset(
     limit_train: int | None = _DEFAULT.limit_train,
     limit_test: int | None = _DEFAULT.limit_test,
 ) -> TensorData:
-    """Load a dataset by name into memory.
-
-    Args:
-        data_dir: folder with the IDX files (fashion-mnist: optional, defaults to ``FASHION_MNIST_DIR``;
-            mnist: required). ``DIR/FashionMNIST/raw`` or ``DIR/MNIST/raw`` (torchvision's layout) also work.
-        seed: only ``synthetic`` uses it; the other datasets and the digits split are fixed.
-        synthetic_train, synthetic_test, synthetic_shape: ``synthetic``'s sizes (defaults: ``DataConfig``'s).
-        limit_train, limit_test: keep only the first N samples (for quick runs and tests).
-    """
+    """Load a dataset by name into memory. ``data_dir`` may also use torchvision's ``DIR/MNIST/raw`` layout;
+    ``seed`` applies to ``synthetic`` only; ``limit_*`` keep the first N samples."""
     positive_int("limit_train", limit_train, allow_none=True, error=DataError)
     positive_int("limit_test", limit_test, allow_none=True, error=DataError)
     if name in ("fashion-mnist", "mnist"):

@@ -1,10 +1,7 @@
 """The IDX file format of MNIST-style datasets: one reader, nothing dataset-specific.
 
-An IDX file is a 4-byte big-endian magic number (``0x00000801``: uint8 vector, ``0x00000803``: uint8
-3-D array; the low byte is the number of dimensions), one 4-byte big-endian size per dimension, then
-``prod(sizes)`` bytes of payload in row-major order. Files may be gzip-compressed (detected from their
-first two bytes, not from the name). Which files make up a dataset, and what shapes they must have, is
-the dataset's business (:mod:`.builtin`).
+A 4-byte big-endian magic (low byte: number of dimensions), one 4-byte size per dimension, then ``prod(sizes)``
+bytes row-major; gzip is detected from the first bytes. Which files make a dataset: :mod:`.builtin`.
 """
 
 from __future__ import annotations
@@ -24,27 +21,13 @@ _IDX_MAGIC = {0x00000801: "labels", 0x00000803: "images"}  # uint8 vectors and u
 
 
 class IdxFormatError(DataError):
-    """A file that was read but is not a well-formed IDX file (bad gzip, magic, header or payload size).
-
-    Only these are called corrupt (fixed by getting the files again); a file that cannot be *read*
-    (permission denied, a folder in its place) is a plain :class:`DataError` that says so.
-    """
+    """A file that was read but is not well-formed IDX (an unreadable file is a plain :class:`DataError`)."""
 
 
 def read_idx(path) -> torch.Tensor:
-    """Read an IDX file (raw or gzip-compressed, detected from its first bytes) into a uint8 tensor.
+    """Read an IDX file (magic ``0x00000803`` images or ``0x00000801`` labels, raw or gzip) into a uint8 tensor.
 
-    Accepts the two formats of MNIST-style datasets: magic ``0x00000803`` (uint8 images, 3 dims) and
-    ``0x00000801`` (uint8 labels, 1 dim). The payload must be exactly ``prod(dims)`` bytes.
-
-    A well-formed file may hold no samples (first dimension 0): it reads as an empty tensor, and the
-    dataset loader refuses an empty split with a message naming the file.
-
-    Raises:
-        DataError: the file is missing or cannot be read (permission denied, a folder). The message names
-            the file and says which.
-        IdxFormatError: the file is not gzip-decodable, has another magic number, or its payload is
-            truncated or has trailing bytes.
+    Raises DataError when the file cannot be read, IdxFormatError when it is not exactly well-formed.
     """
     path = os.fspath(path)
     data = _read_bytes(path)

@@ -1,29 +1,12 @@
 """The loaders: every :class:`~mixprec.train.data.protocol.Loader` a data source hands out, and the batching of
 in-memory test sets.
 
-One rule makes runs reproducible and resumable whatever the data: the order of an epoch is a pure function
-of ``(seed, epoch)``, identical on every rank, and rank ``r`` of ``world_size`` takes the positions ``r, r +
-world_size, ...`` of it.
-
-- :class:`BatchLoader` (in-memory tensors): each epoch the indices ``0..N-1`` are permuted by a
-  ``torch.Generator`` seeded with ``seed + epoch`` (as ``torch.utils.data.DistributedSampler`` does), padded
-  by wrapping around to a multiple of ``world_size``, and strided by rank. A batch is one ``index_select``.
-- :class:`MapLoader` (a user's map-style dataset): a ``DataLoader`` (``--num-workers`` processes, persistent
-  between epochs, pinned memory on CUDA) over a ``DistributedSampler`` with explicit rank and seed. That
-  sampler draws ``randperm(n, generator seeded seed + epoch)``, pads by wrapping and strides by rank: exactly
-  :class:`BatchLoader`'s order, so the same samples as tensors or as a dataset give the same batches and the
-  same loss curve.
-- :class:`TextWindowLoader` (a token sequence): windows at random start positions, drawn one global batch of
-  ``world_size * batch_size`` positions at a time from a generator seeded by ``(seed, epoch)``, of which rank
-  ``r`` takes columns ``r, r + world_size, ...``.
-- :class:`FixedBatches` (batches a caller handed over): the same order every epoch.
-
-Each ``iter_from(k)`` starts the epoch at batch ``k`` without building the skipped batches (the text loader
-draws their positions, so the generator is where it would have been): a resumed run sees exactly the batches
-the interrupted run would have seen next.
-
-Every tensor of every batch is contiguous (:func:`contiguous`), as a ``DataLoader``'s collate makes it: a model may
-``.view`` its inputs and targets (nanoGPT's ``targets.view(-1)``), whatever the strides of the data it came from.
+Guarantee: the order of an epoch is a pure function of ``(seed, epoch)``, identical on every rank; rank ``r`` of
+``world_size`` takes positions ``r, r + world_size, ...``. :class:`BatchLoader` (tensors) and :class:`MapLoader`
+(a map-style dataset over a ``DistributedSampler``) give the same batches for the same samples;
+:class:`TextWindowLoader` draws random windows of a token sequence; :class:`FixedBatches` keeps a caller's order.
+``iter_from(k)`` starts an epoch at batch ``k`` without building the skipped batches, so a resumed run sees the
+batches the interrupted run would have seen. Every batch tensor is contiguous (:func:`contiguous`).
 """
 
 from __future__ import annotations
@@ -75,9 +58,7 @@ def _to(x: Any, device: torch.device) -> Any:
 
 
 def on_device(x: Any, device: torch.device | None, cache: dict) -> Any:
-    """In-memory data (a tensor, None, or a tuple or dict of them) on ``device`` when it is an accelerator: copied
-    there once, the copy kept in ``cache`` under the device, so every loader of the source shares it. On the CPU
-    (or ``device`` None) ``x`` itself."""
+    """``x`` on an accelerator ``device``, copied once and kept in ``cache``; on the CPU ``x`` itself."""
     if device is None or torch.device(device).type == "cpu":
         return x
     key = str(device)
@@ -122,16 +103,8 @@ def assemble(xb: Any, yb: torch.Tensor | None) -> Batch:
 
 
 class BatchLoader:
-    """In-memory batches by index slicing (no per-sample ``__getitem__``).
-
-    Each epoch the indices ``0..N-1`` are permuted (if ``shuffle``) by a ``torch.Generator`` seeded with
-    ``seed + epoch``, identical on every rank. With ``world_size > 1`` the permutation is padded by
-    wrapping around to a multiple of ``world_size`` and rank ``r`` takes positions ``r, r + world_size, ...``
-    (as ``DistributedSampler`` does), so shards are disjoint up to the padding and every rank runs the
-    same number of batches. Call ``set_epoch(epoch)`` before each epoch, or every epoch repeats one order.
-
-    Batches are ``x.index_select(0, idx)`` copies (or plain slices when unshuffled on one rank), on the
-    device of ``x``; move the data to the device once, before building the loader.
+    """In-memory batches by index slicing, in ``DistributedSampler``'s order (permutation seeded ``seed + epoch``,
+    padded by wrapping, strided by rank), on the device of ``x``. Call ``set_epoch(epoch)`` before each epoch.
     """
 
     def __init__(
@@ -246,9 +219,8 @@ class _FromSample(DistributedSampler):
 
 
 def collate(samples: list[Any]) -> Batch:
-    """``default_collate``, then the contract's dtypes (:func:`~mixprec.train.contract.normalize_batch`): the
-    same rule as for tensors; contiguous (a dtype conversion keeps the strides it is given). Module level, so
-    DataLoader workers can pickle it."""
+    """``default_collate``, then the contract's dtypes (:func:`~mixprec.train.contract.normalize_batch`),
+    contiguous. Module level, so DataLoader workers can pickle it."""
     return contiguous(normalize_batch(default_collate(samples)))
 
 
@@ -289,20 +261,9 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 
 
 class TextWindowLoader:
-    """Seeded random windows of a token sequence, for next-token prediction.
-
-    Each "epoch" is ``steps_per_epoch`` batches ``(x, y)``, both contiguous int64 ``(batch_size, block_size)`` on the
-    device of ``tokens`` (move the tokens once, before building the loader): windows at start positions
-    ``i`` uniform over the ``N - T`` valid ones, ``x = tokens[i : i+T]``, ``y = tokens[i+1 : i+T+1]`` (the
-    target at each position is the next token). The positions come from a ``torch.Generator`` seeded by
-    ``(seed, epoch)`` (mixed through ``numpy.random.SeedSequence``, so seed 0 epoch 1 and seed 1 epoch 0
-    differ), drawn one global batch of ``world_size * batch_size`` positions at a time, of which rank ``r``
-    takes columns ``r, r + world_size, ...``. Batch ``k`` of an epoch is therefore the same on every run with
-    the same seed and world size.
-
-    ``steps_per_epoch`` defaults to ``(N - T) // (batch_size * T * world_size)`` (at least 1): all ranks
-    together then read about as many tokens per epoch as the sequence holds. Call ``set_epoch(epoch)`` before
-    each epoch, or every epoch repeats the same windows.
+    """Seeded random windows of a token sequence: ``x = tokens[i : i+T]``, ``y = tokens[i+1 : i+T+1]``, int64 on
+    the device of ``tokens``; one global batch drawn per step from ``(seed, epoch)``, strided by rank.
+    ``steps_per_epoch`` defaults to about one pass over the sequence. Call ``set_epoch(epoch)`` before each epoch.
     """
 
     def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, *, seed: int = 0,

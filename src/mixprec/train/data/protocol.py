@@ -1,22 +1,10 @@
 """The data-source protocol: everything the trainer asks of data, and nothing more.
 
-``build_run``, ``evaluate``, the loop, bench and doctor see data only through these two protocols, so a new
-kind of data is a new class that implements them, not a change to the trainer. Every source in this package
-implements them (tests/test_data.py checks each with ``isinstance``):
-
-- :class:`DataSource` describes one data set (its name, where it came from, the task, the shape of a sample,
-  the model's output width, the sizes of both splits), hands out this rank's training :class:`Loader`, and
-  batches any subset of its test split for evaluation: the caller picks the indices (under torchrun, each
-  rank its strided shard, :func:`mixprec.train.distributed.eval_shard`).
-- :class:`Loader` yields this rank's training batches, epoch by epoch. Its order is a pure function of
-  ``(seed, epoch)`` and the rank: ``set_epoch`` selects it, and ``iter_from(k)`` starts the epoch at batch
-  ``k`` without building the skipped batches, so a resumed run sees exactly the batches the interrupted run
-  would have seen next.
-
-Both are ``runtime_checkable``: ``isinstance(obj, DataSource)`` checks that every member is present (not its
-signature). A batch is what the model contract takes (:mod:`mixprec.train.contract`): ``(inputs, targets)``,
-``(input_1, ..., input_n, targets)`` or a dict of tensors, with the contract's dtypes (float64 inputs as
-float32, integer targets as int64) whatever the user's data held.
+A new kind of data is a new class implementing :class:`DataSource` (describes a data set, hands out this rank's
+training :class:`Loader`, batches any subset of its test split) and :class:`Loader` (this rank's batches, in an
+order that is a pure function of ``(seed, epoch)`` and the rank; ``iter_from(k)`` resumes at batch ``k``). Both
+are ``runtime_checkable`` (members only, not signatures). A batch is what :mod:`mixprec.train.contract` takes,
+with its dtypes.
 """
 
 from __future__ import annotations
@@ -78,9 +66,8 @@ class DataSource(Protocol):
 
     @property
     def task(self) -> str | None:
-        """One of :data:`TASKS` when the source knows what the model predicts (the built-in datasets classify,
-        the text corpus is a language model), or None: the task is inferred from the first batch and the
-        model's output (:func:`mixprec.train.tasks.infer_task`), or taken from ``--task``."""
+        """One of :data:`TASKS` when the source knows it, else None (then ``--task`` or
+        :func:`mixprec.train.tasks.infer_task`)."""
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -106,9 +93,7 @@ class DataSource(Protocol):
 
     def loader(self, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                device: torch.device | None = None) -> Loader:
-        """This rank's training batches, shuffled by ``seed``. ``device`` is the run's: a DataLoader source pins
-        memory for CUDA, the built-in in-memory sources index their batches there; ``num_workers`` applies to
-        DataLoader sources only."""
+        """This rank's training batches, shuffled by ``seed``; ``num_workers`` applies to DataLoader sources."""
 
     def eval_batches(self, indices: torch.Tensor, batch_size: int) -> Iterator[Batch]:
         """The test samples ``indices``, in that order, ``batch_size`` at a time."""

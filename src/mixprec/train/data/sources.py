@@ -1,29 +1,12 @@
 """The data sources that are not read from a file: in-memory tensors, the caller's batches, a user's datasets.
 
-Each implements :class:`~mixprec.train.data.protocol.DataSource`; text lives in :mod:`.text`, the built-in
-datasets (which load into :class:`TensorData`) in :mod:`.builtin`.
-
-- :class:`TensorData`: a dataset held in memory as tensors, the fast path: the built-in datasets, and a user
-  callable returning ``((x_train, y_train), (x_test, y_test))`` (or ``(x_1, ..., x_n, y)`` tuples for models
-  with several inputs, or dicts of tensors with the targets under ``labels``). Batches are one
-  ``index_select`` (:class:`~mixprec.train.data.loaders.BatchLoader`).
-- :class:`UserBatches`: the batches a caller of :func:`mixprec.doctor.diagnose` passed, trained on in the given
-  order; no test split.
-- :class:`MapData`: a user's map-style datasets (``torch.utils.data.Dataset`` with ``__getitem__``/``__len__``;
-  a sample is ``(input, target)``, ``(input_1, ..., input_n, target)`` or a dict),
-  through a ``DataLoader`` (:class:`~mixprec.train.data.loaders.MapLoader`) whose seeded, rank-strided sampler
-  gives exactly :class:`~mixprec.train.data.loaders.BatchLoader`'s order: the same samples as a dataset or as
-  tensors give the same batches, the same loss curve, and a resumed epoch starts at the right sample without
-  loading the skipped batches.
-
-:func:`user_data` calls a ``--dataset module:callable`` factory; :func:`data_from_splits` turns the
-``(train, test)`` pair it returns (or that the Python API was given) into a :class:`TensorData` or a
-:class:`MapData`.
-
-**Dtypes** follow the model contract (:func:`mixprec.train.contract.normalize_batch`), identically for tensors
-and datasets: float64 inputs become float32 (said once, in :attr:`notes`), integer targets of any width
-int64, float targets stay float (float64 ones float32). A user source names no task: the first batch and
-the model's output decide it (or ``--task``).
+Each implements :class:`~mixprec.train.data.protocol.DataSource` (text: :mod:`.text`; built-in datasets:
+:mod:`.builtin`). :class:`TensorData` holds tensors (the fast path); :class:`UserBatches` the batches a caller of
+:func:`mixprec.doctor.diagnose` passed; :class:`MapData` a user's map-style datasets, batched in exactly
+:class:`TensorData`'s order. :func:`user_data` calls a ``--dataset module:callable`` factory and
+:func:`data_from_splits` turns its ``(train, test)`` pair into one of them. Dtypes follow
+:func:`mixprec.train.contract.normalize_batch` for tensors and datasets alike; the task comes from the first
+batch and the model's output (or ``--task``).
 """
 
 from __future__ import annotations
@@ -49,10 +32,7 @@ IGNORE_INDEX = -100  # tasks.IGNORE_INDEX (not imported: tasks imports torch.nn.
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TensorData:
-    """A dataset held in memory as tensors. ``eq=False``: compared by identity, not by tensors.
-
-    The inputs are a tensor (N, *input_shape), a tuple of them (several inputs) or a dict of them (then the
-    targets are inside it and ``y_*`` is None)."""
+    """A dataset held in memory as tensors (inputs a tensor, tuple or dict; with a dict ``y_*`` is None)."""
 
     name: str
     x_train: Any = dataclasses.field(repr=False)
@@ -94,11 +74,7 @@ class TensorData:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class UserBatches:
-    """Batches a user handed over (``mixprec.doctor.diagnose``): trained on in the given order, no test split.
-
-    The batch size of the config does not apply (each batch is as given). Batches take the contract's dtypes
-    (:func:`~mixprec.train.contract.normalize_batch`); the task is inferred from the first one.
-    """
+    """Batches a user handed over (``mixprec.doctor.diagnose``): trained on as given, in order; no test split."""
 
     batches: list[Batch] = dataclasses.field(repr=False)
     name: str = "user batch"
@@ -211,9 +187,8 @@ def infer_num_classes(labels: Any, what: str) -> int:
 
 
 def output_width(targets: torch.Tensor, what: str) -> int:
-    """The output width the targets imply (offered to a model factory as ``num_classes``): classes for integer
-    class labels (the vocabulary for token ids), else the number of target values per sample (1 for a binary
-    or scalar regression target, L for 0/1 multi-label targets)."""
+    """The output width the targets imply (a model factory's ``num_classes``): classes for integer labels,
+    else target values per sample."""
     per_sample = targets[0].numel() if targets.dim() > 0 and len(targets) else 1
     if targets.is_floating_point() or targets.is_complex() or targets.dim() == 0:
         return per_sample
@@ -243,12 +218,8 @@ def _labels(ds: TorchDataset) -> torch.Tensor | None:
 
 
 def user_data(ref: str, *, seed: int) -> TensorData | MapData:
-    """Call the ``--dataset module:callable`` factory and turn what it returns into a data source.
-
-    The factory returns ``(train, test)``: two map-style ``torch.utils.data.Dataset`` s yielding
-    ``(input, target)`` (or ``(input_1, ..., input_n, target)``, or a dict), or two tensor splits (``(inputs,
-    targets)``, ``(x_1, ..., x_n, targets)`` or a dict with ``labels``). It may take ``seed``.
-    """
+    """Call the ``--dataset module:callable`` factory (it may take ``seed``) and turn its ``(train, test)`` pair
+    of Datasets or tensor splits into a data source."""
     flag = "--dataset"
     out = call_declared(load_callable(ref, flag), {"seed": seed}, ref=ref, flag=flag)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):

@@ -1,38 +1,14 @@
-"""A character-level text corpus for the language-model case (``--dataset text``).
+"""A character-level text corpus for the language-model case (``--dataset text``); nothing is downloaded.
 
-Nothing is downloaded. The default corpus is the Debian package ``fortunes`` (``apt-get install
-fortunes``): ``DEFAULT_TEXT_PATH`` = /usr/share/games/fortunes, '%'-separated quotations in plain-text
-files.
+The default corpus is the Debian package ``fortunes`` (``DEFAULT_TEXT_PATH``). :func:`load_text_corpus` reads one
+UTF-8 file, or the regular files directly inside a folder in name order (hidden, ``*.dat`` and ``*.u8`` files
+skipped, each file once); a file that is not UTF-8 is an error naming the file and byte offset, never skipped.
 
-Reading (:func:`load_text_corpus`): ``path`` is one text file or a folder. From a folder every regular
-file directly inside it is read (not sub-folders: the Debian ``fortunes-off`` package puts its rot13
-files in ``off/``), in name order, except hidden files, ``*.dat`` (strfile's binary index of offsets
-into the text file of the same name) and ``*.u8`` (in the fortunes package, symbolic links to the file
-of the same name, so they would be read twice); a file reached twice through links is read once, and
-empty files add nothing. Every file must be UTF-8: a file that is not is an error naming the file and
-the byte offset, never silently skipped, because a skipped file would change the corpus without a word.
-The text is kept as is ('%' separators, blank lines, the backspaces of the ``art`` file's overstrikes);
-files are joined in name order, with a newline added after a file that does not end with one.
-
-Split and vocabulary: the first ``TRAIN_FRACTION`` = 90% of the characters (by position, so the split
-is the same for every seed and every run) are the training split, the rest the test split. The
-vocabulary is the sorted set of characters of the *training split only*, so nothing about the test text
-leaks into the model's shape; token ids are ``1..V-1`` in code-point order and id ``UNK_ID`` = 0 is
-reserved for characters of the test split (or of :meth:`TextCorpus.encode`'s input) that the training
-split never contains. ``vocab_size`` counts it. Tokens are stored as uint8 (vocab <= 256), int16 or int32.
-
-Training batches: seeded random windows of the training split
-(:class:`~mixprec.train.data.loaders.TextWindowLoader`): batch ``k`` of an epoch depends only on the seed, the
-epoch and the world size, so a resumed run that skips the first ``k`` batches sees exactly the batches the
-interrupted run would have seen next.
-
-Test set: the test split cut into consecutive non-overlapping windows (window ``j`` starts at ``j*T``),
-optionally capped to ``max_test_windows`` evenly spaced ones. It depends on neither the seed nor the batch
-size, so test losses are comparable across runs; ``x_test``/``y_test`` are ``(windows, T)`` int64 tensors
-that the ordinary unshuffled :class:`~mixprec.train.data.loaders.BatchLoader` can batch.
-
-Metrics: the loss is the mean cross-entropy in nats per character, ``perplexity = exp(loss)``,
-``bits_per_char = loss / ln 2``.
+The first ``TRAIN_FRACTION`` of the characters (by position, the same for every seed) is the training split. The
+vocabulary is the training split's characters only, ids ``1..V-1`` in code-point order; ``UNK_ID`` = 0 stands
+for characters it lacks. Training batches are :class:`~mixprec.train.data.loaders.TextWindowLoader` windows; the
+test set is consecutive non-overlapping windows (optionally ``max_test_windows`` evenly spaced ones),
+independent of seed and batch size. Loss is nats per character; ``bits_per_char = loss / ln 2``.
 """
 
 from __future__ import annotations
@@ -244,14 +220,8 @@ def _test_windows(test: torch.Tensor, block_size: int, cap: int | None) -> tuple
 def load_text_corpus(path: str | None = None, *, block_size: int, max_test_windows: int | None = None) -> TextCorpus:
     """Read, split, build the vocabulary of and encode a character-level corpus (see the module docstring).
 
-    Args:
-        path: a UTF-8 text file or a folder of them; None for ``DEFAULT_TEXT_PATH`` (package fortunes).
-        block_size: the context length T; both splits need at least T + 1 characters.
-        max_test_windows: keep only this many evenly spaced test windows (None: all of them).
-
-    Raises:
-        DataError: missing path, no text files, empty text, a file that is not UTF-8 (file and byte
-            offset), a split shorter than ``block_size + 1``, a non-positive size. One line naming the fix.
+    ``path`` None reads ``DEFAULT_TEXT_PATH``; both splits need at least ``block_size + 1`` characters.
+    Raises DataError (one line naming the fix) for anything unreadable, non-UTF-8, empty or too short.
     """
     positive_int("block_size", block_size, error=DataError)
     positive_int("max_test_windows", max_test_windows, allow_none=True, error=DataError)
