@@ -45,16 +45,19 @@ def torchao_available() -> bool:
 
 
 @contextlib.contextmanager
-def quiet_torchao_import():
+def quiet_torchao_import(*, python_warnings: bool = True):
     """Import torchao modules inside this: its load-time warnings (compiled extensions it cannot load, pytree
-    enum deprecations) are logged at WARNING by its own and torch's loggers; they are raised to ERROR here."""
+    enum deprecations) are logged at WARNING by its own and torch's loggers; they are raised to ERROR here.
+    ``python_warnings=False`` leaves Python's warnings alone (user code that may import torchao indirectly,
+    as transformers does)."""
     loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            if python_warnings:
+                warnings.simplefilter("ignore")
             yield
     finally:
         for lg, lv in zip(loggers, levels):

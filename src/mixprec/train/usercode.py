@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError, one_line
+from ..lowp.impls import quiet_torchao_import
 
 __all__ = ["UserCodeError", "is_reference", "load_callable", "call_declared", "reference_of", "in_process_reference"]
 
@@ -59,7 +60,8 @@ def _import_module(name: str, ref: str, flag: str):
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # `python -m mixprec` and the console script both see the current folder
     try:
-        return importlib.import_module(name)
+        with quiet_torchao_import(python_warnings=False):  # transformers imports torchao, which logs its load
+            return importlib.import_module(name)
     except ModuleNotFoundError as e:
         raise UserCodeError(f"{flag} {ref!r}: cannot import {e.name!r} (run from the folder that holds it, add "
                             "it to PYTHONPATH, or give a file path like path/to/file.py:callable)") from None
@@ -78,7 +80,8 @@ def _import_file(path: str, ref: str, flag: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[key] = module
     try:
-        spec.loader.exec_module(module)
+        with quiet_torchao_import(python_warnings=False):
+            spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 -- the file's own code raised while loading
         del sys.modules[key]
         raise UserCodeError(f"{flag} {ref!r}: loading {full} raised {one_line(e, 300)}") from None
@@ -96,7 +99,8 @@ def call_declared(fn: Callable, offered: dict[str, Any], *, ref: str, flag: str)
     else:
         kwargs = {k: v for k, v in offered.items() if k in params}
     try:
-        return fn(**kwargs)
+        with quiet_torchao_import(python_warnings=False):
+            return fn(**kwargs)
     except Exception as e:  # noqa: BLE001 -- whatever the user's code raises is reported, not a traceback
         raise UserCodeError(f"{flag} {ref!r} raised {one_line(e, 300)} (called with "
                             f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items()) or 'no arguments'})") from None
