@@ -27,7 +27,6 @@ import warnings
 from collections.abc import Collection
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from .. import hardware

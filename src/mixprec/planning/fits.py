@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import hardware
 from ..errors import one_line
+
+if TYPE_CHECKING:
+    from ..train.build import Run
 
 __all__ = ["largest_batch", "PLAN_BUDGET_S"]
 

@@ -52,6 +52,17 @@ class Target:
         return "fp8" in self.peak_flops
 
     @property
+    def rowwise_fp8(self) -> bool:
+        """Whether rowwise-scaled FP8 GEMMs run natively (compute capability 9.0+; an RTX 4090's or L4's FP8 is
+        8.9)."""
+        return self.fp8_matmul and self.name in _ROWWISE_FP8
+
+    @property
+    def mx_matmul(self) -> bool:
+        """Whether MXFP8/MXFP4/NVFP4 GEMMs run natively (Blackwell, compute capability 10.x)."""
+        return self.name in _MX_UNITS
+
+    @property
     def fast_fp16(self) -> bool:
         return "fp16" in self.peak_flops
 
@@ -65,6 +76,10 @@ class Target:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_ROWWISE_FP8 = ("h100-sxm", "h200", "b200")
+_MX_UNITS = ("b200",)
 
 
 def _gpu(name, description, memory_gb, bandwidth_gbs, source, measured=None, **tflops) -> Target:

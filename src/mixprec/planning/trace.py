@@ -249,16 +249,10 @@ def recipe_for_target(recipe_config, target: Target) -> tuple[Recipe, Callable[[
     return recipe, autocast_for, ("real" if target.fp8_matmul else "emulated")
 
 
-_ROWWISE_FP8 = ("h100-sxm", "h200", "b200")
-"""Targets with rowwise-scaled FP8 GEMMs (compute capability 9.0+; the FP8 of an RTX 4090 or L4 is 8.9)."""
-
-
 def _target_capabilities(target: Target) -> Capabilities:
     """What the recipe may assume of a GPU target while it is built on this CPU: the target's FP8 units (so the
     layers where FP8 would not pay there stay out, as on the GPU itself); the CPU's answers for the rest."""
-    cpu = capabilities("cpu")
-    fp8 = target.fp8_matmul
-    return dataclasses.replace(cpu, fp8_matmul=fp8, rowwise_fp8=fp8 and target.name in _ROWWISE_FP8)
+    return dataclasses.replace(capabilities("cpu"), fp8_matmul=target.fp8_matmul, rowwise_fp8=target.rowwise_fp8)
 
 
 def _recipe_autocast(recipe: Recipe):

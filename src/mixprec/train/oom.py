@@ -11,15 +11,11 @@ the error). ``mixprec train`` exits with :data:`EXIT_CODE`. Under torchrun the r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .. import hardware
-from ..errors import one_line
-
-if TYPE_CHECKING:
-    from .build import Run
 
 __all__ = ["StepOutOfMemoryError", "is_out_of_memory", "message", "EXIT_CODE"]
 
@@ -42,8 +38,8 @@ def is_out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
-def message(run: Run, e: StepOutOfMemoryError, *, step: int, epoch: int, batch: int, kept: str,
-            largest_batch: Callable[[Run], int | str] | None = None) -> str:
+def message(run: Any, e: StepOutOfMemoryError, *, step: int, epoch: int, batch: int, kept: str,
+            largest_batch: Callable[[Any], int | str] | None = None) -> str:
     """The stop's one line. ``kept``: a clause on the last checkpoint; ``largest_batch``: the planner's answer,
     or None."""
     o, device = run.config.optim, run.device
@@ -55,7 +51,7 @@ def message(run: Run, e: StepOutOfMemoryError, *, step: int, epoch: int, batch: 
     return f"{head}: {_what_fits(run, fits)}; {kept}"
 
 
-def _what_fits(run: Run, fits: int | str) -> str:
+def _what_fits(run: Any, fits: int | str) -> str:
     o = run.config.optim
     effective = o.batch_size * o.grad_accum
     keep = f"the effective batch of {effective}" + (f" per rank ({effective * run.world_size} in all)"

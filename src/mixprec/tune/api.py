@@ -64,13 +64,8 @@ def ideal_sqnr_db(fmt: str) -> float:
 
 def default_candidates(target) -> tuple[str, ...]:
     """The FP8/FP4 recipes the target has units for, bf16-mixed and fp32."""
-    low: tuple[str, ...] = ()
-    if target.fp8_matmul:
-        low += ("fp8-mixed",)
-        if target.name in ("h100-sxm", "h200", "b200"):
-            low += ("fp8-rowwise",)
-        if target.name == "b200":
-            low += ("mxfp8", "mxfp4", "nvfp4")
+    low = (("fp8-mixed",) if target.fp8_matmul else ()) + (("fp8-rowwise",) if target.rowwise_fp8 else ()) \
+        + (("mxfp8", "mxfp4", "nvfp4") if target.mx_matmul else ())
     return low + _HIGH
 
 
@@ -123,7 +118,7 @@ class Tuning:
         return "\n".join(lines)
 
 
-def _check_candidates(candidates: Iterable[str], target) -> tuple[str, ...]:
+def _check_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
     out = []
     for c in candidates:
         try:
@@ -305,6 +300,34 @@ def _whole_model(choices: list[LayerChoice], low: Sequence[str], base: str, targ
     return out
 
 
+def _measure(run, whatif: Sequence[str], steps: int, say: Callable[[str], None]) -> list[LayerBlockStats]:
+    """Every linear layer's GEMM operands in each ``whatif`` format on ``steps`` of the run's batches (trained as
+    the run's recipe between them); without formats, the layers' shapes only."""
+    from ..probes.block_formats import linear_layers
+    from ..train.contract import as_batch
+    from ..train.step import train_step
+
+    if not whatif:
+        return [LayerBlockStats(n, type(m).__name__, m.in_features, m.out_features, None, {})
+                for n, m in linear_layers(run.model)]
+    probe = BlockFormatProbe(run.model, BlockFormatConfig(formats=whatif, steps=steps))
+    profiler = RangeProfiler(run.model, ())
+    run.model.train()
+    with run.recipe.run_context():
+        loader = iter(run.train_loader)
+        for step in range(steps):
+            raw = next(loader, None)
+            if raw is None:  # fewer batches than steps: the next pass
+                loader = iter(run.train_loader)
+                raw = next(loader)
+            batch = as_batch(raw).to(run.device)
+            with probe.watching():
+                profiler.observe(run.objective, batch)
+            train_step(run.ctx, batch, step=step)
+            say(f"tune: measured batch {step + 1}/{steps}")
+    return probe.result().layers
+
+
 def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | str | None = None, steps: int = 4,
          min_gain: float = MIN_GAIN, plan_batch_size: int | None = None, out: str | None = None,
          log: Callable[[str], None] | None = None, **flags: Any) -> Tuning:
@@ -323,8 +346,6 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
     from ..planning.targets import get_target
     from ..train.build import build_run
     from ..train.config import TrainConfig
-    from ..train.contract import as_batch
-    from ..train.step import train_step
 
     if steps < 1:
         raise TuneError(f"--steps must be >= 1, got {steps}")
@@ -335,7 +356,7 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
     tgt = get_target(target)
     if isinstance(candidates, str):
         candidates = [c for c in candidates.split(",") if c.strip()]
-    cands = _check_candidates(candidates or default_candidates(tgt), tgt)
+    cands = _check_candidates(candidates or default_candidates(tgt))
     low = [c for c in cands if c in _OPERAND_FORMATS]
     config = config if config is not None else TrainConfig.from_flags(**flags)
     base = "bf16-mixed" if "bf16-mixed" in cands else "fp32"
@@ -344,29 +365,7 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
     say = log or (lambda line: None)
     run = build_run(config)
     whatif = sorted({_OPERAND_FORMATS[c][t] for c in low for t in ("x", "w", "dy")})
-    probe = BlockFormatProbe(run.model, BlockFormatConfig(formats=whatif, steps=steps)) if whatif else None
-    profiler = RangeProfiler(run.model, ())
-    run.model.train()
-    with run.recipe.run_context():
-        loader = iter(run.train_loader)
-        for step in range(steps):
-            try:
-                raw = next(loader)
-            except StopIteration:
-                loader = iter(run.train_loader)
-                raw = next(loader)
-            batch = as_batch(raw).to(run.device)
-            if probe is not None:
-                with probe.watching():
-                    profiler.observe(run.objective, batch)
-            train_step(run.ctx, batch, step=step)
-            say(f"tune: measured batch {step + 1}/{steps}")
-    layers = probe.result().layers if probe is not None else []
-    if probe is None:
-        from ..probes.block_formats import linear_layers
-
-        layers = [LayerBlockStats(n, type(m).__name__, m.in_features, m.out_features, None, {})
-                  for n, m in linear_layers(run.model)]
+    layers = _measure(run, whatif, steps, say)
     scale = (plan_batch_size or config.optim.batch_size) / config.optim.batch_size
     tokens = {lay.name: round((lay.tokens[1] if lay.tokens else config.optim.batch_size) * scale) for lay in layers}
     shapes = {(lay.out_features, lay.in_features, tokens[lay.name]) for lay in layers}
