@@ -135,3 +135,18 @@ def test_tune_needs_no_gpu_and_writes_nothing_on_a_bad_candidate(tmp_path):
     with pytest.raises(TuneError):
         tune(model="mlp", dataset="digits", candidates="bf16-master", out=str(tmp_path / "f.json"))
     assert not (tmp_path / "f.json").exists() and not torch.cuda.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_file_with_no_low_precision_layer_plans_for_a_gpu(tmp_path):
+    """A file whose layers are all bf16 (no FP8 candidate): planning it for a GPU target works (the planner once
+    asked for mixprec's FP8 layers for a recipe and file that had none, and refused its own setting; tune's
+    whole-model refinement hit it whenever a start held no FP8 layer)."""
+    import mixprec
+
+    f = tmp_path / "small.json"
+    flags = dict(model="mlp", width=32, depth=1, dataset="digits", batch_size=32)
+    t = tune(target="h100-sxm", steps=1, candidates="bf16-mixed,fp32", out=str(f), **flags)
+    assert set(t.formats().values()) == {"bf16"}
+    p = mixprec.plan(precisions=["bf16-mixed"], target="h100-sxm", layer_formats=str(f), **flags)
+    assert [r.label.split(" ")[0] for r in p.recipes] == ["bf16-mixed", "bf16-mixed+layers"]

@@ -23,7 +23,8 @@ from ..precision import layers_entry
 from .kernels import KernelTimes
 from .roofline import Execution, StepTime, efficiency_for, step_time
 from .targets import Target, get_target
-from .trace import FakeModelSource, StepTrace, TraceError, _target_capabilities, planning_fake_mode, trace_step
+from .trace import (FakeModelSource, StepTrace, TraceError, _target_capabilities, file_recipes, planning_fake_mode,
+                    trace_step)
 
 __all__ = ["RecipePlan", "Plan", "plan", "PlanError", "Planner", "TaskLoss"]
 
@@ -245,9 +246,6 @@ class Planner:
     def _trace(self, name, batch, models, fake_mode):
         """``name``: a canonical recipe name, or ``<base>+layers`` (:func:`~mixprec.precision.layers_entry`)."""
         recipe_config, notes = self.config.recipe.for_recipe(name)
-        if recipe_config.layer_formats and recipe_config.fp8_impl == "auto" and self.target.kind != "cpu":
-            # the file's FP8/FP4 layers traced through mixprec's own layers, as trace.recipe_for_target does
-            recipe_config = dataclasses.replace(recipe_config, fp8_impl="scratch")
         tr = trace_step(recipe_config=recipe_config, target=self.target, models=models, fake_mode=fake_mode,
                         batch=batch, make_optimizer=self.make_optimizer, loss_fn=self.loss_fn,
                         default_loss=self.default_loss, clip_grad_norm=self.config.optim.clip_grad_norm)
@@ -329,22 +327,13 @@ def _compiles(setting: Any, recipe_config, target: Target) -> bool:
     """Whether a run with ``--compile setting`` compiles: on, off, or auto (FP8/FP4 recipes on CUDA where every
     GEMM runs on real units: :meth:`mixprec.precision.Recipe.compiles`, answered for the target)."""
     if setting == "auto":
-        lins = [lin for lin in (_linear_recipe(recipe_config), *_file_recipes(recipe_config)) if lin is not None]
+        lins = [lin for lin in (_linear_recipe(recipe_config), *file_recipes(recipe_config)) if lin is not None]
         caps = _target_capabilities(target)
         return target.kind == "cuda" and bool(lins) and all(caps.lowp_units(lin.name) for lin in lins)
     return setting in (True, "on")
 
 
-def _file_recipes(recipe_config) -> list:
-    """The low-precision linear recipes a ``--layer-formats`` file puts layers in (as Recipe.compiles counts)."""
-    if not getattr(recipe_config, "layer_formats", None):
-        return []
-    from ..lowp.layer_formats import LOWP_FORMATS, load
-    from ..lowp.recipes import linear_recipe
-    from ..precision import resolve_recipe
 
-    return [linear_recipe(resolve_recipe(f).fp8) for f in sorted(load(recipe_config.layer_formats).formats())
-            if f in LOWP_FORMATS]
 
 
 def _torchao_layers(recipe_config, target: Target) -> bool:
@@ -401,4 +390,3 @@ def _slice_batch(batch, n: int):
         return t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
 
     return Batch(tuple(s(a) for a in batch.args), {k: s(v) for k, v in batch.kwargs.items()}, s(batch.targets))
-

@@ -232,7 +232,8 @@ def recipe_for_target(recipe_config, target: Target) -> tuple[Recipe, Callable[[
     if impl == "auto":
         impl = "native"  # every GPU target has fast fp16, so auto is native there (precision.build_recipe)
     changes = {"amp_impl": impl}
-    if recipe_config.fp8_impl == "auto" and resolve_recipe(recipe_config.precision).fp8 is not None:
+    lowp = resolve_recipe(recipe_config.precision).fp8 is not None or file_recipes(recipe_config)
+    if recipe_config.fp8_impl == "auto" and lowp:
         changes["fp8_impl"] = "scratch"  # what the target would run, traced through mixprec's own layers
     recipe = build_recipe(dc.replace(recipe_config, **changes), device="cpu", capabilities=_target_capabilities(target))
 
@@ -247,6 +248,17 @@ def recipe_for_target(recipe_config, target: Target) -> tuple[Recipe, Callable[[
                         model=model)
 
     return recipe, autocast_for, ("real" if target.fp8_matmul else "emulated")
+
+
+def file_recipes(recipe_config) -> list:
+    """The low-precision linear recipes a ``--layer-formats`` file puts layers in (as Recipe.compiles counts)."""
+    if not recipe_config.layer_formats:
+        return []
+    from ..lowp.layer_formats import LOWP_FORMATS, load
+    from ..lowp.recipes import linear_recipe
+
+    return [linear_recipe(resolve_recipe(f).fp8) for f in sorted(load(recipe_config.layer_formats).formats())
+            if f in LOWP_FORMATS]
 
 
 def _target_capabilities(target: Target) -> Capabilities:
