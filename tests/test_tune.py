@@ -80,6 +80,7 @@ def test_the_planner_prices_fp8_as_paying_only_on_large_compiled_gemms():
     (["--steps", "0"], "--steps must be >= 1"),
     (["--min-gain", "-1"], "--min-gain must be >= 0"),
     (["--target", "tpu-v5"], "unknown --target 'tpu-v5'"),
+    (["--layer-formats", "old.json"], "tune writes a layer-formats file (--out), it does not read one"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli, tmp_path, flags, needle):
     code, _, err = cli("tune", "--model", "mlp", "--width", "32", "--depth", "1", "--dataset", "digits", *flags,

@@ -359,6 +359,9 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
     cands = _check_candidates(candidates or default_candidates(tgt))
     low = [c for c in cands if c in _OPERAND_FORMATS]
     config = config if config is not None else TrainConfig.from_flags(**flags)
+    if config.recipe.layer_formats is not None:
+        raise TuneError(f"--layer-formats {config.recipe.layer_formats}: tune writes a layer-formats file (--out), it "
+                        "does not read one; drop --layer-formats")
     base = "bf16-mixed" if "bf16-mixed" in cands else "fp32"
     config = config.with_flags(precision=base, out=None, metrics_json=None, resume=None, watch=None,
                                max_steps=None, layer_formats=None)
