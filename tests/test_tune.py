@@ -79,6 +79,7 @@ def test_the_planner_prices_fp8_as_paying_only_on_large_compiled_gemms():
     (["--candidates", "fp12"], "--candidates fp12: unknown recipe"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--min-gain", "-1"], "--min-gain must be >= 0"),
+    (["--plan-batch-size", "0"], "--plan-batch-size must be >= 1"),
     (["--target", "tpu-v5"], "unknown --target 'tpu-v5'"),
     (["--layer-formats", "old.json"], "tune writes a layer-formats file (--out), it does not read one"),
 ])
