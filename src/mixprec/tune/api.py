@@ -328,6 +328,15 @@ def _measure(run, whatif: Sequence[str], steps: int, say: Callable[[str], None])
     return probe.result().layers
 
 
+def _check_settings(steps: int, plan_batch_size: int | None, min_gain: float) -> None:
+    if steps < 1:
+        raise TuneError(f"--steps must be >= 1, got {steps}")
+    if plan_batch_size is not None and plan_batch_size < 1:
+        raise TuneError(f"--plan-batch-size must be >= 1, got {plan_batch_size}")
+    if not min_gain >= 0:
+        raise TuneError(f"--min-gain must be >= 0, got {min_gain}")
+
+
 def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | str | None = None, steps: int = 4,
          min_gain: float = MIN_GAIN, plan_batch_size: int | None = None, out: str | None = None,
          log: Callable[[str], None] | None = None, **flags: Any) -> Tuning:
@@ -347,12 +356,7 @@ def tune(config=None, *, target: str = "h100-sxm", candidates: Sequence[str] | s
     from ..train.build import build_run
     from ..train.config import TrainConfig
 
-    if steps < 1:
-        raise TuneError(f"--steps must be >= 1, got {steps}")
-    if plan_batch_size is not None and plan_batch_size < 1:
-        raise TuneError(f"--plan-batch-size must be >= 1, got {plan_batch_size}")
-    if not min_gain >= 0:
-        raise TuneError(f"--min-gain must be >= 0, got {min_gain}")
+    _check_settings(steps, plan_batch_size, min_gain)
     tgt = get_target(target)
     if isinstance(candidates, str):
         candidates = [c for c in candidates.split(",") if c.strip()]
